@@ -1,0 +1,570 @@
+#include "allocator/block_pool.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <type_traits>
+#include <utility>
+
+#include "base/status.h"
+#include "base/strings.h"
+#include "base/units.h"
+
+namespace strata::alloc {
+
+bool BlockPool::BlockLess::operator()(const Block* a, const Block* b) const {
+  const auto sa = reinterpret_cast<std::uintptr_t>(a->stream);
+  const auto sb = reinterpret_cast<std::uintptr_t>(b->stream);
+  if (sa != sb) return sa < sb;
+  if (a->size != b->size) return a->size < b->size;
+  return a->ptr < b->ptr;
+}
+
+BlockPool::BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
+                     std::shared_ptr<StreamOps> stream_ops)
+    : config_(config),
+      upstream_(std::move(upstream)),
+      stream_ops_(std::move(stream_ops)),
+      budget_(config.budget) {
+  STRATA_CHECK(upstream_ != nullptr, "BlockPool for tier ", tier_name(config.tier),
+               " needs an upstream");
+}
+
+BlockPool::~BlockPool() {
+  absl::MutexLock lock(&mu_);
+  (void)wait_all_pending_locked();
+  if (!live_.empty()) {
+    std::fprintf(stderr,
+                 "strata: pool %s destroyed with %zu live block(s) (%lld bytes); their memory is "
+                 "released now\n",
+                 std::string(tier_name(config_.tier)).c_str(), live_.size(),
+                 static_cast<long long>(stats_.allocated_bytes.current));
+  }
+  for (auto& [base, segment] : segments_) {
+    absl::Status s = upstream_->deallocate(segment->base, segment->size);
+    if (!s.ok()) std::fprintf(stderr, "strata: %s\n", std::string(s.message()).c_str());
+    delete segment;
+  }
+  segments_.clear();
+}
+
+std::size_t BlockPool::round_size(std::size_t bytes) {
+  return (bytes + kBlockGranularity - 1) & ~(kBlockGranularity - 1);
+}
+
+BlockPool::Block* BlockPool::new_block_locked() {
+  if (spare_blocks_.empty()) {
+    block_storage_.push_back(std::make_unique<Block>());
+    return block_storage_.back().get();
+  }
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+void BlockPool::delete_block_locked(Block* block) {
+  *block = Block{};
+  spare_blocks_.push_back(block);
+}
+
+absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions& options) {
+  const std::string_view tier = tier_name(config_.tier);
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(
+        str_cat("allocate in tier ", tier,
+                ": size 0; strata hands out no empty blocks (a zero-size tensor "
+                "needs no storage)"));
+  }
+  if (bytes > kMaxAllocationSize) {
+    return absl::InvalidArgumentError(str_cat("allocate in tier ", tier, ": size ", bytes,
+                                              " bytes is above the largest allocation (",
+                                              kMaxAllocationSize, " bytes, 1 PiB)"));
+  }
+  if (options.alignment == 0 || !is_power_of_two(options.alignment) ||
+      options.alignment > kMaxAlignment) {
+    return absl::InvalidArgumentError(
+        str_cat("allocate in tier ", tier, ": alignment ", options.alignment,
+                " is not a power of two between 1 and ", kMaxAlignment));
+  }
+  const std::size_t size = round_size(bytes);
+  const bool small = size <= kSmallSize;
+
+  absl::MutexLock lock(&mu_);
+  if (!pending_.empty()) process_ready_events_locked();
+  Block* block = take_best_fit_locked(options.stream, small, size);
+  absl::Status cause;
+  if (block == nullptr) {
+    absl::StatusOr<Block*> grown = grow_locked(size, small, options.stream);
+    if (grown.ok()) {
+      block = *grown;
+    } else {
+      cause = grown.status();
+    }
+  }
+  if (block == nullptr) {
+    // The named chain of fallbacks: wait for blocks behind stream events, return cached segments to
+    // the upstream, then try once more.
+    ++stats_.num_alloc_retries;
+    (void)wait_all_pending_locked();
+    block = take_best_fit_locked(options.stream, small, size);
+    if (block == nullptr) {
+      release_cached_segments_locked();
+      absl::StatusOr<Block*> grown = grow_locked(size, small, options.stream);
+      if (grown.ok()) {
+        block = *grown;
+      } else {
+        cause = grown.status();
+      }
+    }
+  }
+  if (block == nullptr) {
+    ++stats_.num_ooms;
+    return absl::ResourceExhaustedError(oom_message_locked(size, bytes, cause));
+  }
+
+  split_locked(block, size);
+  block->allocated = true;
+  block->requested = bytes;
+  block->sequence = next_sequence_++;
+  if (config_.track_allocations) block->owner.assign(options.owner.data(), options.owner.size());
+  live_.emplace(block->ptr, block);
+  stats_.allocated_bytes.add(static_cast<std::int64_t>(block->size));
+  stats_.requested_bytes.add(static_cast<std::int64_t>(bytes));
+  stats_.active_blocks.add(1);
+  ++stats_.num_allocs;
+  return static_cast<void*>(block->ptr);
+}
+
+BlockPool::Block* BlockPool::take_best_fit_locked(StreamHandle stream, bool small,
+                                                  std::size_t size) {
+  FreeSet& set = free_set(small);
+  Block key;
+  key.stream = stream;
+  key.size = size;
+  key.ptr = nullptr;
+  auto it = set.lower_bound(&key);
+  if (it == set.end() || (*it)->stream != stream) return nullptr;
+  Block* block = *it;
+  set.erase(it);
+  return block;
+}
+
+absl::StatusOr<BlockPool::Block*> BlockPool::grow_locked(std::size_t size, bool small,
+                                                         StreamHandle stream) {
+  const std::size_t segment_size =
+      small ? kSmallSegmentSize
+            : (size + kLargeSegmentGranularity - 1) & ~(kLargeSegmentGranularity - 1);
+  const std::size_t reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  if (budget_ != kNoBudget &&
+      (segment_size > budget_ || reserved + growing_bytes_ > budget_ - segment_size)) {
+    return absl::ResourceExhaustedError(
+        str_cat("a new segment of ", format_bytes(segment_size), " would pass the budget"));
+  }
+  // Note: no lock is held across the upstream call (cudaMalloc can take milliseconds); the bytes in
+  // flight count against the budget meanwhile.
+  growing_bytes_ += segment_size;
+  mu_.Unlock();
+  absl::StatusOr<void*> memory = upstream_->allocate(segment_size);
+  mu_.Lock();
+  growing_bytes_ -= segment_size;
+  if (!memory.ok()) return memory.status();
+  STRATA_CHECK(reinterpret_cast<std::uintptr_t>(*memory) % kSegmentAlignment == 0,
+               upstream_->name(), " returned a segment not aligned to ", kSegmentAlignment);
+
+  auto* segment = new Segment;
+  segment->base = static_cast<std::byte*>(*memory);
+  segment->size = segment_size;
+  segment->stream = stream;
+  segment->small = small;
+  Block* block = new_block_locked();
+  block->ptr = segment->base;
+  block->size = segment_size;
+  block->stream = stream;
+  block->segment = segment;
+  block->small = small;
+  segment->first = block;
+  segments_.emplace(reinterpret_cast<std::uintptr_t>(segment->base), segment);
+  stats_.reserved_bytes.add(static_cast<std::int64_t>(segment_size));
+  stats_.segments.add(1);
+  ++stats_.num_segment_allocs;
+  return block;
+}
+
+void BlockPool::split_locked(Block* block, std::size_t size) {
+  const std::size_t remaining = block->size - size;
+  if (remaining < kBlockGranularity) return;
+  Block* rest = new_block_locked();
+  rest->ptr = block->ptr + size;
+  rest->size = remaining;
+  rest->stream = block->stream;
+  rest->segment = block->segment;
+  rest->small = block->small;
+  rest->prev = block;
+  rest->next = block->next;
+  if (rest->next != nullptr) rest->next->prev = rest;
+  block->next = rest;
+  block->size = size;
+  free_set(rest->small).insert(rest);
+}
+
+void BlockPool::free_block_locked(Block* block) {
+  FreeSet& set = free_set(block->small);
+  block->allocated = false;
+  block->requested = 0;
+  block->extra_streams.clear();
+  block->owner.clear();
+  // Merge with free neighbours; blocks waiting on events are neither allocated nor in the free set
+  // and stay apart until their events complete.
+  Block* prev = block->prev;
+  if (prev != nullptr && !prev->allocated && prev->pending_events == 0) {
+    set.erase(prev);
+    prev->size += block->size;
+    prev->next = block->next;
+    if (prev->next != nullptr) prev->next->prev = prev;
+    delete_block_locked(block);
+    block = prev;
+  }
+  Block* next = block->next;
+  if (next != nullptr && !next->allocated && next->pending_events == 0) {
+    set.erase(next);
+    block->size += next->size;
+    block->next = next->next;
+    if (block->next != nullptr) block->next->prev = block;
+    delete_block_locked(next);
+  }
+  set.insert(block);
+}
+
+absl::Status BlockPool::deallocate(void* ptr) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) return bad_free_locked(ptr);
+  Block* block = it->second;
+  live_.erase(it);
+  stats_.allocated_bytes.add(-static_cast<std::int64_t>(block->size));
+  stats_.requested_bytes.add(-static_cast<std::int64_t>(block->requested));
+  stats_.active_blocks.add(-1);
+  ++stats_.num_frees;
+
+  if (block->extra_streams.empty()) {
+    free_block_locked(block);
+    return absl::OkStatus();
+  }
+  // Note [Stream ordering]: other streams may still read or write this block. Hold it back until an
+  // event recorded on each of them now has completed.
+  block->allocated = false;
+  absl::Status status;
+  for (StreamHandle stream : block->extra_streams) {
+    absl::StatusOr<EventHandle> event = stream_ops_->record(stream);
+    if (!event.ok()) {
+      // Fail closed: without the event nobody can say when the stream is done, so the block is
+      // never handed out again (it stays pending and is counted in pending_free_bytes).
+      status = absl::InternalError(str_cat(
+          "deallocate in tier ", tier_name(config_.tier), ": could not record an event for ", ptr,
+          "; the block is withheld from reuse: ", event.status().message()));
+      ++block->pending_events;
+      continue;
+    }
+    ++block->pending_events;
+    pending_.push_back({*event, block});
+  }
+  stats_.pending_free_bytes.add(static_cast<std::int64_t>(block->size));
+  return status;
+}
+
+absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    return absl::InvalidArgumentError(str_cat("record_stream in tier ", tier_name(config_.tier),
+                                              ": ", ptr, " is not a live block"));
+  }
+  if (stream_ops_ == nullptr) {
+    return absl::FailedPreconditionError(str_cat("record_stream in tier ", tier_name(config_.tier),
+                                                 ": this pool has no stream events"));
+  }
+  Block* block = it->second;
+  if (stream == block->stream) return absl::OkStatus();
+  if (std::find(block->extra_streams.begin(), block->extra_streams.end(), stream) ==
+      block->extra_streams.end()) {
+    block->extra_streams.push_back(stream);
+  }
+  return absl::OkStatus();
+}
+
+void BlockPool::process_ready_events_locked() {
+  // Events complete roughly in the order they were recorded; stop at the first that has not, as
+  // PyTorch does, so the common case costs one query.
+  while (!pending_.empty()) {
+    PendingEvent& front = pending_.front();
+    absl::StatusOr<bool> done = stream_ops_->query(front.event);
+    if (!done.ok() || !*done) return;  // unknown counts as not done: fail closed
+    stream_ops_->release(front.event);
+    Block* block = front.block;
+    pending_.pop_front();
+    if (--block->pending_events == 0) {
+      stats_.pending_free_bytes.add(-static_cast<std::int64_t>(block->size));
+      free_block_locked(block);
+    }
+  }
+}
+
+absl::Status BlockPool::wait_all_pending_locked() {
+  absl::Status status;
+  while (!pending_.empty()) {
+    PendingEvent entry = pending_.front();
+    pending_.pop_front();
+    ++stats_.num_event_waits;
+    mu_.Unlock();
+    absl::Status s = stream_ops_->synchronize(entry.event);
+    mu_.Lock();
+    if (!s.ok()) {
+      // Fail closed: the block stays withheld; the event is kept out of the pool.
+      status.Update(s);
+      continue;
+    }
+    stream_ops_->release(entry.event);
+    if (--entry.block->pending_events == 0) {
+      stats_.pending_free_bytes.add(-static_cast<std::int64_t>(entry.block->size));
+      free_block_locked(entry.block);
+    }
+  }
+  return status;
+}
+
+absl::Status BlockPool::synchronize_pending() {
+  absl::MutexLock lock(&mu_);
+  return wait_all_pending_locked();
+}
+
+std::size_t BlockPool::release_cached_segments_locked() {
+  // Take every entirely free segment out of the pool first, so no other thread can hand out its
+  // block while the lock is released below; reserved_bytes keeps counting them until they are gone.
+  std::vector<Segment*> victims;
+  for (auto& [base, segment] : segments_) {
+    Block* b = segment->first;
+    if (b->next == nullptr && !b->allocated && b->pending_events == 0) victims.push_back(segment);
+  }
+  for (Segment* segment : victims) {
+    free_set(segment->small).erase(segment->first);
+    segments_.erase(reinterpret_cast<std::uintptr_t>(segment->base));
+  }
+  std::size_t released = 0;
+  for (Segment* segment : victims) {
+    mu_.Unlock();
+    // Note [Stream ordering]: work queued on the segment's stream before its last free may still
+    // touch it; wait for that stream before the memory leaves the pool. Fail closed: a segment
+    // whose stream cannot be waited on stays in the pool.
+    absl::Status s;
+    if (stream_ops_ != nullptr) {
+      absl::StatusOr<EventHandle> event = stream_ops_->record(segment->stream);
+      s = event.status();
+      if (event.ok()) {
+        s = stream_ops_->synchronize(*event);
+        stream_ops_->release(*event);
+      }
+    }
+    if (s.ok()) s = upstream_->deallocate(segment->base, segment->size);
+    mu_.Lock();
+    if (!s.ok()) {
+      std::fprintf(stderr, "strata: keeping a segment of tier %s: %s\n",
+                   std::string(tier_name(config_.tier)).c_str(), std::string(s.message()).c_str());
+      segments_.emplace(reinterpret_cast<std::uintptr_t>(segment->base), segment);
+      free_set(segment->small).insert(segment->first);
+      continue;
+    }
+    stats_.reserved_bytes.add(-static_cast<std::int64_t>(segment->size));
+    stats_.segments.add(-1);
+    ++stats_.num_segment_frees;
+    released += segment->size;
+    delete_block_locked(segment->first);
+    delete segment;
+  }
+  return released;
+}
+
+absl::StatusOr<std::size_t> BlockPool::trim() {
+  absl::MutexLock lock(&mu_);
+  if (!pending_.empty()) process_ready_events_locked();
+  return release_cached_segments_locked();
+}
+
+absl::Status BlockPool::set_budget(std::size_t budget) {
+  absl::MutexLock lock(&mu_);
+  if (budget == 0) {
+    return absl::InvalidArgumentError(
+        str_cat("budget of tier ", tier_name(config_.tier), " must be > 0"));
+  }
+  budget_ = budget;
+  return absl::OkStatus();
+}
+
+std::size_t BlockPool::budget() const {
+  absl::MutexLock lock(&mu_);
+  return budget_;
+}
+
+const BlockPool::Segment* BlockPool::find_segment_locked(const void* ptr) const {
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = segments_.upper_bound(p);
+  if (it == segments_.begin()) return nullptr;
+  --it;
+  const Segment* segment = it->second;
+  if (p >= it->first + segment->size) return nullptr;
+  return segment;
+}
+
+absl::Status BlockPool::bad_free_locked(const void* ptr) const {
+  const std::string_view tier = tier_name(config_.tier);
+  const Segment* segment = find_segment_locked(ptr);
+  if (segment == nullptr) {
+    return absl::InvalidArgumentError(
+        str_cat("deallocate in tier ", tier, ": ", ptr, " was not allocated by this tier"));
+  }
+  for (const Block* b = segment->first; b != nullptr; b = b->next) {
+    if (ptr < b->ptr || ptr >= b->ptr + b->size) continue;
+    if (ptr == b->ptr || !b->allocated) {
+      return absl::FailedPreconditionError(
+          str_cat("deallocate in tier ", tier, ": ", ptr, " is not live (double free?)"));
+    }
+    return absl::InvalidArgumentError(
+        str_cat("deallocate in tier ", tier, ": ", ptr, " is an interior pointer, ",
+                static_cast<const std::byte*>(ptr) - b->ptr, " bytes into the live block at ",
+                static_cast<const void*>(b->ptr)));
+  }
+  return absl::FailedPreconditionError(
+      str_cat("deallocate in tier ", tier, ": ", ptr, " is not live (double free?)"));
+}
+
+void BlockPool::compute_derived_locked(TierStats& s) const {
+  std::int64_t total_free = 0, largest = 0, inactive_split = 0;
+  for (const FreeSet* set : {&small_free_, &large_free_}) {
+    for (const Block* b : *set) {
+      const auto size = static_cast<std::int64_t>(b->size);
+      total_free += size;
+      largest = std::max(largest, size);
+      if (b->prev != nullptr || b->next != nullptr) inactive_split += size;
+    }
+  }
+  s.free_bytes = total_free;
+  s.largest_free_block = largest;
+  s.inactive_split_bytes = inactive_split;
+  s.fragmentation =
+      total_free == 0 ? 0.0 : 1.0 - static_cast<double>(largest) / static_cast<double>(total_free);
+}
+
+TierStats BlockPool::stats() const {
+  absl::MutexLock lock(&mu_);
+  TierStats s = stats_;
+  compute_derived_locked(s);
+  return s;
+}
+
+void BlockPool::reset_peak_stats() {
+  absl::MutexLock lock(&mu_);
+  auto reset_peak = [](auto& stat) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(stat)>, Gauge>) stat.reset_peak();
+  };
+#define STRATA_RESET_PEAK_(name, kind, help) reset_peak(stats_.name);
+  STRATA_TIER_STATS(STRATA_RESET_PEAK_)
+#undef STRATA_RESET_PEAK_
+}
+
+std::string BlockPool::oom_message_locked(std::size_t size, std::size_t requested,
+                                          const absl::Status& cause) const {
+  TierStats s = stats_;
+  compute_derived_locked(s);
+  return str_cat(
+      "out of memory in tier ", tier_name(config_.tier), ": tried to allocate ", format_bytes(size),
+      " (", requested, " bytes asked); reserved ",
+      format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), ", allocated ",
+      format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), ", budget ",
+      budget_ == kNoBudget ? std::string("unlimited") : format_bytes(budget_),
+      ", largest free block ", format_bytes(static_cast<std::size_t>(s.largest_free_block)),
+      cause.ok() ? std::string() : str_cat("; ", upstream_->name(), ": ", cause.message()));
+}
+
+std::vector<LiveAllocation> BlockPool::live_allocations() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<LiveAllocation> out;
+  out.reserve(live_.size());
+  for (const auto& [ptr, b] : live_) {
+    out.push_back({config_.tier, b->ptr, b->size, b->requested, b->stream, b->owner, b->sequence});
+  }
+  std::sort(out.begin(), out.end(), [](const LiveAllocation& a, const LiveAllocation& b) {
+    return a.sequence < b.sequence;
+  });
+  return out;
+}
+
+bool BlockPool::is_live(const void* ptr) const {
+  absl::MutexLock lock(&mu_);
+  return live_.contains(ptr);
+}
+
+bool BlockPool::contains(const void* ptr) const {
+  absl::MutexLock lock(&mu_);
+  return find_segment_locked(ptr) != nullptr;
+}
+
+std::optional<std::size_t> BlockPool::requested_size(const void* ptr) const {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) return std::nullopt;
+  return it->second->requested;
+}
+
+absl::Status BlockPool::validate() const {
+  absl::MutexLock lock(&mu_);
+  std::int64_t reserved = 0, allocated = 0, requested = 0, active = 0, pending = 0;
+  std::size_t free_blocks = 0;
+  for (const auto& [base, segment] : segments_) {
+    reserved += static_cast<std::int64_t>(segment->size);
+    std::byte* expect = segment->base;
+    const Block* prev = nullptr;
+    for (const Block* b = segment->first; b != nullptr; b = b->next) {
+      if (b->ptr != expect) return absl::InternalError("blocks of a segment are not contiguous");
+      if (b->prev != prev) return absl::InternalError("broken prev link");
+      if (b->segment != segment) return absl::InternalError("block points at the wrong segment");
+      if (b->size == 0 || b->size % kBlockGranularity != 0) {
+        return absl::InternalError("block size not a multiple of the granularity");
+      }
+      const bool is_free = !b->allocated && b->pending_events == 0;
+      if (is_free) {
+        ++free_blocks;
+        if ((b->small ? small_free_ : large_free_).count(const_cast<Block*>(b)) == 0) {
+          return absl::InternalError("free block missing from its free set");
+        }
+        if (prev != nullptr && !prev->allocated && prev->pending_events == 0) {
+          return absl::InternalError("two adjacent free blocks were not merged");
+        }
+      }
+      if (b->allocated) {
+        allocated += static_cast<std::int64_t>(b->size);
+        requested += static_cast<std::int64_t>(b->requested);
+        ++active;
+        if (!live_.contains(b->ptr)) return absl::InternalError("allocated block not in live map");
+      }
+      if (b->pending_events > 0) pending += static_cast<std::int64_t>(b->size);
+      expect = b->ptr + b->size;
+      prev = b;
+    }
+    if (expect != segment->base + segment->size) {
+      return absl::InternalError("blocks do not cover their segment");
+    }
+  }
+  if (free_blocks != small_free_.size() + large_free_.size()) {
+    return absl::InternalError("free sets hold blocks that are not free");
+  }
+  if (reserved != stats_.reserved_bytes.current) return absl::InternalError("reserved_bytes off");
+  if (allocated != stats_.allocated_bytes.current)
+    return absl::InternalError("allocated_bytes off");
+  if (requested != stats_.requested_bytes.current)
+    return absl::InternalError("requested_bytes off");
+  if (active != stats_.active_blocks.current) return absl::InternalError("active_blocks off");
+  if (pending != stats_.pending_free_bytes.current) {
+    return absl::InternalError("pending_free_bytes off");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::alloc

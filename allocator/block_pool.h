@@ -1,0 +1,212 @@
+// allocator/block_pool.h: one tier's coalescing best-fit pool over large upstream segments.
+//
+// A BlockPool asks its Upstream for segments and splits them into blocks. Free blocks sit in
+// ordered sets keyed by (stream, size, address), so the best fit is one lower_bound; a freed block
+// merges with free neighbours at once. Small requests (<= kSmallSize) share kSmallSegmentSize
+// segments so they never split the large segments that activations and optimizer states need.
+//
+// Rounding (named so tests and docs agree):
+//   every size rounds up to a multiple of kBlockGranularity (512 B), so every block is aligned to
+//   512 B, which covers the GPU's 256 B and the host's 64 B minimum and any alignment up to
+//   kMaxAlignment; small segments are kSmallSegmentSize; a large segment is the request rounded up
+//   to kLargeSegmentGranularity.
+//
+// Note [Stream ordering] (DESIGN.md) as the pool implements it:
+//   - a block belongs to the stream it was allocated on, and blocks are reused only by that stream;
+//     work on one stream runs in order, so a block freed there can be handed out again at once;
+//   - record_stream(ptr, s) says another stream s also uses the block; at free, an event is
+//   recorded
+//     on each such stream and the block waits in a pending list until all its events completed;
+//   - before a segment goes back to the upstream, an event recorded on its stream is waited for;
+//   - before reporting out of memory the pool waits for pending events, returns cached (entirely
+//     free) segments to the upstream, and tries once more (num_alloc_retries counts this).
+//
+// Errors: size 0, sizes above kMaxAllocationSize (SIZE_MAX among them), sizes whose rounding
+// overflows, and alignment 0, not a power of two or above kMaxAlignment are kInvalidArgument. Out
+// of memory (budget or upstream) is kResourceExhausted naming the tier, the bytes asked, reserved,
+// allocated, the budget and the largest free block. Freeing a pointer that is not live: a foreign
+// pointer or an interior pointer is kInvalidArgument; a block already freed is kFailedPrecondition.
+// A failed call changes nothing.
+//
+// Thread-safe: one mutex per pool; upstream calls and event waits run with it released.
+//
+// Example:
+//   BlockPool pool({.tier = Tier::kGpu, .budget = 8 * kGiB}, std::move(upstream), stream_ops);
+//   absl::StatusOr<void*> p = pool.allocate(4 * kMiB, {.stream = compute_stream, .owner = "act0"});
+//   ...launch work on compute_stream...
+//   STRATA_RETURN_IF_ERROR(pool.record_stream(*p, d2h_stream));   // a copy reads it too
+//   STRATA_RETURN_IF_ERROR(pool.deallocate(*p));                   // reusable once the copy is
+//   done
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
+#include "absl/container/btree_set.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "allocator/stats.h"
+#include "allocator/stream_ops.h"
+#include "allocator/tier.h"
+#include "allocator/upstream.h"
+
+namespace strata::alloc {
+
+inline constexpr std::size_t kBlockGranularity = 512;
+inline constexpr std::size_t kMaxAlignment = kBlockGranularity;
+inline constexpr std::size_t kDefaultAlignment = 256;
+inline constexpr std::size_t kSmallSize = std::size_t{1} << 20;
+inline constexpr std::size_t kSmallSegmentSize = std::size_t{2} << 20;
+inline constexpr std::size_t kLargeSegmentGranularity = std::size_t{2} << 20;
+// 1 PiB: larger than any memory a tier can have, small enough that rounding never overflows.
+inline constexpr std::size_t kMaxAllocationSize = std::size_t{1} << 50;
+inline constexpr std::size_t kNoBudget = std::numeric_limits<std::size_t>::max();
+
+struct AllocOptions {
+  // Power of two, 1 .. kMaxAlignment. Every block is aligned to kBlockGranularity anyway.
+  std::size_t alignment = kDefaultAlignment;
+  // The stream that will use the block first; the block is reused only in this stream's order.
+  StreamHandle stream = nullptr;
+  // Who owns the block, for the leak report; kept only when tracking is on.
+  std::string_view owner = {};
+};
+
+// One entry of the leak report.
+struct LiveAllocation {
+  Tier tier = Tier::kGpu;
+  void* ptr = nullptr;
+  std::size_t size = 0;       // after rounding
+  std::size_t requested = 0;  // as asked
+  StreamHandle stream = nullptr;
+  std::string owner;           // "" when tracking was off
+  std::uint64_t sequence = 0;  // allocation order within the pool
+};
+
+struct PoolConfig {
+  Tier tier = Tier::kGpu;
+  // Cap on reserved bytes (segments held from the upstream).
+  std::size_t budget = kNoBudget;
+  // Keep owner tags for the leak report.
+  bool track_allocations = false;
+};
+
+class BlockPool {
+ public:
+  // `stream_ops` may be null for a pool whose memory no stream touches; record_stream then fails.
+  BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
+            std::shared_ptr<StreamOps> stream_ops);
+  ~BlockPool();
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  [[nodiscard]] absl::StatusOr<void*> allocate(std::size_t bytes, const AllocOptions& options = {});
+  [[nodiscard]] absl::Status deallocate(void* ptr);
+  // Marks a live block as used by `stream` as well (see Note [Stream ordering] above).
+  [[nodiscard]] absl::Status record_stream(void* ptr, StreamHandle stream);
+  // Waits for every pending event and makes those blocks reusable.
+  [[nodiscard]] absl::Status synchronize_pending();
+  // Returns every entirely free segment to the upstream. Returns the bytes released.
+  [[nodiscard]] absl::StatusOr<std::size_t> trim();
+
+  [[nodiscard]] absl::Status set_budget(std::size_t budget);
+  std::size_t budget() const;
+  TierStats stats() const;
+  void reset_peak_stats();
+  // Live blocks in allocation order (the leak report).
+  std::vector<LiveAllocation> live_allocations() const;
+  bool is_live(const void* ptr) const;
+  // True when ptr lies inside one of this pool's segments.
+  bool contains(const void* ptr) const;
+  // Requested size of a live block, or std::nullopt.
+  std::optional<std::size_t> requested_size(const void* ptr) const;
+
+  Tier tier() const { return config_.tier; }
+  const Upstream& upstream() const { return *upstream_; }
+  // Checks the pool's invariants (linked lists, free sets, counters); an error names the first
+  // broken one. For tests: O(blocks).
+  [[nodiscard]] absl::Status validate() const;
+
+ private:
+  struct Segment;
+  struct Block {
+    std::byte* ptr = nullptr;
+    std::size_t size = 0;
+    std::size_t requested = 0;
+    StreamHandle stream = nullptr;
+    Segment* segment = nullptr;
+    Block* prev = nullptr;
+    Block* next = nullptr;
+    bool allocated = false;
+    bool small = false;
+    int pending_events = 0;
+    std::uint64_t sequence = 0;
+    absl::InlinedVector<StreamHandle, 1> extra_streams;
+    std::string owner;
+  };
+  struct Segment {
+    std::byte* base = nullptr;
+    std::size_t size = 0;
+    StreamHandle stream = nullptr;
+    bool small = false;
+    Block* first = nullptr;
+  };
+  struct BlockLess {
+    bool operator()(const Block* a, const Block* b) const;
+  };
+  using FreeSet = absl::btree_set<Block*, BlockLess>;
+  struct PendingEvent {
+    EventHandle event;
+    Block* block;
+  };
+
+  static std::size_t round_size(std::size_t bytes);
+  FreeSet& free_set(bool small) { return small ? small_free_ : large_free_; }
+
+  Block* take_best_fit_locked(StreamHandle stream, bool small, std::size_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Block*> grow_locked(std::size_t size, bool small, StreamHandle stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void split_locked(Block* block, std::size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void free_block_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void process_ready_events_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status wait_all_pending_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::size_t release_cached_segments_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status bad_free_locked(const void* ptr) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  const Segment* find_segment_locked(const void* ptr) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void compute_derived_locked(TierStats& s) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  std::string oom_message_locked(std::size_t size, std::size_t requested,
+                                 const absl::Status& cause) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  Block* new_block_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void delete_block_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const PoolConfig config_;
+  const std::unique_ptr<Upstream> upstream_;
+  const std::shared_ptr<StreamOps> stream_ops_;
+
+  mutable absl::Mutex mu_;
+  std::size_t budget_ ABSL_GUARDED_BY(mu_);
+  std::size_t growing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // upstream calls in flight
+  FreeSet small_free_ ABSL_GUARDED_BY(mu_);
+  FreeSet large_free_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<const void*, Block*> live_ ABSL_GUARDED_BY(mu_);
+  absl::btree_map<std::uintptr_t, Segment*> segments_ ABSL_GUARDED_BY(mu_);
+  std::deque<PendingEvent> pending_ ABSL_GUARDED_BY(mu_);
+  TierStats stats_ ABSL_GUARDED_BY(mu_);
+  std::uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  std::vector<std::unique_ptr<Block>> block_storage_ ABSL_GUARDED_BY(mu_);
+  std::vector<Block*> spare_blocks_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace strata::alloc

@@ -1,0 +1,106 @@
+// allocator/tiered_allocator.h: the three-tier allocator that the rest of strata stands on.
+//
+// One BlockPool per tier (GPU, pinned host, pageable host), each over its own upstream, with a
+// budget, stats, a fragmentation figure and, in tracking mode, a leak report of live allocations
+// with owner tags. The GPU tier is real CUDA memory when a GPU is present and a simulated device
+// (host memory with a capacity) otherwise, or when asked for.
+//
+// Example:
+//   AllocatorOptions options;
+//   options.budgets[tier_index(Tier::kGpu)] = 8 * kGiB;
+//   options.track_allocations = true;
+//   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<TieredAllocator> allocator,
+//                           TieredAllocator::create(std::move(options)));
+//   STRATA_ASSIGN_OR_RETURN(void* states, allocator->allocate(Tier::kPinnedHost, 64 * kMiB,
+//                                                             {.owner = "layer3.exp_avg"}));
+//   ...
+//   STRATA_RETURN_IF_ERROR(allocator->deallocate(Tier::kPinnedHost, states));
+//   std::printf("%s", allocator->format_leak_report().c_str());   // "no live allocations"
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "allocator/block_pool.h"
+#include "allocator/stats.h"
+#include "allocator/stream_ops.h"
+#include "allocator/tier.h"
+#include "allocator/upstream.h"
+
+namespace strata::alloc {
+
+enum class DeviceBackend {
+  kAuto,       // CUDA when a GPU is visible, the simulated device otherwise
+  kCuda,       // CUDA; kUnavailable when there is no GPU
+  kSimulated,  // host memory standing in for the GPU, also on a machine that has one
+};
+
+std::string_view device_backend_name(DeviceBackend backend);
+
+struct AllocatorOptions {
+  DeviceBackend device = DeviceBackend::kAuto;
+  int cuda_device = 0;
+  // Used when the GPU tier is simulated.
+  SimulatedDeviceOptions simulated_device = {};
+  // See Note [Pinned upstream] in cuda_backend.cpp.
+  PinnedMethod pinned_method = PinnedMethod::kCudaHostAlloc;
+  // Cap on each tier's reserved bytes; kNoBudget for none.
+  std::array<std::size_t, kNumTiers> budgets = {kNoBudget, kNoBudget, kNoBudget};
+  // Bytes reserved in each tier at creation (one segment each), e.g. to pin host memory once up
+  // front. Must not exceed the tier's budget.
+  std::array<std::size_t, kNumTiers> initial_reservation = {0, 0, 0};
+  // Keep owner tags for the leak report.
+  bool track_allocations = false;
+  // Test seams: replace a tier's upstream, or the stream events.
+  std::array<std::unique_ptr<Upstream>, kNumTiers> upstreams;
+  std::shared_ptr<StreamOps> stream_ops;
+};
+
+class TieredAllocator {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<TieredAllocator>> create(
+      AllocatorOptions options = {});
+
+  [[nodiscard]] absl::StatusOr<void*> allocate(Tier tier, std::size_t bytes,
+                                               const AllocOptions& options = {});
+  // Frees a block of `tier`. A pointer live in another tier is kInvalidArgument naming both tiers.
+  [[nodiscard]] absl::Status deallocate(Tier tier, void* ptr);
+  [[nodiscard]] absl::Status record_stream(Tier tier, void* ptr, StreamHandle stream);
+  [[nodiscard]] absl::Status synchronize_pending();
+  // Returns entirely free segments of a tier (or all tiers) to their upstreams; returns bytes
+  // freed.
+  [[nodiscard]] absl::StatusOr<std::size_t> trim(Tier tier);
+  [[nodiscard]] absl::StatusOr<std::size_t> trim_all();
+  [[nodiscard]] absl::Status set_budget(Tier tier, std::size_t budget);
+
+  TierStats stats(Tier tier) const;
+  void reset_peak_stats();
+  // Every live allocation of every tier, tier by tier in allocation order.
+  std::vector<LiveAllocation> leak_report() const;
+  // "no live allocations", or one line per live block with tier, address, size and owner.
+  std::string format_leak_report() const;
+  // A table: one row per statistic, one column per tier.
+  std::string format_stats() const;
+  // {"gpu": {...}, "pinned_host": {...}, "pageable_host": {...}}
+  std::string stats_json() const;
+
+  bool gpu_is_simulated() const { return gpu_simulated_; }
+  bool track_allocations() const { return track_allocations_; }
+  const Upstream& upstream(Tier tier) const { return pools_[tier_index(tier)]->upstream(); }
+  BlockPool& pool(Tier tier) { return *pools_[tier_index(tier)]; }
+  const std::shared_ptr<StreamOps>& stream_ops() const { return stream_ops_; }
+
+ private:
+  TieredAllocator() = default;
+  std::array<std::unique_ptr<BlockPool>, kNumTiers> pools_;
+  std::shared_ptr<StreamOps> stream_ops_;
+  bool gpu_simulated_ = true;
+  bool track_allocations_ = false;
+};
+
+}  // namespace strata::alloc

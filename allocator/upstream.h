@@ -1,0 +1,106 @@
+// allocator/upstream.h: where a pool's segments come from.
+//
+// An Upstream hands out and takes back large segments; the pools above it split them into blocks.
+// Upstreams are slow on purpose-free paths (cudaMalloc ~60 us, cudaHostAlloc ~670 us per MiB), so a
+// pool calls them only to grow or trim. Each upstream is its own class, RMM-style:
+//   - CUDA device memory (cudaMalloc), for Tier::kGpu on a machine with a GPU;
+//   - pinned host memory, by cudaHostAlloc or by mmap + cudaHostRegister (PinnedMethod);
+//   - pageable host memory (mmap);
+//   - a simulated device: host memory standing in for GPU memory, with a capacity; the default
+//     for Tier::kGpu where no GPU is found. With SimulatedBacking::kAddressOnly it reserves address
+//     space that is never touched, so bookkeeping tests and benchmarks can model terabytes;
+//   - FaultInjectingUpstream, an adaptor that fails the k-th call, for the fault tests.
+//
+// Example:
+//   auto device = strata::alloc::make_simulated_device_upstream({.capacity = 8 * kGiB});
+//   absl::StatusOr<void*> segment = device->allocate(2 * kMiB);
+//   if (segment.ok()) STRATA_CHECK(device->deallocate(*segment, 2 * kMiB).ok(), "release");
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace strata::alloc {
+
+// Every segment an upstream returns is aligned to at least this (cudaMalloc gives 256 B or more;
+// host upstreams map whole pages).
+inline constexpr std::size_t kSegmentAlignment = 512;
+
+class Upstream {
+ public:
+  virtual ~Upstream() = default;
+  // "cuda_device", "pinned_host(cudaHostAlloc)", "pageable_host", "simulated_device", ...
+  virtual std::string_view name() const = 0;
+  // A segment of exactly `bytes` (> 0), aligned to kSegmentAlignment. Out of memory is
+  // kResourceExhausted; nothing is held on failure.
+  [[nodiscard]] virtual absl::StatusOr<void*> allocate(std::size_t bytes) = 0;
+  // Returns a segment from allocate with its size. All work that may use it has completed: the pool
+  // waits on an event recorded on the segment's stream before it releases a segment.
+  [[nodiscard]] virtual absl::Status deallocate(void* ptr, std::size_t bytes) = 0;
+  // True when the memory is real GPU memory (not host-readable).
+  virtual bool is_device_memory() const { return false; }
+};
+
+enum class SimulatedBacking { kMemory, kAddressOnly };
+
+struct SimulatedDeviceOptions {
+  std::size_t capacity = std::size_t{16} << 30;
+  SimulatedBacking backing = SimulatedBacking::kMemory;
+};
+
+std::unique_ptr<Upstream> make_simulated_device_upstream(SimulatedDeviceOptions options = {});
+std::unique_ptr<Upstream> make_pageable_host_upstream();
+// Pageable memory standing in for the pinned tier where there is no GPU to pin with.
+std::unique_ptr<Upstream> make_simulated_pinned_upstream();
+
+// How pinned host memory is obtained. Both are pinned once per segment and pooled by the pool
+// above; which is the default was chosen by measurement (bench/results, and Note [Pinned upstream]
+// in upstream.cpp).
+enum class PinnedMethod { kCudaHostAlloc, kMmapRegister };
+std::string_view pinned_method_name(PinnedMethod method);
+
+// kUnavailable when strata was built without CUDA or no GPU is visible.
+absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(int device = 0);
+absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod method);
+
+// Number of CUDA devices visible; 0 when built without CUDA or when the driver reports none.
+int cuda_device_count();
+// "NVIDIA H100 80GB HBM3" or "none".
+std::string cuda_device_name(int device = 0);
+
+// Wraps an upstream and fails chosen calls, so tests can walk every allocation site (F1 of
+// RELIABILITY.md). Calls are counted from 1 after each arm().
+class FaultInjectingUpstream final : public Upstream {
+ public:
+  explicit FaultInjectingUpstream(std::unique_ptr<Upstream> inner) : inner_(std::move(inner)) {}
+
+  // Fails the k-th allocate() call after this one (k >= 1) with kResourceExhausted, once.
+  void fail_allocate_call(std::int64_t k);
+  // Fails every allocate() call until disarm().
+  void fail_all_allocates();
+  void disarm();
+  std::int64_t allocate_calls() const { return allocate_calls_.load(); }
+  std::int64_t deallocate_calls() const { return deallocate_calls_.load(); }
+  std::int64_t injected_failures() const { return injected_.load(); }
+
+  std::string_view name() const override { return inner_->name(); }
+  absl::StatusOr<void*> allocate(std::size_t bytes) override;
+  absl::Status deallocate(void* ptr, std::size_t bytes) override;
+  bool is_device_memory() const override { return inner_->is_device_memory(); }
+
+ private:
+  std::unique_ptr<Upstream> inner_;
+  std::atomic<std::int64_t> allocate_calls_{0};
+  std::atomic<std::int64_t> deallocate_calls_{0};
+  std::atomic<std::int64_t> fail_at_{0};  // 0: none; -1: every call
+  std::atomic<std::int64_t> injected_{0};
+};
+
+}  // namespace strata::alloc
