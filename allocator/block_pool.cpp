@@ -51,6 +51,11 @@ std::size_t BlockPool::round_size(std::size_t bytes) {
   return (bytes + kBlockGranularity - 1) & ~(kBlockGranularity - 1);
 }
 
+std::size_t BlockPool::segment_size_for(std::size_t size, bool small) {
+  return small ? kSmallSegmentSize
+               : (size + kLargeSegmentGranularity - 1) & ~(kLargeSegmentGranularity - 1);
+}
+
 BlockPool::Block* BlockPool::new_block_locked() {
   if (spare_blocks_.empty()) {
     block_storage_.push_back(std::make_unique<Block>());
@@ -100,7 +105,7 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
       cause = grown.status();
     }
   }
-  if (block == nullptr) {
+  if (block == nullptr && segment_size_for(size, small) <= budget_) {
     // The named chain of fallbacks: wait for blocks behind stream events, return cached segments to
     // the upstream, then try once more.
     ++stats_.num_alloc_retries;
@@ -150,9 +155,7 @@ BlockPool::Block* BlockPool::take_best_fit_locked(StreamHandle stream, bool smal
 
 absl::StatusOr<BlockPool::Block*> BlockPool::grow_locked(std::size_t size, bool small,
                                                          StreamHandle stream) {
-  const std::size_t segment_size =
-      small ? kSmallSegmentSize
-            : (size + kLargeSegmentGranularity - 1) & ~(kLargeSegmentGranularity - 1);
+  const std::size_t segment_size = segment_size_for(size, small);
   const std::size_t reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
   if (budget_ != kNoBudget &&
       (segment_size > budget_ || reserved + growing_bytes_ > budget_ - segment_size)) {
@@ -166,7 +169,10 @@ absl::StatusOr<BlockPool::Block*> BlockPool::grow_locked(std::size_t size, bool 
   absl::StatusOr<void*> memory = upstream_->allocate(segment_size);
   mu_.Lock();
   growing_bytes_ -= segment_size;
-  if (!memory.ok()) return memory.status();
+  if (!memory.ok()) {
+    return absl::Status(memory.status().code(),
+                        str_cat(upstream_->name(), ": ", memory.status().message()));
+  }
   STRATA_CHECK(reinterpret_cast<std::uintptr_t>(*memory) % kSegmentAlignment == 0,
                upstream_->name(), " returned a segment not aligned to ", kSegmentAlignment);
 
@@ -473,14 +479,14 @@ std::string BlockPool::oom_message_locked(std::size_t size, std::size_t requeste
                                           const absl::Status& cause) const {
   TierStats s = stats_;
   compute_derived_locked(s);
-  return str_cat(
-      "out of memory in tier ", tier_name(config_.tier), ": tried to allocate ", format_bytes(size),
-      " (", requested, " bytes asked); reserved ",
-      format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), ", allocated ",
-      format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), ", budget ",
-      budget_ == kNoBudget ? std::string("unlimited") : format_bytes(budget_),
-      ", largest free block ", format_bytes(static_cast<std::size_t>(s.largest_free_block)),
-      cause.ok() ? std::string() : str_cat("; ", upstream_->name(), ": ", cause.message()));
+  return str_cat("out of memory in tier ", tier_name(config_.tier), ": tried to allocate ",
+                 format_bytes(size), " (", requested, " bytes asked); reserved ",
+                 format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), ", allocated ",
+                 format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), ", budget ",
+                 budget_ == kNoBudget ? std::string("unlimited") : format_bytes(budget_),
+                 ", largest free block ",
+                 format_bytes(static_cast<std::size_t>(s.largest_free_block)),
+                 cause.ok() ? std::string() : str_cat("; ", cause.message()));
 }
 
 std::vector<LiveAllocation> BlockPool::live_allocations() const {

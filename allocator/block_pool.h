@@ -19,7 +19,8 @@
 //     on each such stream and the block waits in a pending list until all its events completed;
 //   - before a segment goes back to the upstream, an event recorded on its stream is waited for;
 //   - before reporting out of memory the pool waits for pending events, returns cached (entirely
-//     free) segments to the upstream, and tries once more (num_alloc_retries counts this).
+//     free) segments to the upstream, and tries once more (num_alloc_retries counts this); a
+//     request whose segment alone is above the budget fails at once and changes nothing.
 //
 // Errors: size 0, sizes above kMaxAllocationSize (SIZE_MAX among them), sizes whose rounding
 // overflows, and alignment 0, not a power of two or above kMaxAlignment are kInvalidArgument. Out
@@ -172,6 +173,7 @@ class BlockPool {
   };
 
   static std::size_t round_size(std::size_t bytes);
+  static std::size_t segment_size_for(std::size_t size, bool small);
   FreeSet& free_set(bool small) { return small ? small_free_ : large_free_; }
 
   Block* take_best_fit_locked(StreamHandle stream, bool small, std::size_t size)

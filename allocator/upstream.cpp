@@ -4,9 +4,11 @@
 
 #include <cerrno>
 #include <cstring>
+#include <map>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
 
@@ -36,10 +38,7 @@ class SimulatedDeviceUpstream final : public Upstream {
  public:
   explicit SimulatedDeviceUpstream(SimulatedDeviceOptions options) : options_(options) {}
 
-  std::string_view name() const override {
-    return options_.backing == SimulatedBacking::kMemory ? "simulated_device"
-                                                         : "simulated_device(address_only)";
-  }
+  std::string_view name() const override { return "simulated_device"; }
 
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
     {
@@ -77,6 +76,70 @@ class SimulatedDeviceUpstream final : public Upstream {
   std::size_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// Address space only: one PROT_NONE reservation, carved first-fit. One mapping however many
+// segments, so a model of terabytes in hundreds of thousands of segments stays within the kernel's
+// mapping limit; any access faults, since nothing is backed.
+class AddressSpaceUpstream final : public Upstream {
+ public:
+  static constexpr std::size_t kMaxReservation = std::size_t{16} << 40;
+
+  explicit AddressSpaceUpstream(std::size_t capacity)
+      : capacity_(std::min(capacity, kMaxReservation) & ~(kSegmentAlignment - 1)) {}
+  ~AddressSpaceUpstream() override {
+    if (base_ != nullptr) munmap(base_, capacity_);
+  }
+  std::string_view name() const override { return "simulated_device(address_only)"; }
+
+  absl::StatusOr<void*> allocate(std::size_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    if (base_ == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(void* base, map_anonymous(capacity_, PROT_NONE, name()));
+      base_ = static_cast<std::byte*>(base);
+      free_.emplace(0, capacity_);
+    }
+    const std::size_t size = (bytes + kSegmentAlignment - 1) & ~(kSegmentAlignment - 1);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < size) continue;
+      const std::size_t offset = it->first;
+      const std::size_t rest = it->second - size;
+      free_.erase(it);
+      if (rest > 0) free_.emplace(offset + size, rest);
+      return static_cast<void*>(base_ + offset);
+    }
+    return absl::ResourceExhaustedError(
+        str_cat("simulated device (address only) out of memory: ", "asked ", format_bytes(bytes),
+                " of capacity ", format_bytes(capacity_)));
+  }
+
+  absl::Status deallocate(void* ptr, std::size_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    const std::size_t size = (bytes + kSegmentAlignment - 1) & ~(kSegmentAlignment - 1);
+    std::size_t offset = static_cast<std::size_t>(static_cast<std::byte*>(ptr) - base_);
+    std::size_t length = size;
+    auto next = free_.lower_bound(offset);
+    if (next != free_.end() && offset + length == next->first) {
+      length += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {
+        offset = prev->first;
+        length += prev->second;
+        free_.erase(prev);
+      }
+    }
+    free_.emplace(offset, length);
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::size_t capacity_;
+  absl::Mutex mu_;
+  std::byte* base_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::map<std::size_t, std::size_t> free_ ABSL_GUARDED_BY(mu_);  // offset -> length
+};
+
 class PageableHostUpstream final : public Upstream {
  public:
   explicit PageableHostUpstream(std::string_view name) : name_(name) {}
@@ -95,6 +158,9 @@ class PageableHostUpstream final : public Upstream {
 }  // namespace
 
 std::unique_ptr<Upstream> make_simulated_device_upstream(SimulatedDeviceOptions options) {
+  if (options.backing == SimulatedBacking::kAddressOnly) {
+    return std::make_unique<AddressSpaceUpstream>(options.capacity);
+  }
   return std::make_unique<SimulatedDeviceUpstream>(options);
 }
 
@@ -110,22 +176,23 @@ std::string_view pinned_method_name(PinnedMethod method) {
   return method == PinnedMethod::kCudaHostAlloc ? "cudaHostAlloc" : "mmap+cudaHostRegister";
 }
 
-void FaultInjectingUpstream::fail_allocate_call(std::int64_t k) {
+void FaultInjectingUpstream::fail_allocate_calls(std::int64_t first, std::int64_t count) {
   allocate_calls_.store(0);
-  fail_at_.store(k);
+  fail_count_.store(count);
+  fail_first_.store(first);
 }
 
-void FaultInjectingUpstream::fail_all_allocates() { fail_at_.store(-1); }
+void FaultInjectingUpstream::fail_all_allocates() { fail_first_.store(-1); }
 
-void FaultInjectingUpstream::disarm() { fail_at_.store(0); }
+void FaultInjectingUpstream::disarm() { fail_first_.store(0); }
 
 absl::StatusOr<void*> FaultInjectingUpstream::allocate(std::size_t bytes) {
   const std::int64_t call = ++allocate_calls_;
-  const std::int64_t fail_at = fail_at_.load();
-  if (fail_at == -1 || call == fail_at) {
+  const std::int64_t first = fail_first_.load();
+  if (first == -1 || (first > 0 && call >= first && call < first + fail_count_.load())) {
     ++injected_;
-    return absl::ResourceExhaustedError(str_cat(inner_->name(), ": injected failure of call ", call,
-                                                " (", format_bytes(bytes), ")"));
+    return absl::ResourceExhaustedError(
+        str_cat("injected failure of upstream call ", call, " (", format_bytes(bytes), ")"));
   }
   return inner_->allocate(bytes);
 }

@@ -81,8 +81,9 @@ class FaultInjectingUpstream final : public Upstream {
  public:
   explicit FaultInjectingUpstream(std::unique_ptr<Upstream> inner) : inner_(std::move(inner)) {}
 
-  // Fails the k-th allocate() call after this one (k >= 1) with kResourceExhausted, once.
-  void fail_allocate_call(std::int64_t k);
+  // Fails allocate() calls number first .. first + count - 1, counted from this call on (first >=
+  // 1), with kResourceExhausted. count 1 lets the pool's retry succeed; 2 defeats it.
+  void fail_allocate_calls(std::int64_t first, std::int64_t count = 1);
   // Fails every allocate() call until disarm().
   void fail_all_allocates();
   void disarm();
@@ -99,7 +100,8 @@ class FaultInjectingUpstream final : public Upstream {
   std::unique_ptr<Upstream> inner_;
   std::atomic<std::int64_t> allocate_calls_{0};
   std::atomic<std::int64_t> deallocate_calls_{0};
-  std::atomic<std::int64_t> fail_at_{0};  // 0: none; -1: every call
+  std::atomic<std::int64_t> fail_first_{0};  // 0: none; -1: every call
+  std::atomic<std::int64_t> fail_count_{0};
   std::atomic<std::int64_t> injected_{0};
 };
 
