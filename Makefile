@@ -1,0 +1,41 @@
+# strata's two entry points; each installs what is missing, configures, builds and runs.
+#   make demo   the main job (for now: the allocator demonstration, per-tier stats)
+#   make test   every test that needs no GPU, the layering check and a sanitizer build
+BUILD       ?= build
+ASAN_BUILD  ?= build-asan
+CUDACXX     ?= $(wildcard /usr/local/cuda/bin/nvcc)
+export CUDACXX
+CMAKE_FLAGS ?=
+
+.PHONY: demo test deps configure build sanitize clean
+
+deps:
+	@tools/install-deps.sh
+
+configure: deps
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$$(tools/torch-prefix.sh)" $(CMAKE_FLAGS)
+
+build: configure
+	cmake --build $(BUILD)
+
+demo: build
+	$(BUILD)/bin/strata-alloc-demo
+
+# Host-only libraries and their tests under AddressSanitizer + UndefinedBehaviorSanitizer, built
+# without CUDA and LibTorch (which also proves the code builds with CUDA off).
+sanitize: deps
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DSTRATA_WITH_CUDA=OFF -DSTRATA_WITH_TORCH=OFF -DSTRATA_BUILD_BENCHMARKS=OFF \
+	  -DSTRATA_BUILD_APPS=OFF -DSTRATA_SANITIZE=address,undefined
+	cmake --build $(ASAN_BUILD)
+	ctest --test-dir $(ASAN_BUILD) -LE gpu --output-on-failure
+
+test: build
+	tools/check_layering.sh --self-test
+	tools/check_layering.sh
+	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
+	$(MAKE) --no-print-directory sanitize
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The one call strata makes on a GPU machine (H100/H200, CUDA 13, PyTorch 2.11, no network):
+# unpack the Debian packages that tools/gpu/fetch-debs.sh fetched into .deps/debs, build with
+# python3's LibTorch, run the gpu-labelled tests, compute-sanitizer over them, the benchmarks, and
+# write logs and JSON into OUT_DIR, ending with a short table.
+#   tools/gpu/check.sh OUT_DIR [--quick]
+# Files in OUT_DIR: summary.txt, allocator_bench.json, logs.tar.gz (every log).
+set -uo pipefail
+OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick]}
+QUICK=${2:-}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+LOGS=/tmp/strata-logs
+BUILD=/tmp/strata-build
+mkdir -p "$OUT" "$LOGS"
+cd "$ROOT"
+status=0
+step() { echo "== $*"; }
+
+step "unpack .deps/debs"
+if ! ls .deps/debs/*.deb >/dev/null 2>&1; then
+  echo "no .deps/debs: run tools/gpu/fetch-debs.sh where a registry is reachable, and carry .deps"
+  exit 2
+fi
+for f in .deps/debs/*.deb; do dpkg -x "$f" /tmp/deps; done
+export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+TORCH_PREFIX=$(tools/torch-prefix.sh)
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
+  | tee "$LOGS/gpu.txt"
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+
+step "configure and build ($(nproc) cores)"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
+  -DCMAKE_PREFIX_PATH="$TORCH_PREFIX;/tmp/deps/usr" >"$LOGS/configure.log" 2>&1 \
+  || { tail -40 "$LOGS/configure.log"; exit 1; }
+cmake --build "$BUILD" >"$LOGS/build.log" 2>&1 || { grep -E "error|FAILED" "$LOGS/build.log" | head -40; exit 1; }
+echo "built"
+
+step "ctest -L gpu"
+ctest --test-dir "$BUILD" -L gpu --output-on-failure >"$LOGS/ctest-gpu.log" 2>&1 || status=1
+tail -8 "$LOGS/ctest-gpu.log"
+grep -hE "^L2:" "$LOGS/ctest-gpu.log" || true
+step "ctest (CPU suites, on this machine too)"
+ctest --test-dir "$BUILD" -LE gpu --output-on-failure >"$LOGS/ctest-cpu.log" 2>&1 || status=1
+tail -3 "$LOGS/ctest-cpu.log"
+
+step "compute-sanitizer memcheck --leak-check full"
+declare -A SAN
+san_run() {  # name, then the command
+  local name=$1; shift
+  compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99 "$@" \
+    >"$LOGS/memcheck-$name.log" 2>&1
+  local rc=$?
+  local errors
+  errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$LOGS/memcheck-$name.log" | tail -1 | grep -oE "[0-9]+")
+  SAN[$name]="${errors:-?} errors (exit $rc)"
+  [ "$rc" = 0 ] || status=1
+  echo "memcheck $name: ${SAN[$name]}"
+}
+STRATA_L2_OPS=400 san_run allocator_gpu_test "$BUILD/bin/allocator_gpu_test"
+GTEST_FILTER='*Gpu*' san_run allocator_conformance "$BUILD/bin/allocator_conformance_test"
+
+step "benchmarks"
+REPS=5
+[ "$QUICK" = "--quick" ] && REPS=3
+"$BUILD/bin/strata_allocator_bench" --benchmark_repetitions=$REPS \
+  --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true --benchmark_out="$OUT/allocator_bench.json" \
+  --benchmark_out_format=json >"$LOGS/allocator_bench.txt" 2>&1 || status=1
+tail -5 "$LOGS/allocator_bench.txt"
+
+step "summary"
+{
+  echo "GPU: $GPU_NAME"
+  echo "tests: $(grep -E 'tests passed' "$LOGS/ctest-gpu.log" | tail -1) (gpu); $(grep -E 'tests passed' "$LOGS/ctest-cpu.log" | tail -1) (cpu)"
+  for k in "${!SAN[@]}"; do echo "memcheck $k: ${SAN[$k]}"; done
+  python3 tools/gpu/summarize_bench.py "$OUT/allocator_bench.json" || true
+} | tee "$OUT/summary.txt"
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
+exit $status

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs what strata's build needs and a fresh Debian/Ubuntu machine lacks: compilers and build
+# tools, Abseil, GoogleTest, Google Benchmark (Debian packages, with apt-get), and LibTorch as the
+# torch==2.11.0 Python package (with pip). Does nothing when everything is there already.
+set -euo pipefail
+
+TORCH_VERSION=2.11.0
+PACKAGES=(cmake ninja-build g++ ccache clang-format python3 python3-pip libabsl-dev libgtest-dev
+          libgmock-dev libbenchmark-dev)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    # Tools that came from elsewhere (pyenv's python3, a newer cmake) count as present.
+    case "$pkg" in
+      python3) command -v python3 >/dev/null && continue ;;
+      python3-pip) python3 -m pip --version >/dev/null 2>&1 && continue ;;
+      cmake) command -v cmake >/dev/null && continue ;;
+      clang-format) command -v clang-format >/dev/null && continue ;;
+    esac
+    missing+=("$pkg")
+  fi
+done
+if ((${#missing[@]})); then
+  echo "install-deps: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+have_torch=$(python3 -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)
+if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
+  echo "install-deps: installing torch==$TORCH_VERSION with pip (large download; used for its LibTorch)"
+  if ! python3 -m pip install -q "torch==$TORCH_VERSION" 2>/tmp/strata-pip.err; then
+    # Debian's system Python refuses pip installs unless told it may (PEP 668).
+    python3 -m pip install -q --break-system-packages "torch==$TORCH_VERSION"
+  fi
+fi
+echo "install-deps: all dependencies present (torch $(python3 -c "import importlib.metadata as m; print(m.version('torch'))"))"
