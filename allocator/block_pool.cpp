@@ -19,6 +19,22 @@ bool BlockPool::BlockLess::operator()(const Block* a, const Block* b) const {
   return a->ptr < b->ptr;
 }
 
+// A key sorts before every block of its stream and size, so lower_bound lands on the lowest
+// address.
+bool BlockPool::BlockLess::operator()(const Block* a, const FitKey& k) const {
+  const auto sa = reinterpret_cast<std::uintptr_t>(a->stream);
+  const auto sk = reinterpret_cast<std::uintptr_t>(k.stream);
+  if (sa != sk) return sa < sk;
+  return a->size < k.size;
+}
+
+bool BlockPool::BlockLess::operator()(const FitKey& k, const Block* b) const {
+  const auto sk = reinterpret_cast<std::uintptr_t>(k.stream);
+  const auto sb = reinterpret_cast<std::uintptr_t>(b->stream);
+  if (sk != sb) return sk < sb;
+  return k.size <= b->size;
+}
+
 BlockPool::BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
                      std::shared_ptr<StreamOps> stream_ops)
     : config_(config),
@@ -67,7 +83,14 @@ BlockPool::Block* BlockPool::new_block_locked() {
 }
 
 void BlockPool::delete_block_locked(Block* block) {
-  *block = Block{};
+  block->ptr = nullptr;
+  block->size = block->requested = 0;
+  block->segment = nullptr;
+  block->prev = block->next = nullptr;
+  block->allocated = block->small = false;
+  block->pending_events = 0;
+  block->extra_streams.clear();
+  block->owner.clear();
   spare_blocks_.push_back(block);
 }
 
@@ -96,6 +119,11 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
   absl::MutexLock lock(&mu_);
   if (!pending_.empty()) process_ready_events_locked();
   Block* block = take_best_fit_locked(options.stream, small, size);
+  if (block == nullptr && unmerged_frees_ > 0) {
+    // Note [Lazy coalescing]: merge what deallocate left unmerged before growing.
+    consolidate_locked();
+    block = take_best_fit_locked(options.stream, small, size);
+  }
   absl::Status cause;
   if (block == nullptr) {
     absl::StatusOr<Block*> grown = grow_locked(size, small, options.stream);
@@ -132,6 +160,7 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
   block->sequence = next_sequence_++;
   if (config_.track_allocations) block->owner.assign(options.owner.data(), options.owner.size());
   live_.emplace(block->ptr, block);
+  upstream_->on_block_live(block->segment->base, block->ptr, bytes);
   stats_.allocated_bytes.add(static_cast<std::int64_t>(block->size));
   stats_.requested_bytes.add(static_cast<std::int64_t>(bytes));
   stats_.active_blocks.add(1);
@@ -142,11 +171,7 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
 BlockPool::Block* BlockPool::take_best_fit_locked(StreamHandle stream, bool small,
                                                   std::size_t size) {
   FreeSet& set = free_set(small);
-  Block key;
-  key.stream = stream;
-  key.size = size;
-  key.ptr = nullptr;
-  auto it = set.lower_bound(&key);
+  auto it = set.lower_bound(FitKey{stream, size});
   if (it == set.end() || (*it)->stream != stream) return nullptr;
   Block* block = *it;
   set.erase(it);
@@ -212,12 +237,18 @@ void BlockPool::split_locked(Block* block, std::size_t size) {
   free_set(rest->small).insert(rest);
 }
 
-void BlockPool::free_block_locked(Block* block) {
+void BlockPool::free_block_locked(Block* block, bool merge) {
   FreeSet& set = free_set(block->small);
+  upstream_->on_block_dead(block->segment->base, block->ptr);
   block->allocated = false;
   block->requested = 0;
   block->extra_streams.clear();
   block->owner.clear();
+  if (!merge) {
+    ++unmerged_frees_;
+    set.insert(block);
+    return;
+  }
   // Merge with free neighbours; blocks waiting on events are neither allocated nor in the free set
   // and stay apart until their events complete.
   Block* prev = block->prev;
@@ -252,7 +283,7 @@ absl::Status BlockPool::deallocate(void* ptr) {
   ++stats_.num_frees;
 
   if (block->extra_streams.empty()) {
-    free_block_locked(block);
+    free_block_locked(block, /*merge=*/!block->small);
     return absl::OkStatus();
   }
   // Note [Stream ordering]: other streams may still read or write this block. Hold it back until an
@@ -309,7 +340,7 @@ void BlockPool::process_ready_events_locked() {
     pending_.pop_front();
     if (--block->pending_events == 0) {
       stats_.pending_free_bytes.add(-static_cast<std::int64_t>(block->size));
-      free_block_locked(block);
+      free_block_locked(block, /*merge=*/true);
     }
   }
 }
@@ -331,7 +362,7 @@ absl::Status BlockPool::wait_all_pending_locked() {
     stream_ops_->release(entry.event);
     if (--entry.block->pending_events == 0) {
       stats_.pending_free_bytes.add(-static_cast<std::int64_t>(entry.block->size));
-      free_block_locked(entry.block);
+      free_block_locked(entry.block, /*merge=*/true);
     }
   }
   return status;
@@ -342,7 +373,34 @@ absl::Status BlockPool::synchronize_pending() {
   return wait_all_pending_locked();
 }
 
+void BlockPool::consolidate_locked() {
+  auto is_free = [](const Block* b) { return !b->allocated && b->pending_events == 0; };
+  for (auto& [base, segment] : segments_) {
+    for (Block* b = segment->first; b != nullptr; b = b->next) {
+      if (!is_free(b) || b->next == nullptr || !is_free(b->next)) continue;
+      FreeSet& set = free_set(b->small);
+      set.erase(b);
+      while (b->next != nullptr && is_free(b->next)) {
+        Block* n = b->next;
+        set.erase(n);
+        b->size += n->size;
+        b->next = n->next;
+        if (b->next != nullptr) b->next->prev = b;
+        delete_block_locked(n);
+      }
+      set.insert(b);
+    }
+  }
+  unmerged_frees_ = 0;
+}
+
+void BlockPool::consolidate() {
+  absl::MutexLock lock(&mu_);
+  consolidate_locked();
+}
+
 std::size_t BlockPool::release_cached_segments_locked() {
+  consolidate_locked();
   // Take every entirely free segment out of the pool first, so no other thread can hand out its
   // block while the lock is released below; reserved_bytes keeps counting them until they are gone.
   std::vector<Segment*> victims;
@@ -442,14 +500,26 @@ absl::Status BlockPool::bad_free_locked(const void* ptr) const {
 }
 
 void BlockPool::compute_derived_locked(TierStats& s) const {
+  // Note [Lazy coalescing]: adjacent free blocks may not be merged yet, so free space is measured
+  // in runs of free blocks, which is what a merge would make of them.
   std::int64_t total_free = 0, largest = 0, inactive_split = 0;
-  for (const FreeSet* set : {&small_free_, &large_free_}) {
-    for (const Block* b : *set) {
-      const auto size = static_cast<std::int64_t>(b->size);
-      total_free += size;
-      largest = std::max(largest, size);
-      if (b->prev != nullptr || b->next != nullptr) inactive_split += size;
+  for (const auto& [base, segment] : segments_) {
+    std::int64_t run = 0;
+    auto close_run = [&] {
+      if (run == 0) return;
+      total_free += run;
+      largest = std::max(largest, run);
+      if (run != static_cast<std::int64_t>(segment->size)) inactive_split += run;
+      run = 0;
+    };
+    for (const Block* b = segment->first; b != nullptr; b = b->next) {
+      if (!b->allocated && b->pending_events == 0) {
+        run += static_cast<std::int64_t>(b->size);
+      } else {
+        close_run();
+      }
     }
+    close_run();
   }
   s.free_bytes = total_free;
   s.largest_free_block = largest;
@@ -540,7 +610,8 @@ absl::Status BlockPool::validate() const {
         if ((b->small ? small_free_ : large_free_).count(const_cast<Block*>(b)) == 0) {
           return absl::InternalError("free block missing from its free set");
         }
-        if (prev != nullptr && !prev->allocated && prev->pending_events == 0) {
+        if (unmerged_frees_ == 0 && prev != nullptr && !prev->allocated &&
+            prev->pending_events == 0) {
           return absl::InternalError("two adjacent free blocks were not merged");
         }
       }

@@ -1,9 +1,18 @@
 // allocator/block_pool.h: one tier's coalescing best-fit pool over large upstream segments.
 //
 // A BlockPool asks its Upstream for segments and splits them into blocks. Free blocks sit in
-// ordered sets keyed by (stream, size, address), so the best fit is one lower_bound; a freed block
-// merges with free neighbours at once. Small requests (<= kSmallSize) share kSmallSegmentSize
-// segments so they never split the large segments that activations and optimizer states need.
+// ordered sets keyed by (stream, size, address), so the best fit is one lower_bound. Small requests
+// (<= kSmallSize) share kSmallSegmentSize segments so they never split the large segments that
+// activations and optimizer states need.
+//
+// Note [Lazy coalescing]: deallocate puts a small block (<= kSmallSize) back into its free set
+// without merging it with free neighbours; a request that finds no fit merges everything first
+// (consolidate) and only then grows, and so does the segment release of trim and of the
+// out-of-memory path. An alloc+free pair of one small size thus costs one free-set erase and one
+// insert instead of the four of split-then-merge (measured: 125 -> 96 ns). Large blocks merge at
+// once: best fit among unmerged large blocks packed the training-step replay worse (reserved / peak
+// allocated 1.005 -> 1.077). Stats measure free space in runs of free blocks, as a merge would make
+// them, so fragmentation is the same figure either way.
 //
 // Rounding (named so tests and docs agree):
 //   every size rounds up to a multiple of kBlockGranularity (512 B), so every block is aligned to
@@ -118,6 +127,8 @@ class BlockPool {
   [[nodiscard]] absl::Status record_stream(void* ptr, StreamHandle stream);
   // Waits for every pending event and makes those blocks reusable.
   [[nodiscard]] absl::Status synchronize_pending();
+  // Merges adjacent free blocks now (the pool does this by itself before it grows or trims).
+  void consolidate();
   // Returns every entirely free segment to the upstream. Returns the bytes released.
   [[nodiscard]] absl::StatusOr<std::size_t> trim();
 
@@ -135,8 +146,8 @@ class BlockPool {
 
   Tier tier() const { return config_.tier; }
   const Upstream& upstream() const { return *upstream_; }
-  // Checks the pool's invariants (linked lists, free sets, counters); an error names the first
-  // broken one. For tests: O(blocks).
+  // Checks the pool's invariants (linked lists, free sets, counters, and once consolidated no two
+  // adjacent free blocks); an error names the first broken one. For tests: O(blocks).
   [[nodiscard]] absl::Status validate() const;
 
  private:
@@ -163,8 +174,16 @@ class BlockPool {
     bool small = false;
     Block* first = nullptr;
   };
+  // What best fit searches for, without building a Block.
+  struct FitKey {
+    StreamHandle stream;
+    std::size_t size;
+  };
   struct BlockLess {
+    using is_transparent = void;
     bool operator()(const Block* a, const Block* b) const;
+    bool operator()(const Block* a, const FitKey& k) const;
+    bool operator()(const FitKey& k, const Block* b) const;
   };
   using FreeSet = absl::btree_set<Block*, BlockLess>;
   struct PendingEvent {
@@ -181,7 +200,8 @@ class BlockPool {
   absl::StatusOr<Block*> grow_locked(std::size_t size, bool small, StreamHandle stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void split_locked(Block* block, std::size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void free_block_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void free_block_locked(Block* block, bool merge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void consolidate_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void process_ready_events_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status wait_all_pending_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::size_t release_cached_segments_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -205,6 +225,7 @@ class BlockPool {
   absl::flat_hash_map<const void*, Block*> live_ ABSL_GUARDED_BY(mu_);
   absl::btree_map<std::uintptr_t, Segment*> segments_ ABSL_GUARDED_BY(mu_);
   std::deque<PendingEvent> pending_ ABSL_GUARDED_BY(mu_);
+  std::size_t unmerged_frees_ ABSL_GUARDED_BY(mu_) = 0;
   TierStats stats_ ABSL_GUARDED_BY(mu_);
   std::uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   std::vector<std::unique_ptr<Block>> block_storage_ ABSL_GUARDED_BY(mu_);

@@ -16,6 +16,7 @@
 
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExtMem.h>
 #endif
 
 namespace strata::alloc {
@@ -46,11 +47,62 @@ class DeviceGuard {
   bool restore_ = false;
 };
 
+// Note [Pool visibility for memory checkers] (upstream.h): each segment is an NVTX sub-allocator
+// heap, so memcheck treats it as inaccessible except for the regions registered as live blocks.
+// NVTX calls are no-ops unless a tool is attached.
+nvtxDomainHandle_t nvtx_domain() {
+  static nvtxDomainHandle_t domain = nvtxDomainCreateA("strata");
+  return domain;
+}
+
+void nvtx_register_heap(void* base, std::size_t bytes) {
+  nvtxMemVirtualRangeDesc_t range{};
+  range.size = bytes;
+  range.ptr = base;
+  nvtxMemHeapDesc_t heap{};
+  heap.extCompatID = NVTX_EXT_COMPATID_MEM;
+  heap.structSize = sizeof(heap);
+  heap.usage = NVTX_MEM_HEAP_USAGE_TYPE_SUB_ALLOCATOR;
+  heap.type = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+  heap.typeSpecificDescSize = sizeof(range);
+  heap.typeSpecificDesc = &range;
+  nvtxMemHeapRegister(nvtx_domain(), &heap);
+}
+
 class CudaDeviceUpstream final : public Upstream {
  public:
   explicit CudaDeviceUpstream(int device) : device_(device) {}
   std::string_view name() const override { return "cuda_device"; }
   bool is_device_memory() const override { return true; }
+
+  void on_block_live(const void* segment, const void* ptr, std::size_t bytes) override {
+    nvtxMemVirtualRangeDesc_t range{};
+    range.size = bytes;
+    range.ptr = ptr;
+    nvtxMemRegionsRegisterBatch_t batch{};
+    batch.extCompatID = NVTX_EXT_COMPATID_MEM;
+    batch.structSize = sizeof(batch);
+    batch.regionType = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+    // A virtual-address heap's handle is its base address.
+    batch.heap = reinterpret_cast<nvtxMemHeapHandle_t>(const_cast<void*>(segment));
+    batch.regionCount = 1;
+    batch.regionDescElementSize = sizeof(range);
+    batch.regionDescElements = &range;
+    nvtxMemRegionsRegister(nvtx_domain(), &batch);
+  }
+
+  void on_block_dead(const void* /*segment*/, const void* ptr) override {
+    nvtxMemRegionRef_t ref{};
+    ref.pointer = ptr;
+    nvtxMemRegionsUnregisterBatch_t batch{};
+    batch.extCompatID = NVTX_EXT_COMPATID_MEM;
+    batch.structSize = sizeof(batch);
+    batch.refType = NVTX_MEM_REGION_REF_TYPE_POINTER;
+    batch.refCount = 1;
+    batch.refElementSize = sizeof(ref);
+    batch.refElements = &ref;
+    nvtxMemRegionsUnregister(nvtx_domain(), &batch);
+  }
 
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
     DeviceGuard guard(device_);
@@ -66,11 +118,13 @@ class CudaDeviceUpstream final : public Upstream {
                   cuda_error_text(err), "); device free ", format_bytes(free_bytes), " of ",
                   format_bytes(total_bytes)));
     }
+    nvtx_register_heap(p, bytes);
     return p;
   }
 
   absl::Status deallocate(void* ptr, std::size_t /*bytes*/) override {
     DeviceGuard guard(device_);
+    nvtxMemHeapUnregister(nvtx_domain(), reinterpret_cast<nvtxMemHeapHandle_t>(ptr));
     const cudaError_t err = cudaFree(ptr);
     // Note [Stream ordering] rule 5: at exit the runtime may already be unloading.
     if (err != cudaSuccess && err != cudaErrorCudartUnloading) {

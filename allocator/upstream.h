@@ -46,6 +46,13 @@ class Upstream {
   [[nodiscard]] virtual absl::Status deallocate(void* ptr, std::size_t bytes) = 0;
   // True when the memory is real GPU memory (not host-readable).
   virtual bool is_device_memory() const { return false; }
+  // Note [Pool visibility for memory checkers]: the pool reports each block it hands out (with
+  // the bytes asked, not the rounded size) and each block that returns to its free set, so a
+  // checker such as compute-sanitizer sees an access outside every live block even where it falls
+  // inside a segment. The CUDA device upstream forwards these to the NVTX memory API. Called with
+  // the pool's lock held; must be cheap. Default: nothing.
+  virtual void on_block_live(const void* segment, const void* ptr, std::size_t bytes) {}
+  virtual void on_block_dead(const void* segment, const void* ptr) {}
 };
 
 enum class SimulatedBacking { kMemory, kAddressOnly };
@@ -95,6 +102,12 @@ class FaultInjectingUpstream final : public Upstream {
   absl::StatusOr<void*> allocate(std::size_t bytes) override;
   absl::Status deallocate(void* ptr, std::size_t bytes) override;
   bool is_device_memory() const override { return inner_->is_device_memory(); }
+  void on_block_live(const void* segment, const void* ptr, std::size_t bytes) override {
+    inner_->on_block_live(segment, ptr, bytes);
+  }
+  void on_block_dead(const void* segment, const void* ptr) override {
+    inner_->on_block_dead(segment, ptr);
+  }
 
  private:
   std::unique_ptr<Upstream> inner_;

@@ -85,6 +85,27 @@ TEST_F(PoolTest, SplitsThenMergesBackIntoOneBlockPerSegment) {
   expect_valid();
 }
 
+TEST_F(PoolTest, FreedNeighboursAreMergedBeforeThePoolGrows) {
+  // Note [Lazy coalescing]: 64 small blocks of 32 KiB fill one 2 MiB segment; freed one by one they
+  // stay separate blocks, but a 1 MiB request finds them merged instead of taking a new segment.
+  std::vector<void*> parts;
+  for (int i = 0; i < 64; ++i) parts.push_back(alloc(32 * kKiB));
+  const TierStats full = pool_.stats();
+  EXPECT_EQ(full.num_segment_allocs, 1);
+  EXPECT_EQ(full.free_bytes, 0);
+  for (void* p : parts) free(p);
+  expect_valid();
+  TierStats s = pool_.stats();
+  EXPECT_EQ(s.largest_free_block, static_cast<std::int64_t>(kSmallSegmentSize))
+      << "stats see the free run as one block";
+  EXPECT_DOUBLE_EQ(s.fragmentation, 0.0);
+  void* big = alloc(kSmallSize);
+  EXPECT_EQ(pool_.stats().num_segment_allocs, 1);
+  free(big);
+  pool_.consolidate();
+  expect_valid();
+}
+
 TEST_F(PoolTest, BestFitTakesTheSmallestBlockThatFits) {
   // Segments of 4, 6 and 10 MiB, all free: a 5 MiB request must land in the 6 MiB one.
   void* a = alloc(4 * kMiB);

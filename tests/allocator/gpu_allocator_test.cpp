@@ -238,5 +238,21 @@ TEST_F(GpuAllocatorTest, GpuOutOfMemoryMessageFromTheDevice) {
   ASSERT_TRUE(allocator_->deallocate(Tier::kGpu, *q).ok());
 }
 
+// Note [Pool visibility for memory checkers]: a write one byte past a 1000-byte block lands in the
+// block's rounding slack, inside the segment, so nothing breaks and a plain run passes; under
+// compute-sanitizer memcheck it must be reported (tools/gpu/check.sh runs this probe alone and
+// expects exactly one error), which shows the pool's NVTX registration reaches the checker.
+TEST_F(GpuAllocatorTest, GpuProbeWritePastABlockInsideItsSegment) {
+  absl::StatusOr<void*> a = allocator_->allocate(Tier::kGpu, 1000, {.stream = stream_});
+  absl::StatusOr<void*> b = allocator_->allocate(Tier::kGpu, 1000, {.stream = stream_});
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(static_cast<std::byte*>(*b) - static_cast<std::byte*>(*a), 1024);
+  ASSERT_CUDA(::strata::testing::fill_pattern(*b, 1000, 9, stream_));
+  ASSERT_CUDA(::strata::testing::write_byte(*a, 1000, 0xee, stream_));
+  EXPECT_EQ(mismatches(Tier::kGpu, *b, 1000, 9), 0u) << "the neighbour block was touched";
+  ASSERT_TRUE(allocator_->deallocate(Tier::kGpu, *a).ok());
+  ASSERT_TRUE(allocator_->deallocate(Tier::kGpu, *b).ok());
+}
+
 }  // namespace
 }  // namespace strata::alloc

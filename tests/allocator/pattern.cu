@@ -34,6 +34,10 @@ __global__ void count_kernel(const std::uint8_t* src, std::size_t bytes, std::ui
   if (local != 0) atomicAdd(count, local);
 }
 
+__global__ void write_byte_kernel(std::uint8_t* dst, std::size_t offset, std::uint8_t value) {
+  dst[offset] = value;
+}
+
 unsigned grid_for(std::size_t bytes) {
   const std::size_t blocks = (bytes + 255) / 256;
   return static_cast<unsigned>(blocks < 4096 ? (blocks == 0 ? 1 : blocks) : 4096);
@@ -52,6 +56,11 @@ cudaError_t count_mismatches(const void* src, std::size_t bytes, std::uint64_t s
                              unsigned long long* device_count, cudaStream_t stream) {
   count_kernel<<<grid_for(bytes), 256, 0, stream>>>(static_cast<const std::uint8_t*>(src), bytes,
                                                     seed, device_count);
+  return cudaGetLastError();
+}
+
+cudaError_t write_byte(void* dst, std::size_t offset, std::uint8_t value, cudaStream_t stream) {
+  write_byte_kernel<<<1, 1, 0, stream>>>(static_cast<std::uint8_t*>(dst), offset, value);
   return cudaGetLastError();
 }
 

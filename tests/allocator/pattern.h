@@ -19,4 +19,7 @@ cudaError_t fill_pattern(void* dst, std::size_t bytes, std::uint64_t seed, cudaS
 cudaError_t count_mismatches(const void* src, std::size_t bytes, std::uint64_t seed,
                              unsigned long long* device_count, cudaStream_t stream);
 
+// Writes one byte at dst + offset from the device.
+cudaError_t write_byte(void* dst, std::size_t offset, std::uint8_t value, cudaStream_t stream);
+
 }  // namespace strata::testing

