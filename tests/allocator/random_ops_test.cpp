@@ -56,8 +56,12 @@ void run_random_ops(std::uint64_t seed) {
       ASSERT_EQ(start % kDefaultAlignment, 0u) << "op " << op;
       // No overlap with the neighbours on either side.
       auto next = model.lower_bound(start);
-      if (next != model.end()) ASSERT_LE(start + asked, next->first) << "op " << op;
-      if (next != model.begin()) ASSERT_LE(std::prev(next)->second.end, start) << "op " << op;
+      if (next != model.end()) {
+        ASSERT_LE(start + asked, next->first) << "op " << op;
+      }
+      if (next != model.begin()) {
+        ASSERT_LE(std::prev(next)->second.end, start) << "op " << op;
+      }
       model.emplace(start, ModelBlock{start + asked, asked, tier});
       live.push_back(start);
       model_requested[tier_index(tier)] += static_cast<std::int64_t>(asked);
