@@ -1,0 +1,33 @@
+// policies/builtin.h: strata's residency policies and the registry that names them.
+//
+//   keep_on_gpu     everything registered lives on the GPU; nothing moves.
+//   bulk            tensors live at their home tier (normally the GPU); offload_all moves every
+//                   tensor of the configured roles to pinned host memory while the pinned budget
+//                   allows and to pageable memory after, reload_all brings them back; with
+//                   PolicyConfig::offload_after_step this happens around every step.
+//   layer_prefetch  tensors of the configured roles (optimizer states by default) live in pinned
+//                   host memory; during the optimizer step the next K layers are fetched into the
+//                   staging ring while layer i computes, and layer i is written back after.
+//
+// Example:
+//   RuntimeOptions options;
+//   options.policy = "layer_prefetch";
+//   options.policy_config.prefetch_depth = 2;
+//   STRATA_ASSIGN_OR_RETURN(auto rt, Runtime::create(std::move(options), builtin_policies()));
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "runtime/policy.h"
+
+namespace strata::policy {
+
+// The registry with keep_on_gpu, bulk and layer_prefetch.
+const rt::PolicyRegistry& builtin_policies();
+
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_keep_on_gpu(const rt::PolicyConfig& c);
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_bulk(const rt::PolicyConfig& c);
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(const rt::PolicyConfig& c);
+
+}  // namespace strata::policy

@@ -1,0 +1,116 @@
+// runtime/policy.h: the ResidencyPolicy interface, its configuration, and the name -> factory
+// registry from which a policy is chosen at startup.
+//
+// A policy decides where tensors live and when they move; the runtime calls it from its hooks
+// (begin/end of step, before forward and after backward of a layer, the optimizer step, phase
+// switches) and the policy answers by calling the runtime's migration calls. The concrete policies
+// live in policies/; this layer only knows their names through a PolicyRegistry.
+//
+// Choosing by name: RuntimeOptions::policy, else the flag --strata_policy, else the environment
+// variable STRATA_POLICY, else kDefaultPolicy. A name that is unknown, or empty where it was given,
+// is kInvalidArgument listing the valid names.
+//
+// Example:
+//   PolicyRegistry registry;
+//   STRATA_RETURN_IF_ERROR(registry.add("keep_on_gpu", [](const PolicyConfig& c) { ... }));
+//   STRATA_ASSIGN_OR_RETURN(std::string name, choose_policy_name(options.policy));
+//   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<ResidencyPolicy> p, registry.create(name, config));
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "runtime/tensor.h"
+
+namespace strata::rt {
+
+class Runtime;
+
+inline constexpr std::string_view kDefaultPolicy = "layer_prefetch";
+
+struct PolicyConfig {
+  // layer_prefetch: layers fetched ahead of the one the optimizer works on (K >= 0). The staging
+  // area holds K + 1 layers.
+  int prefetch_depth = 1;
+  // Which roles the policy moves (bulk: at phase switches; layer_prefetch: through staging).
+  RoleSet roles = RoleSet::optimizer_states();
+  // bulk: move everything of `roles` to the host after every step and back before the next.
+  bool offload_after_step = false;
+};
+
+class ResidencyPolicy {
+ public:
+  virtual ~ResidencyPolicy() = default;
+  virtual std::string_view name() const = 0;
+  const PolicyConfig& config() const { return config_; }
+
+  // Where a tensor lives once registered; the default is its spec's home tier.
+  virtual Tier placement(const TensorSpec& spec) const { return spec.home; }
+  // Called after a tensor is placed; an error undoes the registration (e.g. a layer that no longer
+  // fits the GPU budget).
+  [[nodiscard]] virtual absl::Status on_register(Runtime& rt, TensorHandle tensor) {
+    return absl::OkStatus();
+  }
+  [[nodiscard]] virtual absl::Status on_begin_step(Runtime& rt) { return absl::OkStatus(); }
+  [[nodiscard]] virtual absl::Status on_end_step(Runtime& rt) { return absl::OkStatus(); }
+  [[nodiscard]] virtual absl::Status on_before_forward(Runtime& rt, int layer) {
+    return absl::OkStatus();
+  }
+  [[nodiscard]] virtual absl::Status on_after_backward(Runtime& rt, int layer) {
+    return absl::OkStatus();
+  }
+  [[nodiscard]] virtual absl::Status on_begin_optimizer_step(Runtime& rt) {
+    return absl::OkStatus();
+  }
+  // The optimizer released `layer` (its kernel is queued on the compute stream).
+  [[nodiscard]] virtual absl::Status on_layer_released(Runtime& rt, int layer) {
+    return absl::OkStatus();
+  }
+  [[nodiscard]] virtual absl::Status on_end_optimizer_step(Runtime& rt) { return absl::OkStatus(); }
+  [[nodiscard]] virtual absl::Status on_offload_all(Runtime& rt) { return absl::OkStatus(); }
+  [[nodiscard]] virtual absl::Status on_reload_all(Runtime& rt) { return absl::OkStatus(); }
+  // The order in which the optimizer walks layers; default ascending.
+  virtual std::vector<int> optimizer_layer_order(const Runtime& rt) const;
+
+ protected:
+  explicit ResidencyPolicy(PolicyConfig config) : config_(config) {}
+
+ private:
+  PolicyConfig config_;
+};
+
+using PolicyFactory =
+    std::function<absl::StatusOr<std::unique_ptr<ResidencyPolicy>>(const PolicyConfig&)>;
+
+class PolicyRegistry {
+ public:
+  // kAlreadyExists for a name added twice; kInvalidArgument for an empty name.
+  [[nodiscard]] absl::Status add(std::string name, PolicyFactory factory);
+  // kInvalidArgument for an unknown or empty name (listing the valid names) and for an invalid
+  // configuration (from the factory).
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<ResidencyPolicy>> create(
+      std::string_view name, const PolicyConfig& config) const;
+  // Sorted.
+  std::vector<std::string> names() const;
+
+ private:
+  std::map<std::string, PolicyFactory, std::less<>> factories_;
+};
+
+// The name to use: `option` if set, else --strata_policy if given, else STRATA_POLICY if set, else
+// kDefaultPolicy. Returns it unchecked (PolicyRegistry::create checks it); `source` says where it
+// came from ("RuntimeOptions::policy", "--strata_policy", "STRATA_POLICY", "default").
+struct PolicyChoice {
+  std::string name;
+  std::string source;
+};
+PolicyChoice choose_policy_name(const std::optional<std::string>& option);
+
+}  // namespace strata::rt

@@ -1,0 +1,1012 @@
+#include "runtime/runtime.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "base/status.h"
+#include "base/strings.h"
+#include "base/units.h"
+
+namespace strata::rt {
+namespace {
+
+constexpr std::size_t kStagingAlignment = alloc::kBlockGranularity;
+
+std::size_t align_up(std::size_t x, std::size_t a) { return (x + a - 1) & ~(a - 1); }
+
+}  // namespace
+
+struct Runtime::Impl {
+  // Where a tensor's bytes are: a block of a tier's main pool, or a region of a staging slot.
+  struct Location {
+    Tier tier = Tier::kGpu;
+    void* ptr = nullptr;
+    int slot = -1;  // >= 0: staging slot, not a pool block
+  };
+
+  struct Entry {
+    TensorHandle handle;
+    TensorSpec spec;
+    std::size_t bytes = 0;
+    Location loc;
+    bool in_flight = false;
+    Location dst;
+    StreamHandle copy_stream = nullptr;
+    EventHandle arrival = nullptr;
+    EventHandle timed_start = nullptr;
+    EventHandle timed_end = nullptr;
+    bool timed_h2d = false;
+    // Events after which the data is complete (releases on compute streams, copies completed early
+    // from the bookkeeping's point of view). Later copies wait on them on the GPU.
+    std::vector<EventHandle> ready;
+    int holds = 0;
+    std::uint64_t version = 0;
+    Tier rest_tier = Tier::kPinnedHost;  // where a staged tensor goes back to
+  };
+
+  struct Slot {
+    std::byte* base = nullptr;
+    int layer = -1;
+    std::vector<Entry*> occupants;
+    EventHandle free_event = nullptr;  // completes when the copies that emptied the slot are done
+  };
+
+  struct TimedCopy {
+    EventHandle start;
+    EventHandle end;
+    bool h2d;
+    std::size_t bytes;
+  };
+
+  struct Stall {
+    EventHandle start;
+    EventHandle end;
+  };
+
+  PolicyChoice choice;
+  std::shared_ptr<Device> device;
+  std::unique_ptr<alloc::TieredAllocator> allocator;
+  std::unique_ptr<alloc::BlockPool> staging_pool;
+  std::unique_ptr<ResidencyPolicy> policy;
+  StreamHandle h2d = nullptr;
+  StreamHandle d2h = nullptr;
+  StreamHandle compute = nullptr;
+  std::size_t gpu_budget = alloc::kNoBudget;
+
+  mutable absl::Mutex mu;
+  std::uint64_t next_id = 1;
+  std::vector<std::unique_ptr<Entry>> entries;  // registration order
+  absl::flat_hash_map<std::uint64_t, Entry*> by_id;
+  std::map<std::string, Entry*, std::less<>> by_name;
+  std::vector<Entry*> in_flight;
+  std::vector<TimedCopy> timed;  // copies whose timing is still to be read
+  std::vector<Stall> stalls;
+  RuntimeStats stats;
+  std::int64_t staged_now = 0;
+  std::function<void(TensorHandle, Tier, void*)> on_moved;
+
+  // Staging ring.
+  RoleSet staging_roles;
+  std::size_t slot_bytes = 0;
+  void* staging_memory = nullptr;
+  std::vector<Slot> slots;
+  int next_slot = 0;
+  std::map<int, int> staged_layers;  // layer -> slot
+
+  // Pinned bounce buffers for pageable copies.
+  std::vector<void*> bounce;
+  std::vector<EventHandle> bounce_events;
+
+  ~Impl();
+
+  Entry* find_locked(TensorHandle h) const {
+    auto it = by_id.find(h.id);
+    return it == by_id.end() ? nullptr : it->second;
+  }
+  absl::StatusOr<Entry*> get_locked(TensorHandle h) const {
+    Entry* e = find_locked(h);
+    if (e == nullptr) {
+      return absl::NotFoundError(str_cat("tensor handle ", h.id, " is not registered"));
+    }
+    return e;
+  }
+  bool is_gpu(Tier t) const { return t == Tier::kGpu; }
+
+  absl::Status migrate_locked(Entry& e, Tier dst_tier, void* dst_ptr, int slot,
+                              EventHandle wait_first) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status bounce_copy_locked(Entry& e, const Location& dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status ensure_bounce_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void finish_locked(Entry& e, bool early) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status poll_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status wait_entry_locked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status wait_all_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status wait_ready_on_host_locked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void free_location_locked(Entry& e, const Location& loc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void drain_timing_locked(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status release_scratch_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  std::vector<Entry*> layer_entries_locked(int layer, RoleSet roles) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu);
+  absl::Status host_copy_locked(void* dst, const void* src, std::size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+};
+
+Runtime::Impl::~Impl() {
+  {
+    absl::MutexLock lock(&mu);
+    (void)wait_all_locked();
+    drain_timing_locked(/*wait=*/true);
+    for (auto& e : entries) {
+      for (EventHandle r : e->ready) device->release(r);
+      e->ready.clear();
+      if (e->bytes > 0) free_location_locked(*e, e->loc);
+    }
+    entries.clear();
+    absl::Status s = release_scratch_locked();
+    if (!s.ok())
+      std::fprintf(stderr, "strata: runtime shutdown: %s\n", std::string(s.message()).c_str());
+  }
+  for (StreamHandle s : {h2d, d2h, compute}) {
+    if (s != nullptr) {
+      (void)device->stream_synchronize(s);
+      device->destroy_stream(s);
+    }
+  }
+  policy.reset();
+  staging_pool.reset();
+  allocator.reset();
+}
+
+std::vector<Runtime::Impl::Entry*> Runtime::Impl::layer_entries_locked(int layer,
+                                                                       RoleSet roles) const {
+  std::vector<Entry*> out;
+  for (const auto& e : entries) {
+    if (e->spec.layer == layer && roles.contains(e->spec.role)) out.push_back(e.get());
+  }
+  return out;
+}
+
+void Runtime::Impl::free_location_locked(Entry& e, const Location& loc) {
+  if (loc.ptr == nullptr) return;
+  if (loc.slot >= 0) return;  // staging slot regions are the ring's, not the tensor's
+  absl::Status s = allocator->deallocate(loc.tier, loc.ptr);
+  STRATA_CHECK(s.ok(), "freeing the storage of '", e.spec.name, "': ", s.message());
+}
+
+absl::Status Runtime::Impl::host_copy_locked(void* dst, const void* src, std::size_t bytes) {
+  // A copy the host waits for: through the D2H stream, which orders it after nothing else.
+  STRATA_RETURN_IF_ERROR(device->copy_async(dst, src, bytes, d2h));
+  return device->stream_synchronize(d2h);
+}
+
+absl::Status Runtime::Impl::wait_ready_on_host_locked(Entry& e) {
+  for (EventHandle r : e.ready) {
+    STRATA_RETURN_IF_ERROR(device->synchronize(r));
+    device->release(r);
+  }
+  e.ready.clear();
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Impl::ensure_bounce_locked() {
+  if (!bounce.empty()) return absl::OkStatus();
+  for (int i = 0; i < kBounceSlots; ++i) {
+    absl::StatusOr<void*> b =
+        allocator->allocate(Tier::kPinnedHost, kBounceChunkBytes, {.owner = "runtime.bounce"});
+    if (!b.ok()) {
+      for (void* p : bounce) (void)allocator->deallocate(Tier::kPinnedHost, p);
+      bounce.clear();
+      return b.status();
+    }
+    bounce.push_back(*b);
+  }
+  bounce_events.assign(kBounceSlots, nullptr);
+  return absl::OkStatus();
+}
+
+// Copies that involve pageable memory go through pinned bounce buffers in kBounceChunkBytes
+// pieces. The host copies between pageable and pinned memory itself, so it waits for each piece's
+// device copy: these migrations complete before this returns (except the tail of an H2D copy).
+absl::Status Runtime::Impl::bounce_copy_locked(Entry& e, const Location& dst) {
+  const Location src = e.loc;
+  auto* out = static_cast<std::byte*>(dst.ptr);
+  const auto* in = static_cast<const std::byte*>(src.ptr);
+  STRATA_RETURN_IF_ERROR(wait_ready_on_host_locked(e));
+  if (!is_gpu(src.tier) && !is_gpu(dst.tier)) {  // pinned <-> pageable: a plain host copy
+    std::memcpy(out, in, e.bytes);
+    stats.migrated_bytes_h2h += static_cast<std::int64_t>(e.bytes);
+    return absl::OkStatus();
+  }
+  STRATA_RETURN_IF_ERROR(ensure_bounce_locked());
+  const bool to_gpu = is_gpu(dst.tier);
+  StreamHandle stream = to_gpu ? h2d : d2h;
+  struct Piece {
+    std::size_t offset = 0;
+    std::size_t bytes = 0;
+  };
+  std::vector<Piece> landing(kBounceSlots);  // D2H pieces waiting to be copied out on the host
+  int k = 0;
+  for (std::size_t off = 0; off < e.bytes; off += kBounceChunkBytes, ++k) {
+    const std::size_t n = std::min(kBounceChunkBytes, e.bytes - off);
+    const int b = k % kBounceSlots;
+    if (bounce_events[b] != nullptr) {
+      STRATA_RETURN_IF_ERROR(device->synchronize(bounce_events[b]));
+      device->release(bounce_events[b]);
+      bounce_events[b] = nullptr;
+      if (!to_gpu) std::memcpy(out + landing[b].offset, bounce[b], landing[b].bytes);
+    }
+    if (to_gpu) {
+      std::memcpy(bounce[b], in + off, n);
+      STRATA_RETURN_IF_ERROR(device->copy_async(out + off, bounce[b], n, stream));
+    } else {
+      STRATA_RETURN_IF_ERROR(device->copy_async(bounce[b], in + off, n, stream));
+      landing[b] = {off, n};
+    }
+    STRATA_ASSIGN_OR_RETURN(bounce_events[b], device->record(stream));
+  }
+  for (int b = 0; b < kBounceSlots; ++b) {
+    if (bounce_events[b] == nullptr) continue;
+    STRATA_RETURN_IF_ERROR(device->synchronize(bounce_events[b]));
+    device->release(bounce_events[b]);
+    bounce_events[b] = nullptr;
+    if (!to_gpu) std::memcpy(out + landing[b].offset, bounce[b], landing[b].bytes);
+  }
+  (to_gpu ? stats.migrated_bytes_h2d : stats.migrated_bytes_d2h) +=
+      static_cast<std::int64_t>(e.bytes);
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_ptr, int slot,
+                                           EventHandle wait_first) {
+  if (e.holds > 0) {
+    return absl::FailedPreconditionError(str_cat("tensor '", e.spec.name, "' is held by ", e.holds,
+                                                 " acquire(s); release it before moving it"));
+  }
+  if (e.in_flight) {
+    return absl::FailedPreconditionError(
+        str_cat("tensor '", e.spec.name, "' is already moving to ", tier_name(e.dst.tier)));
+  }
+  if (e.loc.tier == dst_tier && slot < 0 && e.loc.slot < 0) return absl::OkStatus();
+  if (e.bytes == 0) {
+    e.loc = {dst_tier, nullptr, slot};
+    return absl::OkStatus();
+  }
+  Location dst{dst_tier, dst_ptr, slot};
+  const bool to_gpu = is_gpu(dst_tier);
+  StreamHandle stream = to_gpu ? h2d : d2h;
+  if (dst.ptr == nullptr) {
+    absl::StatusOr<void*> block =
+        allocator->allocate(dst_tier, e.bytes, {.stream = stream, .owner = e.spec.name});
+    if (!block.ok()) {
+      ++stats.failed_migrations;
+      return absl::Status(block.status().code(),
+                          str_cat("moving '", e.spec.name, "' to ", tier_name(dst_tier), ": ",
+                                  block.status().message()));
+    }
+    dst.ptr = *block;
+  }
+  auto undo = [&](const absl::Status& s) {
+    ++stats.failed_migrations;
+    if (slot < 0) (void)allocator->deallocate(dst_tier, dst.ptr);
+    return absl::Status(s.code(),
+                        str_cat("moving '", e.spec.name, "' to ", tier_name(dst_tier),
+                                " failed; it stays on ", tier_name(e.loc.tier), ": ", s.message()));
+  };
+
+  const bool pageable = e.loc.tier == Tier::kPageableHost || dst_tier == Tier::kPageableHost;
+  if (pageable) {
+    if (wait_first != nullptr) {
+      absl::Status s = device->synchronize(wait_first);
+      if (!s.ok()) return undo(s);
+    }
+    absl::Status s = bounce_copy_locked(e, dst);
+    if (!s.ok()) return undo(s);
+    // Done on the host's side; an H2D tail may still be in the stream, so complete by event.
+    absl::StatusOr<EventHandle> arrival = device->record(stream);
+    if (!arrival.ok()) return undo(arrival.status());
+    e.in_flight = true;
+    e.dst = dst;
+    e.copy_stream = stream;
+    e.arrival = *arrival;
+    in_flight.push_back(&e);
+    return absl::OkStatus();
+  }
+
+  // Note [Stream ordering] rule 2: the copy waits for every prior use of the data on the GPU, and
+  // the source stays the tensor's until the copy's event completes (finish_locked).
+  for (EventHandle r : e.ready) {
+    absl::Status s = device->stream_wait(stream, r);
+    if (!s.ok()) return undo(s);
+  }
+  if (wait_first != nullptr) {
+    absl::Status s = device->stream_wait(stream, wait_first);
+    if (!s.ok()) return undo(s);
+  }
+  absl::StatusOr<EventHandle> start = device->record_timed(stream);
+  if (!start.ok()) return undo(start.status());
+  absl::Status s = device->copy_async(dst.ptr, e.loc.ptr, e.bytes, stream);
+  if (!s.ok()) {
+    device->release_timed(*start);
+    return undo(s);
+  }
+  absl::StatusOr<EventHandle> end = device->record_timed(stream);
+  absl::StatusOr<EventHandle> arrival =
+      end.ok() ? device->record(stream) : absl::StatusOr<EventHandle>(end.status());
+  if (!arrival.ok()) {
+    // The copy is queued; without its event nobody can tell when it is done, so wait here.
+    (void)device->stream_synchronize(stream);
+    device->release_timed(*start);
+    if (end.ok()) device->release_timed(*end);
+    return undo(arrival.status());
+  }
+  for (EventHandle r : e.ready) device->release(r);
+  e.ready.clear();
+  e.in_flight = true;
+  e.dst = dst;
+  e.copy_stream = stream;
+  e.arrival = *arrival;
+  e.timed_start = *start;
+  e.timed_end = *end;
+  e.timed_h2d = to_gpu;
+  in_flight.push_back(&e);
+  (to_gpu ? stats.migrated_bytes_h2d : stats.migrated_bytes_d2h) +=
+      static_cast<std::int64_t>(e.bytes);
+  return absl::OkStatus();
+}
+
+// Makes the destination the tensor's location. With early == false the copy is known complete and
+// the source is freed at once; with early == true the copy may still run, so the source block is
+// handed back with record_stream (reused only after the copy stream passes this point) and the
+// arrival event becomes a ready event that later GPU work waits on.
+void Runtime::Impl::finish_locked(Entry& e, bool early) {
+  const Location src = e.loc;
+  if (e.timed_start != nullptr) {
+    timed.push_back({e.timed_start, e.timed_end, e.timed_h2d, e.bytes});
+    e.timed_start = e.timed_end = nullptr;
+  }
+  if (src.slot < 0 && src.ptr != nullptr) {
+    if (early) {
+      absl::Status s = allocator->record_stream(src.tier, src.ptr, e.copy_stream);
+      STRATA_CHECK(s.ok(), "record_stream on the source of '", e.spec.name, "': ", s.message());
+    }
+    free_location_locked(e, src);
+  }
+  if (early) {
+    e.ready.push_back(e.arrival);
+  } else {
+    device->release(e.arrival);
+  }
+  e.arrival = nullptr;
+  e.loc = e.dst;
+  e.in_flight = false;
+  ++e.version;
+  ++stats.num_migrations;
+  in_flight.erase(std::find(in_flight.begin(), in_flight.end(), &e));
+  if (on_moved) on_moved(e.handle, e.loc.tier, e.loc.ptr);
+}
+
+absl::Status Runtime::Impl::release_scratch_locked() {
+  for (Slot& slot : slots) {
+    if (slot.free_event != nullptr) {
+      STRATA_RETURN_IF_ERROR(device->synchronize(slot.free_event));
+      device->release(slot.free_event);
+      slot.free_event = nullptr;
+    }
+  }
+  slots.clear();
+  staged_layers.clear();
+  slot_bytes = 0;
+  staging_roles = RoleSet();
+  stats.staging_bytes = 0;
+  if (staging_memory != nullptr) {
+    STRATA_RETURN_IF_ERROR(staging_pool->deallocate(staging_memory));
+    staging_memory = nullptr;
+    if (gpu_budget != alloc::kNoBudget) {
+      STRATA_RETURN_IF_ERROR(allocator->set_budget(Tier::kGpu, gpu_budget));
+    }
+  }
+  for (std::size_t i = 0; i < bounce.size(); ++i) {
+    if (bounce_events[i] != nullptr) {
+      STRATA_RETURN_IF_ERROR(device->synchronize(bounce_events[i]));
+      device->release(bounce_events[i]);
+    }
+    STRATA_RETURN_IF_ERROR(allocator->deallocate(Tier::kPinnedHost, bounce[i]));
+  }
+  bounce.clear();
+  bounce_events.clear();
+  drain_timing_locked(/*wait=*/true);
+  return absl::OkStatus();
+}
+
+void Runtime::Impl::drain_timing_locked(bool wait) {
+  auto done = [&](EventHandle ev) {
+    if (wait) return device->synchronize(ev).ok();
+    absl::StatusOr<bool> q = device->query(ev);
+    return q.ok() && *q;
+  };
+  for (std::size_t i = 0; i < timed.size();) {
+    TimedCopy& t = timed[i];
+    if (!done(t.end)) {
+      ++i;
+      continue;
+    }
+    absl::StatusOr<double> ms = device->elapsed_ms(t.start, t.end);
+    if (ms.ok()) {
+      (t.h2d ? stats.h2d_busy_ms : stats.d2h_busy_ms) += *ms;
+      (t.h2d ? stats.timed_bytes_h2d : stats.timed_bytes_d2h) += static_cast<std::int64_t>(t.bytes);
+    }
+    device->release_timed(t.start);
+    device->release_timed(t.end);
+    timed[i] = timed.back();
+    timed.pop_back();
+  }
+  for (std::size_t i = 0; i < stalls.size();) {
+    Stall& st = stalls[i];
+    if (!done(st.end)) {
+      ++i;
+      continue;
+    }
+    absl::StatusOr<double> ms = device->elapsed_ms(st.start, st.end);
+    if (ms.ok()) stats.prefetch_stall_ns += static_cast<std::int64_t>(*ms * 1e6);
+    device->release_timed(st.start);
+    device->release_timed(st.end);
+    stalls[i] = stalls.back();
+    stalls.pop_back();
+  }
+}
+
+absl::Status Runtime::Impl::poll_locked() {
+  for (std::size_t i = 0; i < in_flight.size();) {
+    Entry* e = in_flight[i];
+    absl::StatusOr<bool> done = device->query(e->arrival);
+    if (!done.ok()) return done.status();
+    if (*done) {
+      finish_locked(*e, /*early=*/false);  // erases in_flight[i]
+    } else {
+      ++i;
+    }
+  }
+  drain_timing_locked(/*wait=*/false);
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Impl::wait_entry_locked(Entry& e) {
+  if (!e.in_flight) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(device->synchronize(e.arrival));
+  finish_locked(e, /*early=*/false);
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Impl::wait_all_locked() {
+  // Copies on one stream complete in order, so waiting for the newest arrival of each copy stream
+  // covers all of them: at most one host wait per stream, whatever the number of tensors.
+  while (!in_flight.empty()) {
+    absl::flat_hash_map<StreamHandle, EventHandle> newest;
+    for (Entry* e : in_flight) newest[e->copy_stream] = e->arrival;
+    for (const auto& [stream, event] : newest) STRATA_RETURN_IF_ERROR(device->synchronize(event));
+    STRATA_RETURN_IF_ERROR(poll_locked());
+  }
+  drain_timing_locked(/*wait=*/false);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Runtime::~Runtime() = default;
+
+absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
+                                                         const PolicyRegistry& policies) {
+  auto impl = std::make_unique<Impl>();
+  impl->choice = choose_policy_name(options.policy);
+  absl::StatusOr<std::unique_ptr<ResidencyPolicy>> policy =
+      policies.create(impl->choice.name, options.policy_config);
+  if (!policy.ok()) {
+    return absl::Status(
+        policy.status().code(),
+        str_cat(policy.status().message(), " (policy chosen by ", impl->choice.source, ")"));
+  }
+  impl->policy = std::move(*policy);
+
+  if (options.device_override != nullptr) {
+    impl->device = std::move(options.device_override);
+  } else {
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, make_device(options.device));
+    impl->device = std::move(device);
+  }
+  alloc::AllocatorOptions& a = options.allocator;
+  a.device =
+      impl->device->is_simulated() ? alloc::DeviceBackend::kSimulated : alloc::DeviceBackend::kCuda;
+  a.stream_ops = impl->device;
+  impl->gpu_budget = a.budgets[alloc::tier_index(Tier::kGpu)];
+  std::unique_ptr<alloc::Upstream> staging_upstream;
+  if (impl->device->is_simulated()) {
+    staging_upstream = alloc::make_simulated_device_upstream(a.simulated_device);
+  } else {
+    STRATA_ASSIGN_OR_RETURN(staging_upstream, alloc::make_cuda_device_upstream(a.cuda_device));
+  }
+  const bool tracking = a.track_allocations;
+  STRATA_ASSIGN_OR_RETURN(impl->allocator, alloc::TieredAllocator::create(std::move(a)));
+  impl->staging_pool =
+      std::make_unique<alloc::BlockPool>(alloc::PoolConfig{Tier::kGpu, impl->gpu_budget, tracking},
+                                         std::move(staging_upstream), impl->device);
+  STRATA_ASSIGN_OR_RETURN(impl->h2d, impl->device->create_stream());
+  STRATA_ASSIGN_OR_RETURN(impl->d2h, impl->device->create_stream());
+  STRATA_ASSIGN_OR_RETURN(impl->compute, impl->device->create_stream());
+  return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
+}
+
+absl::StatusOr<TensorHandle> Runtime::register_tensor(const TensorSpec& spec, const void* data) {
+  TensorHandle handle;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (spec.name.empty()) return absl::InvalidArgumentError("register_tensor: empty name");
+    if (spec.layer < 0) {
+      return absl::InvalidArgumentError(
+          str_cat("register_tensor '", spec.name, "': layer ", spec.layer, " is negative"));
+    }
+    if (impl_->by_name.count(spec.name) > 0) {
+      return absl::AlreadyExistsError(
+          str_cat("register_tensor: a tensor named '", spec.name, "' is registered already"));
+    }
+    STRATA_ASSIGN_OR_RETURN(std::size_t bytes, spec_bytes(spec));
+    const Tier tier = impl_->policy->placement(spec);
+    void* ptr = nullptr;
+    if (bytes > 0) {
+      absl::StatusOr<void*> block = impl_->allocator->allocate(tier, bytes, {.owner = spec.name});
+      if (!block.ok()) {
+        return absl::Status(block.status().code(), str_cat("register_tensor '", spec.name,
+                                                           "': ", block.status().message()));
+      }
+      ptr = *block;
+      absl::Status filled;
+      if (data != nullptr) {
+        filled = impl_->host_copy_locked(ptr, data, bytes);
+      } else {
+        std::vector<std::byte> zeros(std::min(bytes, kBounceChunkBytes));
+        for (std::size_t off = 0; off < bytes && filled.ok(); off += zeros.size()) {
+          filled = impl_->host_copy_locked(static_cast<std::byte*>(ptr) + off, zeros.data(),
+                                           std::min(zeros.size(), bytes - off));
+        }
+      }
+      if (!filled.ok()) {
+        (void)impl_->allocator->deallocate(tier, ptr);
+        return filled;
+      }
+    }
+    auto entry = std::make_unique<Impl::Entry>();
+    entry->handle = {impl_->next_id++};
+    entry->spec = spec;
+    entry->bytes = bytes;
+    entry->loc = {tier, ptr, -1};
+    handle = entry->handle;
+    impl_->by_id[handle.id] = entry.get();
+    impl_->by_name[spec.name] = entry.get();
+    impl_->entries.push_back(std::move(entry));
+  }
+  absl::Status s = impl_->policy->on_register(*this, handle);
+  if (!s.ok()) {
+    (void)unregister(handle);
+    return s;
+  }
+  return handle;
+}
+
+absl::Status Runtime::unregister(TensorHandle tensor) {
+  absl::MutexLock lock(&impl_->mu);
+  STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
+  if (e->holds > 0) {
+    return absl::FailedPreconditionError(str_cat("unregister '", e->spec.name, "': held by ",
+                                                 e->holds, " acquire(s); release it first"));
+  }
+  STRATA_RETURN_IF_ERROR(impl_->wait_entry_locked(*e));
+  STRATA_RETURN_IF_ERROR(impl_->wait_ready_on_host_locked(*e));
+  if (e->loc.slot >= 0) {
+    auto& occ = impl_->slots[e->loc.slot].occupants;
+    occ.erase(std::remove(occ.begin(), occ.end(), e), occ.end());
+  }
+  if (e->bytes > 0) impl_->free_location_locked(*e, e->loc);
+  impl_->by_id.erase(tensor.id);
+  impl_->by_name.erase(e->spec.name);
+  auto it = std::find_if(impl_->entries.begin(), impl_->entries.end(),
+                         [e](const auto& p) { return p.get() == e; });
+  impl_->entries.erase(it);
+  // With nothing registered the runtime holds no memory of its own either, so a leak report taken
+  // now is empty.
+  if (impl_->entries.empty()) STRATA_RETURN_IF_ERROR(impl_->release_scratch_locked());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorInfo> Runtime::info(TensorHandle tensor) const {
+  absl::MutexLock lock(&impl_->mu);
+  STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
+  TensorInfo out;
+  out.spec = e->spec;
+  out.bytes = e->bytes;
+  out.tier = e->loc.tier;
+  out.data = e->loc.ptr;
+  out.in_flight = e->in_flight;
+  out.destination = e->in_flight ? e->dst.tier : e->loc.tier;
+  out.holds = e->holds;
+  out.staged = e->loc.slot >= 0;
+  out.destination_staged = e->in_flight && e->dst.slot >= 0;
+  out.version = e->version;
+  return out;
+}
+
+absl::StatusOr<TensorHandle> Runtime::find(std::string_view name) const {
+  absl::MutexLock lock(&impl_->mu);
+  auto it = impl_->by_name.find(name);
+  if (it == impl_->by_name.end()) {
+    return absl::NotFoundError(str_cat("no tensor named '", name, "' is registered"));
+  }
+  return it->second->handle;
+}
+
+std::vector<TensorHandle> Runtime::tensors() const {
+  absl::MutexLock lock(&impl_->mu);
+  std::vector<TensorHandle> out;
+  for (const auto& e : impl_->entries) out.push_back(e->handle);
+  return out;
+}
+
+std::vector<TensorHandle> Runtime::layer_tensors(int layer, RoleSet roles) const {
+  absl::MutexLock lock(&impl_->mu);
+  std::vector<TensorHandle> out;
+  for (Impl::Entry* e : impl_->layer_entries_locked(layer, roles)) out.push_back(e->handle);
+  return out;
+}
+
+std::vector<int> Runtime::layers() const {
+  absl::MutexLock lock(&impl_->mu);
+  std::vector<int> out;
+  for (const auto& e : impl_->entries) out.push_back(e->spec.layer);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::size_t Runtime::layer_bytes(int layer, RoleSet roles) const {
+  absl::MutexLock lock(&impl_->mu);
+  std::size_t total = 0;
+  for (Impl::Entry* e : impl_->layer_entries_locked(layer, roles)) total += e->bytes;
+  return total;
+}
+
+absl::Status Runtime::read(TensorHandle tensor, void* host_dst) {
+  absl::MutexLock lock(&impl_->mu);
+  STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
+  STRATA_RETURN_IF_ERROR(impl_->wait_entry_locked(*e));
+  STRATA_RETURN_IF_ERROR(impl_->wait_ready_on_host_locked(*e));
+  if (e->bytes == 0) return absl::OkStatus();
+  return impl_->host_copy_locked(host_dst, e->loc.ptr, e->bytes);
+}
+
+absl::Status Runtime::write(TensorHandle tensor, const void* host_src) {
+  absl::MutexLock lock(&impl_->mu);
+  STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
+  if (e->holds > 0) {
+    return absl::FailedPreconditionError(
+        str_cat("write '", e->spec.name, "': held by ", e->holds, " acquire(s)"));
+  }
+  STRATA_RETURN_IF_ERROR(impl_->wait_entry_locked(*e));
+  STRATA_RETURN_IF_ERROR(impl_->wait_ready_on_host_locked(*e));
+  if (e->bytes == 0) return absl::OkStatus();
+  return impl_->host_copy_locked(e->loc.ptr, host_src, e->bytes);
+}
+
+absl::Status Runtime::migrate(TensorHandle tensor, Tier dst) {
+  absl::MutexLock lock(&impl_->mu);
+  STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
+  if (e->loc.slot >= 0) {
+    return absl::FailedPreconditionError(str_cat("tensor '", e->spec.name, "' is staged (layer ",
+                                                 e->spec.layer, "); unstage_layer first"));
+  }
+  return impl_->migrate_locked(*e, dst, nullptr, -1, nullptr);
+}
+
+absl::Status Runtime::poll() {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->poll_locked();
+}
+
+absl::Status Runtime::wait_all() {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->wait_all_locked();
+}
+
+absl::Status Runtime::configure_staging(int slots, RoleSet roles) {
+  absl::MutexLock lock(&impl_->mu);
+  if (slots < 1) {
+    return absl::InvalidArgumentError(str_cat("configure_staging: ", slots, " slots; need >= 1"));
+  }
+  if (!impl_->staged_layers.empty()) {
+    return absl::FailedPreconditionError("configure_staging while layers are staged");
+  }
+  std::map<int, std::size_t> per_layer;
+  for (const auto& e : impl_->entries) {
+    if (roles.contains(e->spec.role)) {
+      per_layer[e->spec.layer] += align_up(e->bytes, kStagingAlignment);
+    }
+  }
+  std::size_t largest = 0;
+  for (const auto& [layer, bytes] : per_layer) largest = std::max(largest, bytes);
+  if (largest == impl_->slot_bytes && roles == impl_->staging_roles &&
+      static_cast<int>(impl_->slots.size()) == slots) {
+    return absl::OkStatus();
+  }
+  const std::size_t total = largest * static_cast<std::size_t>(slots);
+  if (impl_->gpu_budget != alloc::kNoBudget && total > impl_->gpu_budget) {
+    return absl::InvalidArgumentError(str_cat("the GPU budget (", format_bytes(impl_->gpu_budget),
+                                              ") is smaller than the staging area: ", slots,
+                                              " slots of the largest layer's ", roles.to_string(),
+                                              " (", format_bytes(largest), " each, ",
+                                              format_bytes(total), " in all)"));
+  }
+  for (Impl::Slot& s : impl_->slots) {
+    if (s.free_event != nullptr) {
+      STRATA_RETURN_IF_ERROR(impl_->device->synchronize(s.free_event));
+      impl_->device->release(s.free_event);
+    }
+  }
+  if (impl_->staging_memory != nullptr) {
+    STRATA_RETURN_IF_ERROR(impl_->staging_pool->deallocate(impl_->staging_memory));
+    impl_->staging_memory = nullptr;
+  }
+  impl_->slots.clear();
+  impl_->slot_bytes = largest;
+  impl_->staging_roles = roles;
+  impl_->next_slot = 0;
+  impl_->stats.staging_bytes = static_cast<std::int64_t>(total);
+  if (total == 0) return absl::OkStatus();
+  absl::StatusOr<void*> memory =
+      impl_->staging_pool->allocate(total, {.stream = impl_->h2d, .owner = "runtime.staging"});
+  if (!memory.ok()) {
+    impl_->slot_bytes = 0;
+    impl_->stats.staging_bytes = 0;
+    return memory.status();
+  }
+  impl_->staging_memory = *memory;
+  if (impl_->gpu_budget != alloc::kNoBudget) {
+    // The main GPU pool and the staging area share the GPU budget.
+    // A pool budget must be > 0; a staging area that takes the whole budget leaves the main pool
+    // one byte, which no allocation fits.
+    STRATA_RETURN_IF_ERROR(impl_->allocator->set_budget(
+        Tier::kGpu, std::max<std::size_t>(impl_->gpu_budget - total, 1)));
+  }
+  impl_->slots.resize(slots);
+  for (int i = 0; i < slots; ++i) {
+    impl_->slots[i].base = static_cast<std::byte*>(*memory) + largest * i;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::stage_layer(int layer) {
+  absl::MutexLock lock(&impl_->mu);
+  if (impl_->staged_layers.count(layer) > 0) return absl::OkStatus();
+  std::vector<Impl::Entry*> members = impl_->layer_entries_locked(layer, impl_->staging_roles);
+  std::size_t need = 0;
+  for (Impl::Entry* e : members) need += align_up(e->bytes, kStagingAlignment);
+  if (need == 0) return absl::OkStatus();
+  if (need > impl_->slot_bytes) {
+    return absl::FailedPreconditionError(
+        str_cat("stage_layer ", layer, ": needs ", format_bytes(need), " but staging slots hold ",
+                format_bytes(impl_->slot_bytes), "; call configure_staging after registering"));
+  }
+  Impl::Slot& slot = impl_->slots[impl_->next_slot];
+  if (slot.layer >= 0) {
+    return absl::ResourceExhaustedError(str_cat("stage_layer ", layer, ": no free staging slot (",
+                                                impl_->slots.size(), " hold layers"));
+  }
+  for (Impl::Entry* e : members) {
+    if (e->holds > 0) {
+      return absl::FailedPreconditionError(
+          str_cat("stage_layer ", layer, ": tensor '", e->spec.name, "' is held"));
+    }
+  }
+  for (Impl::Entry* e : members) {
+    // Still being written back from the last step: chain on the GPU instead of waiting here.
+    if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);
+  }
+  const int index = impl_->next_slot;
+  std::size_t off = 0;
+  for (Impl::Entry* e : members) {
+    if (e->loc.tier == Tier::kGpu) continue;  // already on the GPU in the main pool
+    absl::Status s = impl_->migrate_locked(*e, Tier::kGpu, slot.base + off, index, slot.free_event);
+    if (!s.ok()) {
+      // Keep what is queued: the layer counts as staged with the tensors moved so far, so
+      // unstage_layer brings them home; the failed tensor stays where it was.
+      slot.layer = layer;
+      impl_->staged_layers[layer] = index;
+      impl_->next_slot = (impl_->next_slot + 1) % static_cast<int>(impl_->slots.size());
+      return s;
+    }
+    e->rest_tier = e->loc.tier;
+    slot.occupants.push_back(e);
+    off += align_up(e->bytes, kStagingAlignment);
+  }
+  if (slot.free_event != nullptr) {
+    impl_->device->release(slot.free_event);
+    slot.free_event = nullptr;
+  }
+  slot.layer = layer;
+  impl_->staged_layers[layer] = index;
+  impl_->next_slot = (impl_->next_slot + 1) % static_cast<int>(impl_->slots.size());
+  impl_->staged_now += static_cast<std::int64_t>(off);
+  impl_->stats.staged_peak_bytes = std::max(impl_->stats.staged_peak_bytes, impl_->staged_now);
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::unstage_layer(int layer) {
+  absl::MutexLock lock(&impl_->mu);
+  auto it = impl_->staged_layers.find(layer);
+  if (it == impl_->staged_layers.end()) return absl::OkStatus();
+  Impl::Slot& slot = impl_->slots[it->second];
+  std::size_t bytes = 0;
+  for (Impl::Entry* e : slot.occupants) {
+    if (e->holds > 0) {
+      return absl::FailedPreconditionError(
+          str_cat("unstage_layer ", layer, ": tensor '", e->spec.name, "' is still held"));
+    }
+  }
+  for (Impl::Entry* e : slot.occupants) {
+    if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);  // still arriving: chain on GPU
+    STRATA_RETURN_IF_ERROR(impl_->migrate_locked(*e, e->rest_tier, nullptr, -1, nullptr));
+    bytes += align_up(e->bytes, kStagingAlignment);
+  }
+  // The slot may be refilled once the copies just queued have read it: an event on the D2H stream
+  // (pageable write-backs completed on the host already).
+  STRATA_ASSIGN_OR_RETURN(slot.free_event, impl_->device->record(impl_->d2h));
+  slot.occupants.clear();
+  slot.layer = -1;
+  impl_->staged_layers.erase(it);
+  impl_->staged_now -= static_cast<std::int64_t>(bytes);
+  return absl::OkStatus();
+}
+
+bool Runtime::is_staged(int layer) const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->staged_layers.count(layer) > 0;
+}
+
+absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHandle stream) {
+  absl::MutexLock lock(&impl_->mu);
+  STRATA_RETURN_IF_ERROR(impl_->poll_locked());
+  STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
+  Device& dev = *impl_->device;
+  if (!e->in_flight && e->loc.tier != tier) {
+    if (e->loc.slot >= 0) {
+      return absl::FailedPreconditionError(str_cat("acquire '", e->spec.name, "' on ",
+                                                   tier_name(tier), ": it is staged on the GPU"));
+    }
+    if (e->holds > 0) {
+      return absl::FailedPreconditionError(str_cat("acquire '", e->spec.name, "' on ",
+                                                   tier_name(tier), ": it is held on ",
+                                                   tier_name(e->loc.tier)));
+    }
+    STRATA_RETURN_IF_ERROR(impl_->migrate_locked(*e, tier, nullptr, -1, nullptr));
+  }
+  if (e->in_flight) {
+    if (e->dst.tier != tier) {
+      return absl::FailedPreconditionError(str_cat("acquire '", e->spec.name, "' on ",
+                                                   tier_name(tier), ": it is moving to ",
+                                                   tier_name(e->dst.tier)));
+    }
+    STRATA_ASSIGN_OR_RETURN(bool arrived, dev.query(e->arrival));
+    if (arrived) {
+      impl_->finish_locked(*e, /*early=*/false);
+    } else {
+      // The compute stream waits on the GPU; how long is measured between two timing events.
+      ++impl_->stats.prefetch_waits;
+      STRATA_ASSIGN_OR_RETURN(EventHandle before, dev.record_timed(stream));
+      STRATA_RETURN_IF_ERROR(dev.stream_wait(stream, e->arrival));
+      STRATA_ASSIGN_OR_RETURN(EventHandle after, dev.record_timed(stream));
+      impl_->stalls.push_back({before, after});
+      ++e->holds;
+      return e->dst.ptr;
+    }
+  }
+  ++impl_->stats.prefetch_hits;
+  for (EventHandle r : e->ready) STRATA_RETURN_IF_ERROR(dev.stream_wait(stream, r));
+  ++e->holds;
+  return e->loc.ptr;
+}
+
+absl::Status Runtime::release(TensorHandle tensor, StreamHandle stream) {
+  absl::MutexLock lock(&impl_->mu);
+  STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
+  if (e->holds == 0) {
+    return absl::FailedPreconditionError(
+        str_cat("release '", e->spec.name, "': it is not acquired"));
+  }
+  STRATA_ASSIGN_OR_RETURN(EventHandle done, impl_->device->record(stream));
+  // Everything the tensor waited on is behind this event now.
+  for (EventHandle r : e->ready) impl_->device->release(r);
+  e->ready.clear();
+  e->ready.push_back(done);
+  --e->holds;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<void*>> Runtime::acquire_layer(int layer, RoleSet roles, Tier tier,
+                                                          StreamHandle stream) {
+  std::vector<TensorHandle> members = layer_tensors(layer, roles);
+  std::vector<void*> out;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    absl::StatusOr<void*> p = acquire(members[i], tier, stream);
+    if (!p.ok()) {
+      for (std::size_t j = 0; j < i; ++j) (void)release(members[j], stream);
+      return p.status();
+    }
+    out.push_back(*p);
+  }
+  return out;
+}
+
+absl::Status Runtime::release_layer(int layer, RoleSet roles, StreamHandle stream) {
+  for (TensorHandle h : layer_tensors(layer, roles)) STRATA_RETURN_IF_ERROR(release(h, stream));
+  return impl_->policy->on_layer_released(*this, layer);
+}
+
+absl::Status Runtime::begin_step() {
+  STRATA_RETURN_IF_ERROR(poll());
+  return impl_->policy->on_begin_step(*this);
+}
+absl::Status Runtime::end_step() {
+  STRATA_RETURN_IF_ERROR(poll());
+  return impl_->policy->on_end_step(*this);
+}
+absl::Status Runtime::before_forward(int layer) {
+  STRATA_RETURN_IF_ERROR(poll());
+  return impl_->policy->on_before_forward(*this, layer);
+}
+absl::Status Runtime::after_backward(int layer) {
+  STRATA_RETURN_IF_ERROR(poll());
+  return impl_->policy->on_after_backward(*this, layer);
+}
+absl::Status Runtime::begin_optimizer_step() {
+  STRATA_RETURN_IF_ERROR(poll());
+  return impl_->policy->on_begin_optimizer_step(*this);
+}
+absl::Status Runtime::end_optimizer_step() {
+  STRATA_RETURN_IF_ERROR(impl_->policy->on_end_optimizer_step(*this));
+  return poll();
+}
+absl::Status Runtime::offload_all() {
+  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(impl_->policy->on_offload_all(*this));
+  return wait_all();
+}
+absl::Status Runtime::reload_all() {
+  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(impl_->policy->on_reload_all(*this));
+  return wait_all();
+}
+
+std::vector<int> Runtime::optimizer_layer_order() const {
+  return impl_->policy->optimizer_layer_order(*this);
+}
+
+void Runtime::set_on_moved(std::function<void(TensorHandle, Tier, void*)> fn) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->on_moved = std::move(fn);
+}
+
+RuntimeStats Runtime::stats() const {
+  absl::MutexLock lock(&impl_->mu);
+  RuntimeStats s = impl_->stats;
+  s.host_syncs = impl_->device->host_syncs();
+  return s;
+}
+
+alloc::TieredAllocator& Runtime::allocator() { return *impl_->allocator; }
+Device& Runtime::device() { return *impl_->device; }
+const ResidencyPolicy& Runtime::policy() const { return *impl_->policy; }
+const PolicyChoice& Runtime::policy_choice() const { return impl_->choice; }
+StreamHandle Runtime::compute_stream() const { return impl_->compute; }
+
+}  // namespace strata::rt

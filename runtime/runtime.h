@@ -1,0 +1,185 @@
+// runtime/runtime.h: the tiering runtime: registry, migration engine, residency guards, staging
+// and the hooks a training loop calls, driven by a ResidencyPolicy chosen at startup.
+//
+// The runtime owns every registered tensor's storage. Migrations are asynchronous: a copy is queued
+// on a dedicated H2D or D2H stream (the two directions run at once), completion is tracked by
+// events, and the source is released only once the copy's event completed, so until then the tensor
+// reads from the source and a failed migration leaves it there bit for bit. acquire() makes a
+// compute stream wait for the data (the host does not) and holds the tensor where it is until
+// release(). Nothing here waits on the host in steady state; host waits are counted in
+// RuntimeStats::host_syncs.
+//
+// Note [Staging ring]: streamed tensors (layer_prefetch's optimizer states) come to the GPU into a
+// ring of slots, each the size of the largest staged layer, from a GPU pool kept apart from the
+// main one, so streaming never fragments the pool that serves forward and backward. A slot is
+// refilled by an H2D copy that waits, on the GPU, for the D2H copies that emptied it: no host wait,
+// and the GPU never holds more than `slots` layers of staged data.
+//
+// Pageable host memory is never streamed directly: copies to and from it go through pinned bounce
+// buffers in pieces of kBounceChunkBytes, and those migrations wait on the host (counted).
+//
+// Not thread-safe beyond what one mutex gives: every public call takes it.
+//
+// Example (a training step under any policy):
+//   STRATA_ASSIGN_OR_RETURN(auto rt, Runtime::create(std::move(options), builtin_policies()));
+//   STRATA_ASSIGN_OR_RETURN(TensorHandle m, rt->register_tensor(spec, host_values));
+//   STRATA_RETURN_IF_ERROR(rt->begin_step());
+//   for (int l : layers) STRATA_RETURN_IF_ERROR(rt->before_forward(l));   // ...forward...
+//   for (int l : reversed) STRATA_RETURN_IF_ERROR(rt->after_backward(l)); // ...backward...
+//   STRATA_RETURN_IF_ERROR(rt->begin_optimizer_step());
+//   for (int l : rt->optimizer_layer_order()) {
+//     STRATA_ASSIGN_OR_RETURN(auto ptrs, rt->acquire_layer(l, kStates, Tier::kGpu, stream));
+//     ...enqueue the Adam kernel on stream...
+//     STRATA_RETURN_IF_ERROR(rt->release_layer(l, kStates, stream));
+//   }
+//   STRATA_RETURN_IF_ERROR(rt->end_optimizer_step());
+//   STRATA_RETURN_IF_ERROR(rt->end_step());
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "allocator/tiered_allocator.h"
+#include "runtime/device.h"
+#include "runtime/policy.h"
+#include "runtime/tensor.h"
+
+namespace strata::rt {
+
+inline constexpr std::size_t kBounceChunkBytes = std::size_t{16} << 20;
+inline constexpr int kBounceSlots = 2;
+
+struct RuntimeOptions {
+  // See choose_policy_name: this, else --strata_policy, else STRATA_POLICY, else the default.
+  std::optional<std::string> policy;
+  PolicyConfig policy_config;
+  DeviceKind device = DeviceKind::kAuto;
+  // Allocator settings (budgets, tracking, pinned method). Its device backend follows `device`.
+  alloc::AllocatorOptions allocator;
+  // Tests: use this device (e.g. a deferred SimulatedDevice) instead of making one.
+  std::unique_ptr<Device> device_override;
+};
+
+struct RuntimeStats {
+  std::int64_t migrated_bytes_h2d = 0;  // queued host -> GPU
+  std::int64_t migrated_bytes_d2h = 0;  // queued GPU -> host
+  std::int64_t migrated_bytes_h2h = 0;  // pinned <-> pageable
+  std::int64_t num_migrations = 0;      // completed
+  std::int64_t failed_migrations = 0;   // refused or failed, tensor left at its source
+  double h2d_busy_ms = 0;               // time the H2D stream spent copying (completed copies)
+  double d2h_busy_ms = 0;
+  std::int64_t timed_bytes_h2d = 0;  // bytes of the copies behind h2d_busy_ms
+  std::int64_t timed_bytes_d2h = 0;
+  std::int64_t prefetch_hits = 0;      // acquire found the data already there
+  std::int64_t prefetch_waits = 0;     // acquire made the compute stream wait for a copy
+  std::int64_t prefetch_stall_ns = 0;  // how long compute streams waited (measured on the GPU)
+  std::int64_t host_syncs = 0;         // host waits on the device
+  std::int64_t staging_bytes = 0;      // bytes of the staging ring
+  std::int64_t staged_peak_bytes = 0;  // most bytes of staged tensors on the GPU at once
+  double h2d_gbps() const { return h2d_busy_ms > 0 ? timed_bytes_h2d / h2d_busy_ms / 1e6 : 0; }
+  double d2h_gbps() const { return d2h_busy_ms > 0 ? timed_bytes_d2h / d2h_busy_ms / 1e6 : 0; }
+};
+
+class Runtime {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Runtime>> create(
+      RuntimeOptions options, const PolicyRegistry& policies);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // --- registry ---
+  // Takes `data` (spec bytes, host or device memory, or null for zeros) into storage the runtime
+  // owns, placed by the policy. kAlreadyExists for a name taken; kInvalidArgument for a bad spec.
+  [[nodiscard]] absl::StatusOr<TensorHandle> register_tensor(const TensorSpec& spec,
+                                                             const void* data = nullptr);
+  // Waits for a migration in flight, then frees the storage. kNotFound for an unknown handle,
+  // kFailedPrecondition while held.
+  [[nodiscard]] absl::Status unregister(TensorHandle tensor);
+  [[nodiscard]] absl::StatusOr<TensorInfo> info(TensorHandle tensor) const;
+  [[nodiscard]] absl::StatusOr<TensorHandle> find(std::string_view name) const;
+  // Registration order.
+  std::vector<TensorHandle> tensors() const;
+  std::vector<TensorHandle> layer_tensors(int layer, RoleSet roles) const;
+  // Distinct layer indices, ascending.
+  std::vector<int> layers() const;
+  // Bytes of a layer's tensors of `roles`.
+  std::size_t layer_bytes(int layer, RoleSet roles) const;
+
+  // --- data access (waits on the host: for initialization, checkpoints and tests) ---
+  [[nodiscard]] absl::Status read(TensorHandle tensor, void* host_dst);
+  [[nodiscard]] absl::Status write(TensorHandle tensor, const void* host_src);
+
+  // --- migration engine ---
+  // Queues a move of the tensor into `dst`'s main pool; returns at once. A no-op when already
+  // there. kFailedPrecondition while held or in flight; kResourceExhausted (tensor unchanged) when
+  // `dst` has no room.
+  [[nodiscard]] absl::Status migrate(TensorHandle tensor, Tier dst);
+  // Completes migrations whose copies finished (frees sources, updates placement). Never waits.
+  [[nodiscard]] absl::Status poll();
+  // Waits (on the host) until no migration is in flight.
+  [[nodiscard]] absl::Status wait_all();
+
+  // --- staging (Note [Staging ring]) ---
+  // Sizes the ring: `slots` slots, each the largest layer's bytes of `roles`. kInvalidArgument when
+  // it does not fit the GPU budget.
+  [[nodiscard]] absl::Status configure_staging(int slots, RoleSet roles);
+  // Queues the layer's tensors of the staging roles into the next free slot.
+  // kResourceExhausted when no slot is free.
+  [[nodiscard]] absl::Status stage_layer(int layer);
+  // Queues the layer's staged tensors back to their home tier; the slot becomes reusable on the
+  // GPU once those copies are done.
+  [[nodiscard]] absl::Status unstage_layer(int layer);
+  bool is_staged(int layer) const;
+
+  // --- residency guards ---
+  // The tensor's address on `tier` for work on `stream`: the stream waits for any copy bringing it
+  // there; a tensor elsewhere is moved first. The tensor does not move until release().
+  [[nodiscard]] absl::StatusOr<void*> acquire(TensorHandle tensor, Tier tier, StreamHandle stream);
+  // Work queued on `stream` so far may use the tensor; later moves wait for it.
+  [[nodiscard]] absl::Status release(TensorHandle tensor, StreamHandle stream);
+  // acquire / release for every tensor of a layer with a role in `roles`, in layer_tensors order.
+  [[nodiscard]] absl::StatusOr<std::vector<void*>> acquire_layer(int layer, RoleSet roles,
+                                                                 Tier tier, StreamHandle stream);
+  [[nodiscard]] absl::Status release_layer(int layer, RoleSet roles, StreamHandle stream);
+
+  // --- hooks ---
+  [[nodiscard]] absl::Status begin_step();
+  [[nodiscard]] absl::Status end_step();
+  [[nodiscard]] absl::Status before_forward(int layer);
+  [[nodiscard]] absl::Status after_backward(int layer);
+  [[nodiscard]] absl::Status begin_optimizer_step();
+  [[nodiscard]] absl::Status end_optimizer_step();
+  // Phase switches: every tensor of the policy's roles to host memory and back. Both return once
+  // the data is in place (one host wait each).
+  [[nodiscard]] absl::Status offload_all();
+  [[nodiscard]] absl::Status reload_all();
+  std::vector<int> optimizer_layer_order() const;
+
+  // Called (on the host, inside poll) when a tensor's data has moved, with its new address.
+  void set_on_moved(std::function<void(TensorHandle, Tier, void*)> fn);
+
+  RuntimeStats stats() const;
+  alloc::TieredAllocator& allocator();
+  Device& device();
+  const ResidencyPolicy& policy() const;
+  // Where the policy name came from (see choose_policy_name).
+  const PolicyChoice& policy_choice() const;
+  // A stream the runtime made for compute, for callers that have none of their own.
+  StreamHandle compute_stream() const;
+
+ private:
+  struct Impl;
+  explicit Runtime(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata::rt

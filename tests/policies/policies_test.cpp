@@ -1,0 +1,269 @@
+// Policy tests on the simulated device: a timeline per policy (which tier every tensor is on at
+// every hook), the staging peak of layer_prefetch, state integrity with copy streams delayed at
+// random (deferred device), and D1 of RELIABILITY.md for every tier pair.
+#include <map>
+#include <random>
+#include <string>
+
+#include "tests/runtime/runtime_test_util.h"
+
+namespace strata::rt {
+namespace {
+
+using testing::make_runtime;
+using testing::read_all;
+using testing::spec;
+using testing::special_payload;
+
+constexpr int kLayers = 3;
+
+// "G" main GPU pool, "S" staged on the GPU, "P" pinned, "H" pageable; "*" while in flight.
+std::string where(Runtime& rt) {
+  EXPECT_TRUE(rt.poll().ok());
+  std::string out;
+  for (TensorHandle h : rt.tensors()) {
+    TensorInfo i = *rt.info(h);
+    if (!out.empty()) out += ' ';
+    const Tier t = i.in_flight ? i.destination : i.tier;
+    const bool staged = i.in_flight ? i.destination_staged : i.staged;
+    out += staged ? "S" : (t == Tier::kGpu ? "G" : (t == Tier::kPinnedHost ? "P" : "H"));
+    if (i.in_flight) out += '*';
+  }
+  return out;
+}
+
+void register_model(Runtime& rt, std::size_t numel = 1000) {
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".w"), l, Role::kParameter, numel)).ok());
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".m"), l, Role::kExpAvg, numel)).ok());
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".v"), l, Role::kExpAvgSq, numel)).ok());
+  }
+}
+
+// One training step through every hook; returns "hook: placement" lines.
+std::vector<std::string> timeline(Runtime& rt) {
+  std::vector<std::string> out;
+  auto snap = [&](const std::string& hook) { out.push_back(hook + ": " + where(rt)); };
+  StreamHandle s = rt.compute_stream();
+  EXPECT_TRUE(rt.begin_step().ok());
+  snap("begin_step");
+  for (int l = 0; l < kLayers; ++l) EXPECT_TRUE(rt.before_forward(l).ok());
+  snap("forward");
+  for (int l = kLayers - 1; l >= 0; --l) EXPECT_TRUE(rt.after_backward(l).ok());
+  snap("backward");
+  EXPECT_TRUE(rt.begin_optimizer_step().ok());
+  snap("begin_optimizer_step");
+  for (int l : rt.optimizer_layer_order()) {
+    EXPECT_TRUE(rt.acquire_layer(l, RoleSet::optimizer_states(), Tier::kGpu, s).ok());
+    EXPECT_TRUE(rt.release_layer(l, RoleSet::optimizer_states(), s).ok());
+    snap(str_cat("release_layer ", l));
+  }
+  EXPECT_TRUE(rt.end_optimizer_step().ok());
+  snap("end_optimizer_step");
+  EXPECT_TRUE(rt.end_step().ok());
+  snap("end_step");
+  EXPECT_TRUE(rt.offload_all().ok());
+  snap("offload_all");
+  EXPECT_TRUE(rt.reload_all().ok());
+  snap("reload_all");
+  return out;
+}
+
+TEST(TimelineTest, KeepOnGpu) {
+  auto [rt, dev] = make_runtime("keep_on_gpu");
+  register_model(*rt);
+  const std::string all_gpu = "G G G G G G G G G";
+  for (const std::string& line : timeline(*rt)) {
+    EXPECT_EQ(line.substr(line.find(": ") + 2), all_gpu) << line;
+  }
+  EXPECT_EQ(rt->stats().num_migrations, 0);
+}
+
+TEST(TimelineTest, BulkMovesStatesAtPhaseSwitchesOnly) {
+  auto [rt, dev] = make_runtime("bulk");
+  register_model(*rt);
+  std::vector<std::string> got = timeline(*rt);
+  std::vector<std::string> want = {
+      "begin_step: G G G G G G G G G",      "forward: G G G G G G G G G",
+      "backward: G G G G G G G G G",        "begin_optimizer_step: G G G G G G G G G",
+      "release_layer 0: G G G G G G G G G", "release_layer 1: G G G G G G G G G",
+      "release_layer 2: G G G G G G G G G", "end_optimizer_step: G G G G G G G G G",
+      "end_step: G G G G G G G G G",        "offload_all: G P P G P P G P P",
+      "reload_all: G G G G G G G G G",
+  };
+  EXPECT_EQ(got, want);
+}
+
+TEST(TimelineTest, BulkEveryStepMovesEverythingAroundEachStep) {
+  auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::all(), .offload_after_step = true});
+  register_model(*rt);
+  std::vector<std::string> got = timeline(*rt);
+  EXPECT_EQ(got[0], "begin_step: G G G G G G G G G");
+  EXPECT_EQ(got[8], "end_step: P P P P P P P P P");
+  EXPECT_EQ(got[9], "offload_all: P P P P P P P P P");
+  EXPECT_EQ(got[10], "reload_all: G G G G G G G G G");
+}
+
+TEST(TimelineTest, LayerPrefetchStreamsStatesThroughTheRing) {
+  auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1});
+  register_model(*rt);
+  const std::int64_t syncs = rt->stats().host_syncs;  // registration copies in on the host
+  std::vector<std::string> got = timeline(*rt);
+  std::vector<std::string> want = {
+      "begin_step: G P P G P P G P P",      "forward: G P P G P P G P P",
+      "backward: G P P G P P G P P",        "begin_optimizer_step: G S S G S S G P P",
+      "release_layer 0: G P P G S S G S S", "release_layer 1: G P P G P P G S S",
+      "release_layer 2: G P P G P P G P P", "end_optimizer_step: G P P G P P G P P",
+      "end_step: G P P G P P G P P",        "offload_all: G P P G P P G P P",
+      "reload_all: G P P G P P G P P",
+  };
+  EXPECT_EQ(got, want);
+  // offload_all and reload_all wait once each (with nothing to move under this policy).
+  EXPECT_EQ(rt->stats().host_syncs, syncs) << "a layer_prefetch step must not wait on the host";
+}
+
+TEST(TimelineTest, LayerPrefetchInFlightStatesWithADelayedDevice) {
+  // With the device deferred, copies stay queued until run: the ring's in-flight states show.
+  auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1}, /*deferred=*/true);
+  register_model(*rt);
+  StreamHandle s = rt->compute_stream();
+  ASSERT_TRUE(rt->begin_optimizer_step().ok());
+  EXPECT_EQ(where(*rt), "G S* S* G S* S* G P P");
+  ASSERT_TRUE(rt->acquire_layer(0, RoleSet::optimizer_states(), Tier::kGpu, s).ok());
+  ASSERT_TRUE(rt->release_layer(0, RoleSet::optimizer_states(), s).ok());
+  // Layer 0's fetch was chained into its write-back on the GPU; layer 2 waits for slot 0.
+  EXPECT_EQ(where(*rt), "G P* P* G S* S* G S* S*");
+  dev->run_pending();
+  EXPECT_EQ(where(*rt), "G P P G S S G S S");
+  ASSERT_TRUE(rt->end_optimizer_step().ok());
+  dev->run_pending();
+  EXPECT_EQ(where(*rt), "G P P G P P G P P");
+}
+
+TEST(StagingTest, PeakIsAtMostDepthPlusOneLayers) {
+  for (int depth : {0, 1, 2, 4}) {
+    auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = depth});
+    // Layers of different sizes; the largest is layer 3.
+    const std::size_t numel[] = {1000, 3000, 2000, 5000, 1500, 2500};
+    for (int l = 0; l < 6; ++l) {
+      ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, numel[l])).ok());
+      ASSERT_TRUE(rt->register_tensor(spec(str_cat("v", l), l, Role::kExpAvgSq, numel[l])).ok());
+    }
+    const std::size_t largest = 2 * ((5000 * 4 + 511) / 512 * 512);
+    const std::int64_t syncs = rt->stats().host_syncs;
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE(rt->begin_optimizer_step().ok());
+      for (int l : rt->optimizer_layer_order()) {
+        ASSERT_TRUE(
+            rt->acquire_layer(l, RoleSet::optimizer_states(), Tier::kGpu, rt->compute_stream())
+                .ok());
+        ASSERT_TRUE(rt->release_layer(l, RoleSet::optimizer_states(), rt->compute_stream()).ok());
+      }
+      ASSERT_TRUE(rt->end_optimizer_step().ok());
+    }
+    RuntimeStats s = rt->stats();
+    EXPECT_EQ(s.staging_bytes, static_cast<std::int64_t>((depth + 1) * largest)) << depth;
+    EXPECT_LE(s.staged_peak_bytes, static_cast<std::int64_t>((depth + 1) * largest)) << depth;
+    // The main GPU pool never held a state: streaming does not touch it.
+    EXPECT_EQ(rt->allocator().stats(Tier::kGpu).allocated_bytes.peak, 0) << depth;
+    EXPECT_EQ(s.host_syncs, syncs) << depth;
+  }
+}
+
+// C1-like on the CPU: the optimizer adds 1 to every state element each step, as a host function on
+// the compute stream, while the deferred device runs copies and compute in a random interleaving.
+// After the steps every element must equal the step count: a slot refilled before its write-back
+// finished, or a write-back that ran before the compute, would show.
+TEST(StagingTest, StatesSurviveRandomInterleavingsOfCopiesAndCompute) {
+  for (int depth : {0, 1, 2}) {
+    auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = depth}, /*deferred=*/true);
+    constexpr int kN = 777;
+    for (int l = 0; l < 5; ++l) {
+      ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, kN + l)).ok());
+      ASSERT_TRUE(rt->register_tensor(spec(str_cat("v", l), l, Role::kExpAvgSq, kN - l)).ok());
+    }
+    std::mt19937 rng(1234 + depth);
+    auto jiggle = [&] {
+      for (int i = rng() % 6; i > 0; --i) dev->run_one(reinterpret_cast<StreamHandle>(rng() % 4));
+    };
+    StreamHandle compute = rt->compute_stream();
+    constexpr int kSteps = 12;
+    for (int step = 0; step < kSteps; ++step) {
+      ASSERT_TRUE(rt->begin_optimizer_step().ok());
+      jiggle();
+      for (int l : rt->optimizer_layer_order()) {
+        absl::StatusOr<std::vector<void*>> ptrs =
+            rt->acquire_layer(l, RoleSet::optimizer_states(), Tier::kGpu, compute);
+        ASSERT_TRUE(ptrs.ok()) << ptrs.status();
+        std::vector<TensorHandle> hs = rt->layer_tensors(l, RoleSet::optimizer_states());
+        for (std::size_t i = 0; i < hs.size(); ++i) {
+          const std::size_t n = rt->info(hs[i])->bytes / 4;
+          float* f = static_cast<float*>((*ptrs)[i]);
+          ASSERT_TRUE(dev->enqueue_host(compute,
+                                        [f, n] {
+                                          for (std::size_t k = 0; k < n; ++k) f[k] += 1.0f;
+                                        })
+                          .ok());
+        }
+        jiggle();
+        ASSERT_TRUE(rt->release_layer(l, RoleSet::optimizer_states(), compute).ok());
+        jiggle();
+      }
+      ASSERT_TRUE(rt->end_optimizer_step().ok());
+      jiggle();
+    }
+    for (TensorHandle h : rt->tensors()) {
+      std::vector<unsigned char> raw = read_all(*rt, h);
+      const float* f = reinterpret_cast<const float*>(raw.data());
+      for (std::size_t k = 0; k < raw.size() / 4; ++k) {
+        ASSERT_EQ(f[k], static_cast<float>(kSteps))
+            << rt->info(h)->spec.name << "[" << k << "] depth " << depth;
+      }
+    }
+  }
+}
+
+// D1 of RELIABILITY.md: 10^4 offload/reload cycles per tier pair, payloads with NaN, +-Inf, -0 and
+// denormals, sizes 1 B, 255 B and 2^k +- 1: zero bitwise mismatches.
+TEST(D1Test, TenThousandCyclesPerTierPair) {
+  const std::pair<Tier, Tier> pairs[] = {{Tier::kGpu, Tier::kPinnedHost},
+                                         {Tier::kGpu, Tier::kPageableHost},
+                                         {Tier::kPinnedHost, Tier::kPageableHost}};
+  std::vector<std::size_t> sizes = {1, 255};
+  for (int k : {3, 8, 12, 16}) {
+    sizes.push_back((std::size_t{1} << k) - 1);
+    sizes.push_back((std::size_t{1} << k) + 1);
+  }
+  std::int64_t mismatches = 0, cycles = 0;
+  for (auto [a, b] : pairs) {
+    auto [rt, dev] = make_runtime("bulk");
+    std::vector<TensorHandle> hs;
+    std::vector<std::vector<unsigned char>> payloads;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      payloads.push_back(special_payload(sizes[i], 100 + i));
+      TensorSpec s = spec(str_cat("t", i), 0, Role::kOther, sizes[i], DType::kUInt8, a);
+      hs.push_back(*rt->register_tensor(s, payloads.back().data()));
+      if (rt->info(hs.back())->tier != a) {
+        ASSERT_TRUE(rt->migrate(hs.back(), a).ok());
+        ASSERT_TRUE(rt->wait_all().ok());
+      }
+    }
+    for (int c = 0; c < 10'000; ++c, ++cycles) {
+      for (Tier t : {b, a}) {
+        for (TensorHandle h : hs) ASSERT_TRUE(rt->migrate(h, t).ok());
+        ASSERT_TRUE(rt->wait_all().ok());
+      }
+      if (c % 1000 == 999) {
+        for (std::size_t i = 0; i < hs.size(); ++i)
+          mismatches += read_all(*rt, hs[i]) != payloads[i];
+      }
+    }
+    EXPECT_EQ(rt->stats().num_migrations, static_cast<std::int64_t>(2 * 10'000 * hs.size()));
+  }
+  std::printf("D1: %lld cycles over 3 tier pairs, %zu tensors each, %lld mismatching checks\n",
+              static_cast<long long>(cycles), sizes.size(), static_cast<long long>(mismatches));
+  EXPECT_EQ(mismatches, 0);
+}
+
+}  // namespace
+}  // namespace strata::rt

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Short table from strata_runtime_bench's JSON (medians of the repetitions when present) and the
+pass/fail of issue 3's targets:
+  - migration through the runtime >= 0.95 x raw pinned cudaMemcpyAsync, h2d, d2h and both at once
+    (ratio_to_raw = runtime gbps / raw gbps of the same run), with no segment allocation
+    (cudaMalloc, pinning) inside the timed region;
+  - bulk offload_all + reload_all of 12 GB <= 1.03 x its floor (2 x bytes / raw pinned bandwidth);
+  - no pinned segment allocation after the first cycle;
+  - pinned bytes reserved <= 1.02 x bytes held.
+Exit status 0 when every target passes, 1 otherwise (a missing or skipped benchmark fails)."""
+import json
+import statistics
+import sys
+
+DIRECTIONS = ["h2d", "d2h", "both"]
+MIN_RATIO_TO_RAW = 0.95
+MAX_RATIO_TO_FLOOR = 1.03
+MAX_RESERVED_OVER_HELD = 1.02
+
+
+class Group:
+    """Every row of one benchmark: per-repetition rows, aggregates by name, error messages."""
+
+    def __init__(self, name):
+        self.name = name
+        self.iterations = []
+        self.aggregates = {}
+        self.errors = []
+
+    def usable(self):
+        return bool(self.iterations or self.aggregates)
+
+    def value(self, counter):
+        """The median: the median aggregate when present, else the median of the repetitions."""
+        if "median" in self.aggregates and counter in self.aggregates["median"]:
+            return self.aggregates["median"][counter]
+        values = [r[counter] for r in self.iterations if counter in r]
+        return statistics.median(values) if values else None
+
+    def worst(self, counter):
+        """The largest value over the repetitions, for counters that must stay 0. With aggregates
+        only, the mean: for counts >= 0 it is above 0 exactly when some repetition was."""
+        values = [r[counter] for r in self.iterations if counter in r]
+        if values:
+            return max(values)
+        for agg in ("mean", "median"):
+            if agg in self.aggregates and counter in self.aggregates[agg]:
+                return self.aggregates[agg][counter]
+        return None
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    groups = {}
+    for b in data.get("benchmarks", []):
+        name = b.get("run_name", b["name"])
+        g = groups.setdefault(name, Group(name))
+        if b.get("error_occurred"):
+            g.errors.append(b.get("error_message", "error"))
+        elif b.get("run_type") == "aggregate":
+            g.aggregates[b.get("aggregate_name")] = b
+        else:
+            g.iterations.append(b)
+    return data.get("context", {}), groups
+
+
+def find(groups, family):
+    """The group of `family` ("BM_RawPinnedCopy/h2d"); run names go on with "/iterations:5/..."."""
+    for name, g in groups.items():
+        if name == family or name.startswith(family + "/"):
+            return g
+    return None
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def main(path):
+    ctx, groups = load(path)
+    print(f"gpu: {ctx.get('gpu')}  runtime pinned method: {ctx.get('pinned_method')}")
+    print(f"raw: {ctx.get('raw_method')}")
+    print(f"runtime: {ctx.get('runtime_timing')}")
+    verdicts = []
+
+    def verdict(label, ok, missing_reason=None):
+        if ok is None:
+            verdicts.append(False)
+            text = "MISSING" + (f" ({missing_reason})" if missing_reason else "")
+        else:
+            verdicts.append(ok)
+            text = "PASS" if ok else "FAIL"
+        print(f"  {label}: {text}")
+
+    def why_missing(*gs):
+        for fam, g in gs:
+            if g is None:
+                return f"{fam} not in the JSON"
+            if not g.usable():
+                return f"{fam} skipped: {g.errors[0] if g.errors else 'no data'}"
+        return None
+
+    print("\nmigration through the runtime vs raw pinned copies (decimal GB/s)")
+    print(f"  {'direction':<10}{'raw':>10}{'runtime':>10}{'ratio_to_raw':>14}"
+          f"{'engine h2d/d2h':>18}{'gpu/pinned segment allocs':>28}")
+    for d in DIRECTIONS:
+        raw = find(groups, f"BM_RawPinnedCopy/{d}")
+        ours = find(groups, f"BM_RuntimeMigrate/{d}")
+        raw_gbps = raw.value("gbps") if raw and raw.usable() else None
+        our_gbps = ours.value("gbps") if ours and ours.usable() else None
+        ratio = our_gbps / raw_gbps if raw_gbps and our_gbps is not None else None
+        engine = segs = "-"
+        if ours and ours.usable():
+            engine = f"{fmt(ours.value('engine_h2d_gbps'))}/{fmt(ours.value('engine_d2h_gbps'))}"
+            segs = f"{fmt(ours.worst('gpu_segment_allocs'), 'g')}/" \
+                   f"{fmt(ours.worst('pinned_segment_allocs'), 'g')}"
+        extra = ""
+        if d == "both" and raw and raw.usable():
+            extra = f"   (raw sum of directions {fmt(raw.value('sum_gbps'))})"
+        print(f"  {d:<10}{fmt(raw_gbps):>10}{fmt(our_gbps):>10}{fmt(ratio, '.3f'):>14}"
+              f"{engine:>18}{segs:>28}{extra}")
+    for d in DIRECTIONS:
+        raw = find(groups, f"BM_RawPinnedCopy/{d}")
+        ours = find(groups, f"BM_RuntimeMigrate/{d}")
+        missing = why_missing((f"BM_RawPinnedCopy/{d}", raw), (f"BM_RuntimeMigrate/{d}", ours))
+        if missing:
+            verdict(f"{d}: ratio_to_raw >= {MIN_RATIO_TO_RAW}", None, missing)
+            verdict(f"{d}: no segment allocation in the timed region", None, missing)
+            continue
+        raw_gbps, our_gbps = raw.value("gbps"), ours.value("gbps")
+        ratio = our_gbps / raw_gbps if raw_gbps else None
+        verdict(f"{d}: ratio_to_raw {fmt(ratio, '.3f')} >= {MIN_RATIO_TO_RAW}",
+                None if ratio is None else ratio >= MIN_RATIO_TO_RAW, "raw gbps is 0")
+        allocs = [ours.worst("gpu_segment_allocs"), ours.worst("pinned_segment_allocs")]
+        verdict(f"{d}: segment allocs in the timed region gpu {fmt(allocs[0], 'g')} pinned "
+                f"{fmt(allocs[1], 'g')} == 0",
+                None if None in allocs else all(a == 0 for a in allocs), "counters absent")
+
+    fam = "BM_OffloadReload/12GB"
+    g = find(groups, fam)
+    print(f"\nbulk offload_all + reload_all, 12 GB ({fam})")
+    missing = why_missing((fam, g))
+    if missing:
+        for label in (f"ratio_to_floor <= {MAX_RATIO_TO_FLOOR}", "pinned allocs after first == 0",
+                      f"pinned reserved / held <= {MAX_RESERVED_OVER_HELD}"):
+            verdict(label, None, missing)
+    else:
+        print(f"  seconds {fmt(g.value('seconds'), '.4f')}"
+              f" (offload {fmt(g.value('offload_seconds'), '.4f')}"
+              f" + reload {fmt(g.value('reload_seconds'), '.4f')}),"
+              f" {fmt(g.value('gbps'))} GB/s;"
+              f" floor {fmt(g.value('floor_seconds'), '.4f')} s from raw pinned h2d "
+              f"{fmt(g.value('raw_h2d_gbps'))} / d2h {fmt(g.value('raw_d2h_gbps'))} GB/s")
+        print(f"  first cycle {fmt(g.value('first_cycle_seconds'), '.3f')} s (pins host memory);"
+              f" host syncs per cycle {fmt(g.value('host_syncs'), '.1f')};"
+              f" tensors offloaded to pageable {fmt(g.worst('pageable_tensors'), 'g')};"
+              " gpu segment allocs after first"
+              f" {fmt(g.worst('gpu_segment_allocs_after_first'), 'g')}")
+        r = g.value("ratio_to_floor")
+        verdict(f"ratio_to_floor {fmt(r, '.4f')} <= {MAX_RATIO_TO_FLOOR}",
+                None if not r else r <= MAX_RATIO_TO_FLOOR, "no floor measured")
+        a = g.worst("pinned_host_allocs_after_first")
+        verdict(f"pinned allocs after first {fmt(a, 'g')} == 0", None if a is None else a == 0,
+                "counter absent")
+        q = g.value("pinned_reserved_over_held")
+        verdict(f"pinned reserved / held {fmt(q, '.4f')} <= {MAX_RESERVED_OVER_HELD}",
+                None if not q else q <= MAX_RESERVED_OVER_HELD, "nothing held in pinned memory")
+
+    fam = "BM_SimulatedOffloadReload/256MB"
+    g = find(groups, fam)
+    print(f"\nsimulated device, host memcpy, not PCIe ({fam}; no target)")
+    if g and g.usable():
+        print(f"  seconds {fmt(g.value('seconds'), '.4f')}, {fmt(g.value('gbps'))} GB/s,"
+              f" pinned allocs after first {fmt(g.worst('pinned_host_allocs_after_first'), 'g')},"
+              f" host syncs per cycle {fmt(g.value('host_syncs'), '.1f')}")
+    else:
+        print(f"  {why_missing((fam, g))}")
+
+    ok = all(verdicts)
+    print(f"\nruntime targets: {'ALL PASS' if ok else 'SOME FAIL OR MISSING'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {sys.argv[0]} strata_runtime_bench.json")
+    sys.exit(main(sys.argv[1]))
