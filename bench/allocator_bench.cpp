@@ -55,6 +55,7 @@
 #include "allocator/upstream.h"
 #include "base/strings.h"
 #include "base/units.h"
+#include "bench/bench_util.h"
 
 namespace {
 
@@ -105,26 +106,9 @@ class ScopeExit {
   F f_;
 };
 
-void skip(benchmark::State& state, const std::string& message) {
-  // Google Benchmark allows one SkipWithError per run.
-  if (!state.error_occurred()) state.SkipWithError(message.c_str());
-}
-
-void skip(benchmark::State& state, const std::string& what, const absl::Status& status) {
-  skip(state, str_cat(what, ": ", status.ToString()));
-}
-
-bool have_gpu() {
-  static const int count = strata::alloc::cuda_device_count();
-  return count > 0;
-}
-
-// False, with the benchmark marked skipped, on a machine without a GPU, so one binary serves both.
-bool require_gpu(benchmark::State& state) {
-  if (have_gpu()) return true;
-  skip(state, "no GPU");
-  return false;
-}
+using strata::bench::have_gpu;
+using strata::bench::require_gpu;
+using strata::bench::skip;
 
 #ifdef STRATA_HAS_CUDA
 bool cuda_ok(benchmark::State& state, cudaError_t err, const char* what) {

@@ -63,6 +63,7 @@
 #include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
+#include "bench/bench_util.h"
 #include "policies/builtin.h"
 #include "runtime/device.h"
 #include "runtime/runtime.h"
@@ -110,26 +111,9 @@ benchmark::Counter bytes_counter(double bytes) {
   return benchmark::Counter(bytes, benchmark::Counter::kDefaults, benchmark::Counter::kIs1024);
 }
 
-void skip(benchmark::State& state, const std::string& message) {
-  // Google Benchmark allows one SkipWithError per run.
-  if (!state.error_occurred()) state.SkipWithError(message.c_str());
-}
-
-void skip(benchmark::State& state, const std::string& what, const absl::Status& status) {
-  skip(state, str_cat(what, ": ", status.ToString()));
-}
-
-bool have_gpu() {
-  static const int count = strata::alloc::cuda_device_count();
-  return count > 0;
-}
-
-// False, with the benchmark marked skipped, on a machine without a GPU, so one binary serves both.
-bool require_gpu(benchmark::State& state) {
-  if (have_gpu()) return true;
-  skip(state, "no GPU");
-  return false;
-}
+using strata::bench::have_gpu;
+using strata::bench::require_gpu;
+using strata::bench::skip;
 
 // ---------------------------------------------------------------------------------------------
 // Payloads.

@@ -338,14 +338,7 @@ TEST(LeakTest, UnregisteringEverythingLeavesNoLiveBytes) {
     all.push_back(
         *rt->register_tensor(spec(str_cat("l", layer, ".v"), layer, Role::kExpAvgSq, 5000)));
   }
-  ASSERT_TRUE(rt->begin_optimizer_step().ok());
-  for (int layer : rt->optimizer_layer_order()) {
-    ASSERT_TRUE(
-        rt->acquire_layer(layer, RoleSet::optimizer_states(), Tier::kGpu, rt->compute_stream())
-            .ok());
-    ASSERT_TRUE(rt->release_layer(layer, RoleSet::optimizer_states(), rt->compute_stream()).ok());
-  }
-  ASSERT_TRUE(rt->end_optimizer_step().ok());
+  testing::empty_optimizer_step(*rt);
   ASSERT_TRUE(rt->migrate(all[0], Tier::kPageableHost).ok());  // uses the bounce buffers
   for (TensorHandle h : all) ASSERT_TRUE(rt->unregister(h).ok());
   for (Tier tier : alloc::kAllTiers) {

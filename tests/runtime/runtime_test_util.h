@@ -70,6 +70,19 @@ inline TensorSpec spec(std::string name, int layer, Role role, std::size_t numel
   return TensorSpec{std::move(name), layer, role, dtype, {static_cast<std::int64_t>(numel)}, home};
 }
 
+// One optimizer step that touches nothing: every layer's states acquired on the GPU and released,
+// in the policy's order, on the runtime's compute stream.
+inline void empty_optimizer_step(Runtime& rt) {
+  ASSERT_TRUE(rt.begin_optimizer_step().ok());
+  for (int layer : rt.optimizer_layer_order()) {
+    absl::StatusOr<std::vector<void*>> p =
+        rt.acquire_layer(layer, RoleSet::optimizer_states(), Tier::kGpu, rt.compute_stream());
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(rt.release_layer(layer, RoleSet::optimizer_states(), rt.compute_stream()).ok());
+  }
+  ASSERT_TRUE(rt.end_optimizer_step().ok());
+}
+
 inline std::vector<unsigned char> read_all(Runtime& rt, TensorHandle h) {
   std::vector<unsigned char> out(rt.info(h)->bytes);
   absl::Status s = rt.read(h, out.data());
