@@ -4,7 +4,7 @@
 # python3's LibTorch, run the gpu-labelled tests, compute-sanitizer over them, the benchmarks, and
 # write logs and JSON into OUT_DIR, ending with a short table.
 #   tools/gpu/check.sh OUT_DIR [--quick]
-# Files in OUT_DIR: summary.txt, allocator_bench.json, logs.tar.gz (every log).
+# Files in OUT_DIR: summary.txt, allocator_bench.json, runtime_bench.json, logs.tar.gz (every log).
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick]}
 QUICK=${2:-}
@@ -39,7 +39,7 @@ echo "built"
 step "ctest -L gpu"
 ctest --test-dir "$BUILD" -L gpu -V >"$LOGS/ctest-gpu.log" 2>&1 || status=1
 tail -8 "$LOGS/ctest-gpu.log"
-grep -hE "^L2:" "$LOGS/ctest-gpu.log" || true
+grep -hoE "L2: .*" "$LOGS/ctest-gpu.log" || true
 step "ctest (CPU suites, on this machine too)"
 ctest --test-dir "$BUILD" -LE gpu --output-on-failure >"$LOGS/ctest-cpu.log" 2>&1 || status=1
 tail -3 "$LOGS/ctest-cpu.log"
@@ -62,6 +62,11 @@ san_run() {  # name, then the command
 STRATA_L2_OPS=400 GTEST_FILTER='-*OutOfMemoryMessage*:*Probe*' \
   san_run allocator_gpu_test "$BUILD/bin/allocator_gpu_test"
 GTEST_FILTER='*Gpu*:-*Impossible*' san_run allocator_conformance "$BUILD/bin/allocator_conformance_test"
+# The overlap test times copies, which the sanitizer distorts; it runs in the plain pass.
+STRATA_D1_CYCLES=20 GTEST_FILTER='-*RunAtOnce*' san_run runtime_gpu_test "$BUILD/bin/runtime_gpu_test"
+if [ -x "$BUILD/bin/bridge_test" ]; then
+  GTEST_FILTER='*Gpu*' san_run bridge_gpu "$BUILD/bin/bridge_test"
+fi
 # The probe must be caught: proof that memcheck sees block bounds inside pool segments.
 GTEST_FILTER='*Probe*' compute-sanitizer --tool memcheck "$BUILD/bin/allocator_gpu_test" \
   >"$LOGS/memcheck-probe.log" 2>&1
@@ -81,6 +86,10 @@ REPS=5
   --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true --benchmark_out="$OUT/allocator_bench.json" \
   --benchmark_out_format=json >"$LOGS/allocator_bench.txt" 2>&1 || status=1
 tail -5 "$LOGS/allocator_bench.txt"
+"$BUILD/bin/strata_runtime_bench" --benchmark_repetitions=$REPS \
+  --benchmark_report_aggregates_only=true --benchmark_out="$OUT/runtime_bench.json" \
+  --benchmark_out_format=json >"$LOGS/runtime_bench.txt" 2>&1 || status=1
+tail -5 "$LOGS/runtime_bench.txt"
 
 step "summary"
 {
@@ -88,8 +97,9 @@ step "summary"
   echo "tests: $(grep -E 'tests passed' "$LOGS/ctest-gpu.log" | tail -1) (gpu); $(grep -E 'tests passed' "$LOGS/ctest-cpu.log" | tail -1) (cpu)"
   for k in "${!SAN[@]}"; do echo "memcheck $k: ${SAN[$k]}"; done
   echo "memcheck probe: $PROBE"
-  grep -hE "^L2:" "$LOGS/ctest-gpu.log" || true
+  grep -hoE "(L2: |GPU D1: |2 GiB H2D |layer_prefetch depth ).*" "$LOGS/ctest-gpu.log" || true
   python3 tools/gpu/summarize_bench.py "$OUT/allocator_bench.json" || true
+  python3 tools/gpu/summarize_runtime.py "$OUT/runtime_bench.json" || true
 } | tee "$OUT/summary.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 exit $status
