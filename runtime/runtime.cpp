@@ -797,11 +797,22 @@ absl::Status Runtime::stage_layer(int layer) {
         str_cat("stage_layer ", layer, ": needs ", format_bytes(need), " but staging slots hold ",
                 format_bytes(impl_->slot_bytes), "; call configure_staging after registering"));
   }
-  Impl::Slot& slot = impl_->slots[impl_->next_slot];
-  if (slot.layer >= 0) {
-    return absl::ResourceExhaustedError(str_cat("stage_layer ", layer, ": no free staging slot (",
-                                                impl_->slots.size(), " hold layers"));
+  // The ring position first (the policy's order keeps it free); any free slot otherwise.
+  const int n = static_cast<int>(impl_->slots.size());
+  int index = -1;
+  for (int i = 0; i < n && index < 0; ++i) {
+    const int candidate = (impl_->next_slot + i) % n;
+    if (impl_->slots[candidate].layer < 0) index = candidate;
   }
+  if (index < 0) {
+    std::string held;
+    for (const auto& [l, sl] : impl_->staged_layers) str_append(&held, held.empty() ? "" : ", ", l);
+    return absl::ResourceExhaustedError(str_cat("stage_layer ", layer, ": all ", n,
+                                                " staging slots hold layers (", held,
+                                                "); unstage one first"));
+  }
+  impl_->next_slot = index;
+  Impl::Slot& slot = impl_->slots[index];
   for (Impl::Entry* e : members) {
     if (e->holds > 0) {
       return absl::FailedPreconditionError(
@@ -812,7 +823,6 @@ absl::Status Runtime::stage_layer(int layer) {
     // Still being written back from the last step: chain on the GPU instead of waiting here.
     if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);
   }
-  const int index = impl_->next_slot;
   std::size_t off = 0;
   for (Impl::Entry* e : members) {
     if (e->loc.tier == Tier::kGpu) continue;  // already on the GPU in the main pool

@@ -214,6 +214,33 @@ TEST(StagingTest, StatesSurviveRandomInterleavingsOfCopiesAndCompute) {
   }
 }
 
+TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
+  auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::optimizer_states()});
+  for (int l = 0; l < 4; ++l) {
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, 100, DType::kFloat32,
+                                         Tier::kPinnedHost))
+                    .ok());
+  }
+  ASSERT_TRUE(rt->configure_staging(2, RoleSet::optimizer_states()).ok());
+  ASSERT_TRUE(rt->stage_layer(0).ok());
+  ASSERT_TRUE(rt->stage_layer(1).ok());
+  absl::Status full = rt->stage_layer(2);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(full.message(),
+            "stage_layer 2: all 2 staging slots hold layers (0, 1); unstage one first");
+  ASSERT_TRUE(rt->unstage_layer(1).ok());  // not the ring's next slot
+  ASSERT_TRUE(rt->stage_layer(2).ok());
+  ASSERT_TRUE(rt->wait_all().ok());
+  EXPECT_TRUE(rt->info(*rt->find("m2"))->staged);
+  EXPECT_FALSE(rt->info(*rt->find("m1"))->staged);
+  ASSERT_TRUE(rt->unstage_layer(0).ok());
+  ASSERT_TRUE(rt->unstage_layer(2).ok());
+  ASSERT_TRUE(rt->wait_all().ok());
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ(rt->info(*rt->find(str_cat("m", l)))->tier, Tier::kPinnedHost);
+  }
+}
+
 // D1 of RELIABILITY.md: 10^4 offload/reload cycles per tier pair, payloads with NaN, +-Inf, -0 and
 // denormals, sizes 1 B, 255 B and 2^k +- 1: zero bitwise mismatches.
 TEST(D1Test, TenThousandCyclesPerTierPair) {

@@ -53,8 +53,9 @@ TEST_F(GpuRuntimeTest, GpuD1CyclesPerTierPairAreBitExact) {
     std::vector<std::vector<unsigned char>> payloads;
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       payloads.push_back(special_payload(sizes[i], 300 + i));
-      hs.push_back(*rt->register_tensor(
-          spec(str_cat("t", i), 0, Role::kOther, sizes[i], DType::kUInt8, a), payloads.back().data()));
+      hs.push_back(
+          *rt->register_tensor(spec(str_cat("t", i), 0, Role::kOther, sizes[i], DType::kUInt8, a),
+                               payloads.back().data()));
     }
     for (int c = 0; c < cycles; ++c) {
       for (Tier t : {b, a}) {
@@ -62,7 +63,8 @@ TEST_F(GpuRuntimeTest, GpuD1CyclesPerTierPairAreBitExact) {
         ASSERT_TRUE(rt->wait_all().ok());
       }
       if (c % 500 == 499 || c == cycles - 1) {
-        for (std::size_t i = 0; i < hs.size(); ++i) mismatches += read_all(*rt, hs[i]) != payloads[i];
+        for (std::size_t i = 0; i < hs.size(); ++i)
+          mismatches += read_all(*rt, hs[i]) != payloads[i];
       }
     }
   }
@@ -164,11 +166,12 @@ TEST_F(GpuRuntimeTest, GpuLayerPrefetchStepMakesNoHostWaitAndKeepsStatesExact) {
       for (std::size_t k = 0; k < raw.size() / 4; ++k) wrong += f[k] != kSteps + 1.0f;
       ASSERT_EQ(wrong, 0u) << rt->info(h)->spec.name << " depth " << depth;
     }
-    std::printf("layer_prefetch depth %d: %d steps, host waits %lld, staged peak %s, H2D %.1f GB/s, "
-                "D2H %.1f GB/s, prefetch waits %lld (stalled %.3f ms)\n",
-                depth, kSteps, static_cast<long long>(rt->stats().host_syncs - syncs),
-                format_bytes(s.staged_peak_bytes).c_str(), s.h2d_gbps(), s.d2h_gbps(),
-                static_cast<long long>(s.prefetch_waits), s.prefetch_stall_ns / 1e6);
+    std::printf(
+        "layer_prefetch depth %d: %d steps, host waits %lld, staged peak %s, H2D %.1f GB/s, "
+        "D2H %.1f GB/s, prefetch waits %lld (stalled %.3f ms)\n",
+        depth, kSteps, static_cast<long long>(rt->stats().host_syncs - syncs),
+        format_bytes(s.staged_peak_bytes).c_str(), s.h2d_gbps(), s.d2h_gbps(),
+        static_cast<long long>(s.prefetch_waits), s.prefetch_stall_ns / 1e6);
   }
 }
 
