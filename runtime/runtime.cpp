@@ -88,7 +88,9 @@ struct Runtime::Impl {
   std::vector<Stall> stalls;
   RuntimeStats stats;
   std::int64_t staged_now = 0;
-  std::function<void(TensorHandle, Tier, void*)> on_moved;
+  std::map<int, std::function<void(TensorHandle, Tier, void*)>> on_moved;
+  int next_callback = 1;
+  StreamHandle own_compute = nullptr;
 
   // Staging ring.
   RoleSet staging_roles;
@@ -129,6 +131,7 @@ struct Runtime::Impl {
   void free_location_locked(Entry& e, const Location& loc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void drain_timing_locked(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status release_scratch_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status fence_compute_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   std::vector<Entry*> layer_entries_locked(int layer, RoleSet roles) const
       ABSL_SHARED_LOCKS_REQUIRED(mu);
   absl::Status host_copy_locked(void* dst, const void* src, std::size_t bytes)
@@ -150,7 +153,7 @@ Runtime::Impl::~Impl() {
     if (!s.ok())
       std::fprintf(stderr, "strata: runtime shutdown: %s\n", std::string(s.message()).c_str());
   }
-  for (StreamHandle s : {h2d, d2h, compute}) {
+  for (StreamHandle s : {h2d, d2h, own_compute}) {
     if (s != nullptr) {
       (void)device->stream_synchronize(s);
       device->destroy_stream(s);
@@ -386,7 +389,19 @@ void Runtime::Impl::finish_locked(Entry& e, bool early) {
   ++e.version;
   ++stats.num_migrations;
   in_flight.erase(std::find(in_flight.begin(), in_flight.end(), &e));
-  if (on_moved) on_moved(e.handle, e.loc.tier, e.loc.ptr);
+  for (const auto& [id, fn] : on_moved) fn(e.handle, e.loc.tier, e.loc.ptr);
+}
+
+// Note [Compute fence]: hooks are the points where the training loop hands control to the runtime;
+// everything queued on the compute stream before a hook must finish before a copy queued by the
+// hook touches the same data. One event on the compute stream, waited on by both copy streams,
+// orders all of it without the host waiting.
+absl::Status Runtime::Impl::fence_compute_locked() {
+  STRATA_ASSIGN_OR_RETURN(EventHandle fence, device->record(compute));
+  absl::Status s = device->stream_wait(h2d, fence);
+  if (s.ok()) s = device->stream_wait(d2h, fence);
+  device->release(fence);
+  return s;
 }
 
 absl::Status Runtime::Impl::release_scratch_locked() {
@@ -536,7 +551,8 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
                                          std::move(staging_upstream), impl->device);
   STRATA_ASSIGN_OR_RETURN(impl->h2d, impl->device->create_stream());
   STRATA_ASSIGN_OR_RETURN(impl->d2h, impl->device->create_stream());
-  STRATA_ASSIGN_OR_RETURN(impl->compute, impl->device->create_stream());
+  STRATA_ASSIGN_OR_RETURN(impl->own_compute, impl->device->create_stream());
+  impl->compute = impl->own_compute;
   return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }
 
@@ -962,24 +978,30 @@ absl::Status Runtime::release_layer(int layer, RoleSet roles, StreamHandle strea
   return impl_->policy->on_layer_released(*this, layer);
 }
 
+absl::Status Runtime::fence_and_poll() {
+  absl::MutexLock lock(&impl_->mu);
+  STRATA_RETURN_IF_ERROR(impl_->fence_compute_locked());
+  return impl_->poll_locked();
+}
+
 absl::Status Runtime::begin_step() {
-  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(fence_and_poll());
   return impl_->policy->on_begin_step(*this);
 }
 absl::Status Runtime::end_step() {
-  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(fence_and_poll());
   return impl_->policy->on_end_step(*this);
 }
 absl::Status Runtime::before_forward(int layer) {
-  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(fence_and_poll());
   return impl_->policy->on_before_forward(*this, layer);
 }
 absl::Status Runtime::after_backward(int layer) {
-  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(fence_and_poll());
   return impl_->policy->on_after_backward(*this, layer);
 }
 absl::Status Runtime::begin_optimizer_step() {
-  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(fence_and_poll());
   return impl_->policy->on_begin_optimizer_step(*this);
 }
 absl::Status Runtime::end_optimizer_step() {
@@ -987,12 +1009,12 @@ absl::Status Runtime::end_optimizer_step() {
   return poll();
 }
 absl::Status Runtime::offload_all() {
-  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(fence_and_poll());
   STRATA_RETURN_IF_ERROR(impl_->policy->on_offload_all(*this));
   return wait_all();
 }
 absl::Status Runtime::reload_all() {
-  STRATA_RETURN_IF_ERROR(poll());
+  STRATA_RETURN_IF_ERROR(fence_and_poll());
   STRATA_RETURN_IF_ERROR(impl_->policy->on_reload_all(*this));
   return wait_all();
 }
@@ -1001,9 +1023,21 @@ std::vector<int> Runtime::optimizer_layer_order() const {
   return impl_->policy->optimizer_layer_order(*this);
 }
 
-void Runtime::set_on_moved(std::function<void(TensorHandle, Tier, void*)> fn) {
+int Runtime::add_on_moved(std::function<void(TensorHandle, Tier, void*)> fn) {
   absl::MutexLock lock(&impl_->mu);
-  impl_->on_moved = std::move(fn);
+  const int id = impl_->next_callback++;
+  impl_->on_moved[id] = std::move(fn);
+  return id;
+}
+
+void Runtime::remove_on_moved(int id) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->on_moved.erase(id);
+}
+
+void Runtime::set_compute_stream(StreamHandle stream) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->compute = stream;  // nullptr is the legacy default stream (torch's default), not "unset"
 }
 
 RuntimeStats Runtime::stats() const {
@@ -1017,6 +1051,9 @@ alloc::TieredAllocator& Runtime::allocator() { return *impl_->allocator; }
 Device& Runtime::device() { return *impl_->device; }
 const ResidencyPolicy& Runtime::policy() const { return *impl_->policy; }
 const PolicyChoice& Runtime::policy_choice() const { return impl_->choice; }
-StreamHandle Runtime::compute_stream() const { return impl_->compute; }
+StreamHandle Runtime::compute_stream() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->compute;
+}
 
 }  // namespace strata::rt

@@ -97,8 +97,9 @@ class Runtime {
   Runtime& operator=(const Runtime&) = delete;
 
   // --- registry ---
-  // Takes `data` (spec bytes, host or device memory, or null for zeros) into storage the runtime
-  // owns, placed by the policy. kAlreadyExists for a name taken; kInvalidArgument for a bad spec.
+  // Copies `data` (spec bytes, host or device memory, or null for zeros) into storage the runtime
+  // owns, placed by the policy; the copy is complete when this returns, so `data` may be freed.
+  // kAlreadyExists for a name taken; kInvalidArgument for a bad spec.
   [[nodiscard]] absl::StatusOr<TensorHandle> register_tensor(const TensorSpec& spec,
                                                              const void* data = nullptr);
   // Waits for a migration in flight, then frees the storage. kNotFound for an unknown handle,
@@ -164,8 +165,18 @@ class Runtime {
   [[nodiscard]] absl::Status reload_all();
   std::vector<int> optimizer_layer_order() const;
 
-  // Called (on the host, inside poll) when a tensor's data has moved, with its new address.
-  void set_on_moved(std::function<void(TensorHandle, Tier, void*)> fn);
+  // Calls fn(tensor, tier, address) on the host whenever the address that compute should use for a
+  // tensor changes: when a migration completes, and when a staged tensor's copy is chained on the
+  // GPU (its data may still be arriving then; staged tensors are used between acquire and release
+  // only). fn runs with the runtime's lock held and must not call the runtime. Returns an id for
+  // remove_on_moved.
+  int add_on_moved(std::function<void(TensorHandle, Tier, void*)> fn);
+  void remove_on_moved(int id);
+
+  // The stream the training loop computes on (default: compute_stream()). Every hook makes the
+  // copy streams wait for the work queued on it so far, so data a kernel still uses is never moved
+  // under it. nullptr is the legacy default stream. The bridge passes torch's current stream.
+  void set_compute_stream(StreamHandle stream);
 
   RuntimeStats stats() const;
   alloc::TieredAllocator& allocator();
@@ -173,12 +184,14 @@ class Runtime {
   const ResidencyPolicy& policy() const;
   // Where the policy name came from (see choose_policy_name).
   const PolicyChoice& policy_choice() const;
-  // A stream the runtime made for compute, for callers that have none of their own.
+  // The compute stream: the one set_compute_stream gave, else one the runtime made.
   StreamHandle compute_stream() const;
 
  private:
   struct Impl;
   explicit Runtime(std::unique_ptr<Impl> impl);
+  // Note [Compute fence] in runtime.cpp, then poll.
+  absl::Status fence_and_poll();
   std::unique_ptr<Impl> impl_;
 };
 

@@ -175,6 +175,28 @@ TEST(GuardTest, MoveAfterReleaseWaitsForTheComputeStream) {
   EXPECT_EQ(back, std::vector<float>(256, 2.0f)) << "the copy ran before the compute stream wrote";
 }
 
+TEST(GuardTest, HooksFenceTheComputeStreamBeforeMoving) {
+  // Note [Compute fence]: work the training loop queued before offload_all (here a host function
+  // on a stream the runtime was told about, writing 3.0) finishes before the offload copies read.
+  auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::all()}, /*deferred=*/true);
+  std::vector<float> values(512, 1.0f);
+  TensorHandle h = *rt->register_tensor(spec("w", 0, Role::kParameter, 512), values.data());
+  StreamHandle torch_like = *dev->create_stream();
+  rt->set_compute_stream(torch_like);
+  EXPECT_EQ(rt->compute_stream(), torch_like);
+  void* gpu = rt->info(h)->data;
+  ASSERT_TRUE(dev->enqueue_host(torch_like,
+                                [gpu] {
+                                  auto* f = static_cast<float*>(gpu);
+                                  for (int i = 0; i < 512; ++i) f[i] = 3.0f;
+                                })
+                  .ok());
+  ASSERT_TRUE(rt->offload_all().ok());
+  std::vector<float> back(512);
+  ASSERT_TRUE(rt->read(h, back.data()).ok());
+  EXPECT_EQ(back, std::vector<float>(512, 3.0f));
+}
+
 TEST(PolicyChoiceTest, OptionThenFlagThenEnvironmentThenDefault) {
   absl::SetFlag(&FLAGS_strata_policy, "");
   unsetenv("STRATA_POLICY");
