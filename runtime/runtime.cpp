@@ -46,14 +46,19 @@ struct Runtime::Impl {
     std::vector<EventHandle> ready;
     int holds = 0;
     std::uint64_t version = 0;
-    Tier rest_tier = Tier::kPinnedHost;  // where a staged tensor goes back to
+    // While staged: the home block the tensor keeps (Note [Staging ring]); the fetch reads it, a
+    // write-back copies into it, a discard just returns to it.
+    Location rest;
+    void* reported = nullptr;  // the address on_moved last reported
   };
 
   struct Slot {
     std::byte* base = nullptr;
     int layer = -1;
     std::vector<Entry*> occupants;
-    EventHandle free_event = nullptr;  // completes when the copies that emptied the slot are done
+    // Complete when everything that used the slot's last contents is done (copies out of it, the
+    // fetch into it, compute that read it); the next fetch into the slot waits for them on the GPU.
+    std::vector<EventHandle> free_events;
   };
 
   struct TimedCopy {
@@ -120,7 +125,9 @@ struct Runtime::Impl {
   bool is_gpu(Tier t) const { return t == Tier::kGpu; }
 
   absl::Status migrate_locked(Entry& e, Tier dst_tier, void* dst_ptr, int slot,
-                              EventHandle wait_first) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+                              const std::vector<EventHandle>& wait_first)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void notify_locked(Entry& e, Tier tier, void* ptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status bounce_copy_locked(Entry& e, const Location& dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status ensure_bounce_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void finish_locked(Entry& e, bool early) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -133,6 +140,8 @@ struct Runtime::Impl {
   absl::Status release_scratch_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status fence_compute_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   std::vector<Entry*> layer_entries_locked(int layer, RoleSet roles) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu);
+  std::vector<std::pair<Entry*, std::size_t>> slot_layout_locked(int layer) const
       ABSL_SHARED_LOCKS_REQUIRED(mu);
   absl::Status host_copy_locked(void* dst, const void* src, std::size_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -264,7 +273,7 @@ absl::Status Runtime::Impl::bounce_copy_locked(Entry& e, const Location& dst) {
 }
 
 absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_ptr, int slot,
-                                           EventHandle wait_first) {
+                                           const std::vector<EventHandle>& wait_first) {
   if (e.holds > 0) {
     return absl::FailedPreconditionError(str_cat("tensor '", e.spec.name, "' is held by ", e.holds,
                                                  " acquire(s); release it before moving it"));
@@ -273,7 +282,9 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
     return absl::FailedPreconditionError(
         str_cat("tensor '", e.spec.name, "' is already moving to ", tier_name(e.dst.tier)));
   }
-  if (e.loc.tier == dst_tier && slot < 0 && e.loc.slot < 0) return absl::OkStatus();
+  if (e.loc.tier == dst_tier && slot < 0 && e.loc.slot < 0 && dst_ptr == nullptr) {
+    return absl::OkStatus();
+  }
   if (e.bytes == 0) {
     e.loc = {dst_tier, nullptr, slot};
     return absl::OkStatus();
@@ -281,9 +292,13 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
   Location dst{dst_tier, dst_ptr, slot};
   const bool to_gpu = is_gpu(dst_tier);
   StreamHandle stream = to_gpu ? h2d : d2h;
-  if (dst.ptr == nullptr) {
+  const bool allocated = dst.ptr == nullptr;
+  if (allocated) {
+    // Note [Runtime blocks are stream-agnostic]: the runtime frees a block only after the copies
+    // and compute that used it are known complete (finish_locked) or hands it back with
+    // record_stream, so its blocks need no per-stream pool: one pool per tier, reused by any copy.
     absl::StatusOr<void*> block =
-        allocator->allocate(dst_tier, e.bytes, {.stream = stream, .owner = e.spec.name});
+        allocator->allocate(dst_tier, e.bytes, {.stream = nullptr, .owner = e.spec.name});
     if (!block.ok()) {
       ++stats.failed_migrations;
       return absl::Status(block.status().code(),
@@ -294,7 +309,7 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
   }
   auto undo = [&](const absl::Status& s) {
     ++stats.failed_migrations;
-    if (slot < 0) (void)allocator->deallocate(dst_tier, dst.ptr);
+    if (allocated) (void)allocator->deallocate(dst_tier, dst.ptr);
     return absl::Status(s.code(),
                         str_cat("moving '", e.spec.name, "' to ", tier_name(dst_tier),
                                 " failed; it stays on ", tier_name(e.loc.tier), ": ", s.message()));
@@ -302,8 +317,8 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
 
   const bool pageable = e.loc.tier == Tier::kPageableHost || dst_tier == Tier::kPageableHost;
   if (pageable) {
-    if (wait_first != nullptr) {
-      absl::Status s = device->synchronize(wait_first);
+    for (EventHandle w : wait_first) {
+      absl::Status s = device->synchronize(w);
       if (!s.ok()) return undo(s);
     }
     absl::Status s = bounce_copy_locked(e, dst);
@@ -325,8 +340,8 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
     absl::Status s = device->stream_wait(stream, r);
     if (!s.ok()) return undo(s);
   }
-  if (wait_first != nullptr) {
-    absl::Status s = device->stream_wait(stream, wait_first);
+  for (EventHandle w : wait_first) {
+    absl::Status s = device->stream_wait(stream, w);
     if (!s.ok()) return undo(s);
   }
   absl::StatusOr<EventHandle> start = device->record_timed(stream);
@@ -371,7 +386,8 @@ void Runtime::Impl::finish_locked(Entry& e, bool early) {
     timed.push_back({e.timed_start, e.timed_end, e.timed_h2d, e.bytes});
     e.timed_start = e.timed_end = nullptr;
   }
-  if (src.slot < 0 && src.ptr != nullptr) {
+  const bool retained = src.ptr != nullptr && src.ptr == e.rest.ptr;
+  if (src.slot < 0 && src.ptr != nullptr && !retained) {
     if (early) {
       absl::Status s = allocator->record_stream(src.tier, src.ptr, e.copy_stream);
       STRATA_CHECK(s.ok(), "record_stream on the source of '", e.spec.name, "': ", s.message());
@@ -385,11 +401,18 @@ void Runtime::Impl::finish_locked(Entry& e, bool early) {
   }
   e.arrival = nullptr;
   e.loc = e.dst;
+  if (e.loc.ptr == e.rest.ptr) e.rest = {};  // a write-back into the kept home block: home again
   e.in_flight = false;
   ++e.version;
   ++stats.num_migrations;
   in_flight.erase(std::find(in_flight.begin(), in_flight.end(), &e));
-  for (const auto& [id, fn] : on_moved) fn(e.handle, e.loc.tier, e.loc.ptr);
+  notify_locked(e, e.loc.tier, e.loc.ptr);
+}
+
+void Runtime::Impl::notify_locked(Entry& e, Tier tier, void* ptr) {
+  if (ptr == e.reported) return;
+  e.reported = ptr;
+  for (const auto& [id, fn] : on_moved) fn(e.handle, tier, ptr);
 }
 
 // Note [Compute fence]: hooks are the points where the training loop hands control to the runtime;
@@ -406,11 +429,11 @@ absl::Status Runtime::Impl::fence_compute_locked() {
 
 absl::Status Runtime::Impl::release_scratch_locked() {
   for (Slot& slot : slots) {
-    if (slot.free_event != nullptr) {
-      STRATA_RETURN_IF_ERROR(device->synchronize(slot.free_event));
-      device->release(slot.free_event);
-      slot.free_event = nullptr;
+    for (EventHandle ev : slot.free_events) {
+      STRATA_RETURN_IF_ERROR(device->synchronize(ev));
+      device->release(ev);
     }
+    slot.free_events.clear();
   }
   slots.clear();
   staged_layers.clear();
@@ -546,8 +569,11 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
   }
   const bool tracking = a.track_allocations;
   STRATA_ASSIGN_OR_RETURN(impl->allocator, alloc::TieredAllocator::create(std::move(a)));
+  // The staging pool holds one allocation, the ring, whose size configure_staging checks against
+  // the GPU budget (and takes out of the main pool's); a budget of its own would only add the
+  // segment rounding to that.
   impl->staging_pool =
-      std::make_unique<alloc::BlockPool>(alloc::PoolConfig{Tier::kGpu, impl->gpu_budget, tracking},
+      std::make_unique<alloc::BlockPool>(alloc::PoolConfig{Tier::kGpu, alloc::kNoBudget, tracking},
                                          std::move(staging_upstream), impl->device);
   STRATA_ASSIGN_OR_RETURN(impl->h2d, impl->device->create_stream());
   STRATA_ASSIGN_OR_RETURN(impl->d2h, impl->device->create_stream());
@@ -625,7 +651,10 @@ absl::Status Runtime::unregister(TensorHandle tensor) {
     auto& occ = impl_->slots[e->loc.slot].occupants;
     occ.erase(std::remove(occ.begin(), occ.end(), e), occ.end());
   }
-  if (e->bytes > 0) impl_->free_location_locked(*e, e->loc);
+  if (e->bytes > 0) {
+    impl_->free_location_locked(*e, e->loc);
+    if (e->rest.ptr != nullptr) impl_->free_location_locked(*e, e->rest);  // staged: its home too
+  }
   impl_->by_id.erase(tensor.id);
   impl_->by_name.erase(e->spec.name);
   auto it = std::find_if(impl_->entries.begin(), impl_->entries.end(),
@@ -712,7 +741,10 @@ absl::Status Runtime::write(TensorHandle tensor, const void* host_src) {
   STRATA_RETURN_IF_ERROR(impl_->wait_entry_locked(*e));
   STRATA_RETURN_IF_ERROR(impl_->wait_ready_on_host_locked(*e));
   if (e->bytes == 0) return absl::OkStatus();
-  return impl_->host_copy_locked(e->loc.ptr, host_src, e->bytes);
+  STRATA_RETURN_IF_ERROR(impl_->host_copy_locked(e->loc.ptr, host_src, e->bytes));
+  // A staged tensor's home block must agree, or discarding the staged copy would lose the write.
+  if (e->rest.ptr != nullptr) return impl_->host_copy_locked(e->rest.ptr, host_src, e->bytes);
+  return absl::OkStatus();
 }
 
 absl::Status Runtime::migrate(TensorHandle tensor, Tier dst) {
@@ -722,7 +754,7 @@ absl::Status Runtime::migrate(TensorHandle tensor, Tier dst) {
     return absl::FailedPreconditionError(str_cat("tensor '", e->spec.name, "' is staged (layer ",
                                                  e->spec.layer, "); unstage_layer first"));
   }
-  return impl_->migrate_locked(*e, dst, nullptr, -1, nullptr);
+  return impl_->migrate_locked(*e, dst, nullptr, -1, {});
 }
 
 absl::Status Runtime::poll() {
@@ -740,9 +772,6 @@ absl::Status Runtime::configure_staging(int slots, RoleSet roles) {
   if (slots < 1) {
     return absl::InvalidArgumentError(str_cat("configure_staging: ", slots, " slots; need >= 1"));
   }
-  if (!impl_->staged_layers.empty()) {
-    return absl::FailedPreconditionError("configure_staging while layers are staged");
-  }
   std::map<int, std::size_t> per_layer;
   for (const auto& e : impl_->entries) {
     if (roles.contains(e->spec.role)) {
@@ -755,6 +784,9 @@ absl::Status Runtime::configure_staging(int slots, RoleSet roles) {
       static_cast<int>(impl_->slots.size()) == slots) {
     return absl::OkStatus();
   }
+  if (!impl_->staged_layers.empty()) {
+    return absl::FailedPreconditionError("configure_staging while layers are staged");
+  }
   const std::size_t total = largest * static_cast<std::size_t>(slots);
   if (impl_->gpu_budget != alloc::kNoBudget && total > impl_->gpu_budget) {
     return absl::InvalidArgumentError(str_cat("the GPU budget (", format_bytes(impl_->gpu_budget),
@@ -764,10 +796,11 @@ absl::Status Runtime::configure_staging(int slots, RoleSet roles) {
                                               format_bytes(total), " in all)"));
   }
   for (Impl::Slot& s : impl_->slots) {
-    if (s.free_event != nullptr) {
-      STRATA_RETURN_IF_ERROR(impl_->device->synchronize(s.free_event));
-      impl_->device->release(s.free_event);
+    for (EventHandle ev : s.free_events) {
+      STRATA_RETURN_IF_ERROR(impl_->device->synchronize(ev));
+      impl_->device->release(ev);
     }
+    s.free_events.clear();
   }
   if (impl_->staging_memory != nullptr) {
     STRATA_RETURN_IF_ERROR(impl_->staging_pool->deallocate(impl_->staging_memory));
@@ -801,96 +834,141 @@ absl::Status Runtime::configure_staging(int slots, RoleSet roles) {
   return absl::OkStatus();
 }
 
-absl::Status Runtime::stage_layer(int layer) {
+// A layer's tensors of the staging roles sit in a slot at fixed offsets (registration order), so a
+// layer staged for some roles first (parameters in forward) can take the rest later (gradients).
+std::vector<std::pair<Runtime::Impl::Entry*, std::size_t>> Runtime::Impl::slot_layout_locked(
+    int layer) const {
+  std::vector<std::pair<Entry*, std::size_t>> out;
+  std::size_t off = 0;
+  for (Entry* e : layer_entries_locked(layer, staging_roles)) {
+    out.emplace_back(e, off);
+    off += align_up(e->bytes, kStagingAlignment);
+  }
+  return out;
+}
+
+absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
   absl::MutexLock lock(&impl_->mu);
-  if (impl_->staged_layers.count(layer) > 0) return absl::OkStatus();
-  std::vector<Impl::Entry*> members = impl_->layer_entries_locked(layer, impl_->staging_roles);
+  const RoleSet want = roles.value_or(impl_->staging_roles);
+  std::vector<std::pair<Impl::Entry*, std::size_t>> layout = impl_->slot_layout_locked(layer);
+  std::vector<std::pair<Impl::Entry*, std::size_t>> todo;
   std::size_t need = 0;
-  for (Impl::Entry* e : members) need += align_up(e->bytes, kStagingAlignment);
-  if (need == 0) return absl::OkStatus();
+  for (auto [e, off] : layout) {
+    need = off + align_up(e->bytes, kStagingAlignment);
+    // On the GPU already (in the main pool, or in its slot), or being fetched into its slot. A
+    // tensor still being written back from its last staging is fetched again (chained on the GPU
+    // below).
+    const bool on_gpu_already = e->in_flight ? e->dst.slot >= 0 : e->loc.tier == Tier::kGpu;
+    if (want.contains(e->spec.role) && e->bytes > 0 && !on_gpu_already) todo.emplace_back(e, off);
+  }
+  if (todo.empty()) return absl::OkStatus();
   if (need > impl_->slot_bytes) {
     return absl::FailedPreconditionError(
         str_cat("stage_layer ", layer, ": needs ", format_bytes(need), " but staging slots hold ",
                 format_bytes(impl_->slot_bytes), "; call configure_staging after registering"));
   }
-  // The ring position first (the policy's order keeps it free); any free slot otherwise.
-  const int n = static_cast<int>(impl_->slots.size());
-  int index = -1;
-  for (int i = 0; i < n && index < 0; ++i) {
-    const int candidate = (impl_->next_slot + i) % n;
-    if (impl_->slots[candidate].layer < 0) index = candidate;
-  }
-  if (index < 0) {
-    std::string held;
-    for (const auto& [l, sl] : impl_->staged_layers) str_append(&held, held.empty() ? "" : ", ", l);
-    return absl::ResourceExhaustedError(str_cat("stage_layer ", layer, ": all ", n,
-                                                " staging slots hold layers (", held,
-                                                "); unstage one first"));
-  }
-  impl_->next_slot = index;
-  Impl::Slot& slot = impl_->slots[index];
-  for (Impl::Entry* e : members) {
+  for (auto [e, off] : todo) {
     if (e->holds > 0) {
       return absl::FailedPreconditionError(
           str_cat("stage_layer ", layer, ": tensor '", e->spec.name, "' is held"));
     }
   }
-  for (Impl::Entry* e : members) {
+  int index = -1;
+  if (auto it = impl_->staged_layers.find(layer); it != impl_->staged_layers.end()) {
+    index = it->second;  // more roles into the layer's slot
+  } else {
+    // The ring position first (the policy's order keeps it free); any free slot otherwise.
+    const int n = static_cast<int>(impl_->slots.size());
+    for (int i = 0; i < n && index < 0; ++i) {
+      const int candidate = (impl_->next_slot + i) % n;
+      if (impl_->slots[candidate].layer < 0) index = candidate;
+    }
+    if (index < 0) {
+      std::string held;
+      for (const auto& [l, sl] : impl_->staged_layers) {
+        str_append(&held, held.empty() ? "" : ", ", l);
+      }
+      return absl::ResourceExhaustedError(str_cat("stage_layer ", layer, ": all ", n,
+                                                  " staging slots hold layers (", held,
+                                                  "); unstage one first"));
+    }
+    impl_->next_slot = (index + 1) % n;
+    impl_->slots[index].layer = layer;
+    impl_->staged_layers[layer] = index;
+  }
+  Impl::Slot& slot = impl_->slots[index];
+  absl::Status status;
+  for (auto [e, off] : todo) {
     // Still being written back from the last step: chain on the GPU instead of waiting here.
     if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);
-  }
-  std::size_t off = 0;
-  for (Impl::Entry* e : members) {
-    if (e->loc.tier == Tier::kGpu) continue;  // already on the GPU in the main pool
-    absl::Status s = impl_->migrate_locked(*e, Tier::kGpu, slot.base + off, index, slot.free_event);
-    if (!s.ok()) {
-      // Keep what is queued: the layer counts as staged with the tensors moved so far, so
-      // unstage_layer brings them home; the failed tensor stays where it was.
-      slot.layer = layer;
-      impl_->staged_layers[layer] = index;
-      impl_->next_slot = (impl_->next_slot + 1) % static_cast<int>(impl_->slots.size());
-      return s;
+    e->rest = e->loc;
+    status = impl_->migrate_locked(*e, Tier::kGpu, slot.base + off, index, slot.free_events);
+    if (!status.ok()) {
+      // The tensors queued so far stay staged (unstage_layer brings them home); this one stays.
+      e->rest = {};
+      break;
     }
-    e->rest_tier = e->loc.tier;
     slot.occupants.push_back(e);
-    off += align_up(e->bytes, kStagingAlignment);
+    impl_->staged_now += static_cast<std::int64_t>(align_up(e->bytes, kStagingAlignment));
   }
-  if (slot.free_event != nullptr) {
-    impl_->device->release(slot.free_event);
-    slot.free_event = nullptr;
-  }
-  slot.layer = layer;
-  impl_->staged_layers[layer] = index;
-  impl_->next_slot = (impl_->next_slot + 1) % static_cast<int>(impl_->slots.size());
-  impl_->staged_now += static_cast<std::int64_t>(off);
+  // Every copy into the slot waits for these already; they are spent.
+  for (EventHandle ev : slot.free_events) impl_->device->release(ev);
+  slot.free_events.clear();
   impl_->stats.staged_peak_bytes = std::max(impl_->stats.staged_peak_bytes, impl_->staged_now);
-  return absl::OkStatus();
+  return status;
 }
 
-absl::Status Runtime::unstage_layer(int layer) {
+absl::Status Runtime::unstage_layer(int layer, std::optional<RoleSet> write_back) {
   absl::MutexLock lock(&impl_->mu);
   auto it = impl_->staged_layers.find(layer);
   if (it == impl_->staged_layers.end()) return absl::OkStatus();
+  const RoleSet copy_home = write_back.value_or(RoleSet::all());
   Impl::Slot& slot = impl_->slots[it->second];
-  std::size_t bytes = 0;
+  Device& dev = *impl_->device;
   for (Impl::Entry* e : slot.occupants) {
     if (e->holds > 0) {
       return absl::FailedPreconditionError(
           str_cat("unstage_layer ", layer, ": tensor '", e->spec.name, "' is still held"));
     }
   }
+  bool copied = false;
   for (Impl::Entry* e : slot.occupants) {
-    if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);  // still arriving: chain on GPU
-    STRATA_RETURN_IF_ERROR(impl_->migrate_locked(*e, e->rest_tier, nullptr, -1, nullptr));
-    bytes += align_up(e->bytes, kStagingAlignment);
+    impl_->staged_now -= static_cast<std::int64_t>(align_up(e->bytes, kStagingAlignment));
+    if (copy_home.contains(e->spec.role)) {
+      if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);  // still arriving: chain on GPU
+      STRATA_RETURN_IF_ERROR(impl_->migrate_locked(*e, e->rest.tier, e->rest.ptr, -1, {}));
+      copied = true;
+      continue;
+    }
+    // Discard: the kept home block still holds the data (the staged copy was only read). The slot
+    // must not be refilled before the fetch into it and the compute that read it are done.
+    if (e->in_flight) {
+      slot.free_events.push_back(e->arrival);
+      e->arrival = nullptr;
+      if (e->timed_start != nullptr) {
+        impl_->timed.push_back({e->timed_start, e->timed_end, e->timed_h2d, e->bytes});
+        e->timed_start = e->timed_end = nullptr;
+      }
+      e->in_flight = false;
+      impl_->in_flight.erase(std::find(impl_->in_flight.begin(), impl_->in_flight.end(), e));
+    }
+    for (EventHandle r : e->ready) slot.free_events.push_back(r);
+    e->ready.clear();
+    // The fetch read the home block; later writes into it wait for the copy stream.
+    STRATA_ASSIGN_OR_RETURN(EventHandle fetched, dev.record(impl_->h2d));
+    e->ready.push_back(fetched);
+    e->loc = e->rest;
+    e->rest = {};
+    impl_->notify_locked(*e, e->loc.tier, e->loc.ptr);
   }
-  // The slot may be refilled once the copies just queued have read it: an event on the D2H stream
-  // (pageable write-backs completed on the host already).
-  STRATA_ASSIGN_OR_RETURN(slot.free_event, impl_->device->record(impl_->d2h));
+  if (copied) {
+    // The slot may be refilled once the write-backs just queued have read it.
+    STRATA_ASSIGN_OR_RETURN(EventHandle read_out, dev.record(impl_->d2h));
+    slot.free_events.push_back(read_out);
+  }
   slot.occupants.clear();
   slot.layer = -1;
   impl_->staged_layers.erase(it);
-  impl_->staged_now -= static_cast<std::int64_t>(bytes);
   return absl::OkStatus();
 }
 
@@ -914,7 +992,7 @@ absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHan
                                                    tier_name(tier), ": it is held on ",
                                                    tier_name(e->loc.tier)));
     }
-    STRATA_RETURN_IF_ERROR(impl_->migrate_locked(*e, tier, nullptr, -1, nullptr));
+    STRATA_RETURN_IF_ERROR(impl_->migrate_locked(*e, tier, nullptr, -1, {}));
   }
   if (e->in_flight) {
     if (e->dst.tier != tier) {
@@ -933,12 +1011,14 @@ absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHan
       STRATA_ASSIGN_OR_RETURN(EventHandle after, dev.record_timed(stream));
       impl_->stalls.push_back({before, after});
       ++e->holds;
+      impl_->notify_locked(*e, e->dst.tier, e->dst.ptr);
       return e->dst.ptr;
     }
   }
   ++impl_->stats.prefetch_hits;
   for (EventHandle r : e->ready) STRATA_RETURN_IF_ERROR(dev.stream_wait(stream, r));
   ++e->holds;
+  impl_->notify_locked(*e, e->loc.tier, e->loc.ptr);
   return e->loc.ptr;
 }
 

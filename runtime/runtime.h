@@ -133,12 +133,17 @@ class Runtime {
   // Sizes the ring: `slots` slots, each the largest layer's bytes of `roles`. kInvalidArgument when
   // it does not fit the GPU budget.
   [[nodiscard]] absl::Status configure_staging(int slots, RoleSet roles);
-  // Queues the layer's tensors of the staging roles into the next free slot.
-  // kResourceExhausted when no slot is free.
-  [[nodiscard]] absl::Status stage_layer(int layer);
-  // Queues the layer's staged tensors back to their home tier; the slot becomes reusable on the
-  // GPU once those copies are done.
-  [[nodiscard]] absl::Status unstage_layer(int layer);
+  // Queues the layer's tensors of `roles` (default: the staging roles) into its slot: the next free
+  // one, or the slot the layer already has (a layer staged for parameters can take its gradients
+  // later). The tensors keep their home blocks while staged. kResourceExhausted when no slot is
+  // free.
+  [[nodiscard]] absl::Status stage_layer(int layer, std::optional<RoleSet> roles = std::nullopt);
+  // Ends the layer's staging. Tensors with a role in `write_back` (default: all) are copied back
+  // into their home blocks; the others are discarded (their home block still holds the data: use it
+  // for what compute only read). The slot becomes reusable on the GPU once those copies and the
+  // compute that used the slot are done.
+  [[nodiscard]] absl::Status unstage_layer(int layer,
+                                           std::optional<RoleSet> write_back = std::nullopt);
   bool is_staged(int layer) const;
 
   // --- residency guards ---

@@ -44,6 +44,11 @@ class RoleSet {
   constexpr bool contains(Role r) const { return (bits_ & bit(r)) != 0; }
   constexpr bool empty() const { return bits_ == 0; }
   constexpr bool operator==(const RoleSet&) const = default;
+  constexpr RoleSet operator|(Role r) const {
+    RoleSet out = *this;
+    out.bits_ |= bit(r);
+    return out;
+  }
   // "exp_avg,exp_avg_sq"
   std::string to_string() const;
   // Parses "exp_avg,exp_avg_sq", "all" or "optimizer_states".

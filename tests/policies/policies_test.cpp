@@ -1,6 +1,7 @@
 // Policy tests on the simulated device: a timeline per policy (which tier every tensor is on at
 // every hook), the staging peak of layer_prefetch, state integrity with copy streams delayed at
 // random (deferred device), and D1 of RELIABILITY.md for every tier pair.
+#include <cmath>
 #include <map>
 #include <random>
 #include <string>
@@ -239,6 +240,159 @@ TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
   for (int l = 0; l < 4; ++l) {
     EXPECT_EQ(rt->info(*rt->find(str_cat("m", l)))->tier, Tier::kPinnedHost);
   }
+}
+
+// A small "model" trained through every hook with host functions on the compute stream standing in
+// for kernels: forward sums each layer's parameters into an activation, backward writes gradients
+// from parameters and the activation, the optimizer updates parameters and moments Adam-like.
+// Addresses come from on_moved, as the bridge gets them. Returns every tensor's bytes at the end.
+std::map<std::string, std::vector<unsigned char>> train(Runtime& rt, SimulatedDevice& dev,
+                                                        int layers, std::size_t n, int steps,
+                                                        std::mt19937* jiggle_rng) {
+  std::map<std::uint64_t, void*> addr;
+  for (TensorHandle h : rt.tensors()) addr[h.id] = rt.info(h)->data;
+  rt.add_on_moved([&addr](TensorHandle h, Tier, void* p) { addr[h.id] = p; });
+  auto jiggle = [&] {
+    if (jiggle_rng == nullptr) return;
+    for (int i = (*jiggle_rng)() % 8; i > 0; --i) {
+      dev.run_one(reinterpret_cast<StreamHandle>((*jiggle_rng)() % 4));
+    }
+  };
+  auto f = [&](int layer, Role role) {
+    return static_cast<float*>(addr[rt.layer_tensors(layer, RoleSet{role})[0].id]);
+  };
+  StreamHandle s = rt.compute_stream();
+  auto act = std::make_shared<float>(0.0f);
+  for (int step = 0; step < steps; ++step) {
+    EXPECT_TRUE(rt.begin_step().ok());
+    EXPECT_TRUE(dev.enqueue_host(s, [act] { *act = 0.0f; }).ok());
+    for (int l = 0; l < layers; ++l) {
+      {
+        absl::Status bf = rt.before_forward(l);
+        EXPECT_TRUE(bf.ok()) << bf;
+      }
+      float* p = f(l, Role::kParameter);
+      EXPECT_TRUE(dev.enqueue_host(s,
+                                   [p, n, act] {
+                                     for (std::size_t i = 0; i < n; ++i) *act += p[i] * 1e-3f;
+                                   })
+                      .ok());
+      jiggle();
+    }
+    for (int l = layers - 1; l >= 0; --l) {
+      float* p = f(l, Role::kParameter);
+      float* g = f(l, Role::kGradient);
+      EXPECT_TRUE(dev.enqueue_host(s,
+                                   [p, g, n, act] {
+                                     for (std::size_t i = 0; i < n; ++i) g[i] = p[i] * 0.5f + *act;
+                                   })
+                      .ok());
+      EXPECT_TRUE(rt.after_backward(l).ok());
+      jiggle();
+    }
+    EXPECT_TRUE(rt.begin_optimizer_step().ok());
+    for (int l : rt.optimizer_layer_order()) {
+      absl::StatusOr<std::vector<void*>> ptrs = rt.acquire_layer(l, RoleSet::all(), Tier::kGpu, s);
+      EXPECT_TRUE(ptrs.ok()) << ptrs.status();
+      if (!ptrs.ok()) return {};
+      auto* p = static_cast<float*>((*ptrs)[0]);
+      auto* g = static_cast<float*>((*ptrs)[1]);
+      auto* m = static_cast<float*>((*ptrs)[2]);
+      auto* v = static_cast<float*>((*ptrs)[3]);
+      EXPECT_TRUE(dev.enqueue_host(s,
+                                   [p, g, m, v, n] {
+                                     for (std::size_t i = 0; i < n; ++i) {
+                                       m[i] = 0.9f * m[i] + 0.1f * g[i];
+                                       v[i] = 0.99f * v[i] + 0.01f * g[i] * g[i];
+                                       p[i] -= 0.01f * m[i] / (std::sqrt(v[i]) + 1e-8f);
+                                     }
+                                   })
+                      .ok());
+      jiggle();
+      EXPECT_TRUE(rt.release_layer(l, RoleSet::all(), s).ok());
+      jiggle();
+    }
+    EXPECT_TRUE(rt.end_optimizer_step().ok());
+    EXPECT_TRUE(rt.end_step().ok());
+    jiggle();
+  }
+  dev.run_pending();
+  EXPECT_TRUE(rt.wait_all().ok());
+  std::map<std::string, std::vector<unsigned char>> out;
+  for (TensorHandle h : rt.tensors()) out[rt.info(h)->spec.name] = read_all(rt, h);
+  return out;
+}
+
+void register_trainable(Runtime& rt, int layers, std::size_t n) {
+  for (int l = 0; l < layers; ++l) {
+    std::vector<float> init(n);
+    for (std::size_t i = 0; i < n; ++i)
+      init[i] = 0.01f * static_cast<float>((i * 7 + l) % 13) - 0.05f;
+    ASSERT_TRUE(
+        rt.register_tensor(spec(str_cat("l", l, ".p"), l, Role::kParameter, n), init.data()).ok());
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".g"), l, Role::kGradient, n)).ok());
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".m"), l, Role::kExpAvg, n)).ok());
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".v"), l, Role::kExpAvgSq, n)).ok());
+  }
+}
+
+TEST(ParameterStreamingTest, AModelLargerThanTheGpuBudgetTrainsLikeKeepOnGpu) {
+  constexpr int kLayers = 16;
+  constexpr std::size_t kN = 1000;  // floats per tensor: a layer is 16 KiB of all four roles
+  constexpr std::size_t kLayerBytes = 4 * ((kN * 4 + 511) / 512 * 512);
+  auto [ref_rt, ref_dev] = make_runtime("keep_on_gpu");
+  register_trainable(*ref_rt, kLayers, kN);
+  const auto want = train(*ref_rt, *ref_dev, kLayers, kN, 4, nullptr);
+  ASSERT_FALSE(want.empty());
+
+  for (int depth : {0, 1, 2}) {
+    const std::size_t budget = (depth + 1) * kLayerBytes;
+    ASSERT_LT(budget, kLayers * kN * 4) << "the parameters alone must not fit";
+    // keep_on_gpu cannot hold this model in the budget: the allocator's out-of-memory error.
+    auto [small, small_dev] = make_runtime("keep_on_gpu", {}, false, budget);
+    absl::Status oom;
+    for (int l = 0; l < kLayers && oom.ok(); ++l) {
+      oom = small->register_tensor(spec(str_cat("l", l, ".p"), l, Role::kParameter, kN)).status();
+      if (oom.ok())
+        oom = small->register_tensor(spec(str_cat("l", l, ".m"), l, Role::kExpAvg, kN)).status();
+    }
+    EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_NE(std::string(oom.message()).find("out of memory in tier gpu"), std::string::npos);
+
+    std::mt19937 rng(77 + depth);
+    auto [rt, dev] =
+        make_runtime("layer_prefetch", {.prefetch_depth = depth, .roles = RoleSet::all()},
+                     /*deferred=*/true, budget);
+    register_trainable(*rt, kLayers, kN);
+    const auto got = train(*rt, *dev, kLayers, kN, 4, &rng);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, bytes] : want) {
+      EXPECT_EQ(got.at(name), bytes) << name << " differs from keep_on_gpu at depth " << depth;
+    }
+    RuntimeStats st = rt->stats();
+    EXPECT_LE(st.staged_peak_bytes, static_cast<std::int64_t>(budget)) << depth;
+    EXPECT_EQ(rt->allocator().stats(Tier::kGpu).allocated_bytes.peak, 0) << depth;
+  }
+}
+
+TEST(ParameterStreamingTest, ForwardHoldsOneLayerAndKeepsTheLastForBackward) {
+  auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()});
+  register_trainable(*rt, 4, 100);  // per layer: p g m v
+  ASSERT_TRUE(rt->before_forward(0).ok());
+  EXPECT_EQ(where(*rt), "S P P P S P P P P P P P P P P P");
+  ASSERT_TRUE(rt->before_forward(1).ok());
+  EXPECT_EQ(where(*rt), "P P P P S P P P S S P P P P P P");
+  ASSERT_TRUE(rt->before_forward(2).ok());
+  EXPECT_EQ(where(*rt), "P P P P P P P P S S P P S S P P");
+  ASSERT_TRUE(rt->before_forward(3).ok());  // layers 2 and 3 stay for backward
+  EXPECT_EQ(where(*rt), "P P P P P P P P S S P P S S P P");
+  ASSERT_TRUE(rt->after_backward(3).ok());  // gradients of 3 written back, layer 1 fetched
+  EXPECT_EQ(where(*rt), "P P P P S S P P S S P P P P P P");
+  ASSERT_TRUE(rt->after_backward(2).ok());
+  EXPECT_EQ(where(*rt), "S S P P S S P P P P P P P P P P");
+  ASSERT_TRUE(rt->after_backward(1).ok());
+  ASSERT_TRUE(rt->after_backward(0).ok());
+  EXPECT_EQ(where(*rt), "P P P P P P P P P P P P P P P P");
 }
 
 // D1 of RELIABILITY.md: 10^4 offload/reload cycles per tier pair, payloads with NaN, +-Inf, -0 and
