@@ -46,7 +46,7 @@ BlockPool::BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
 }
 
 BlockPool::~BlockPool() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   (void)wait_all_pending_locked();
   if (!live_.empty()) {
     std::fprintf(stderr,
@@ -95,20 +95,22 @@ void BlockPool::delete_block_locked(Block* block) {
 }
 
 absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions& options) {
-  const std::string_view tier = tier_name(config_.tier);
   if (bytes == 0) {
+    const std::string_view tier = tier_name(config_.tier);
     return absl::InvalidArgumentError(
         str_cat("allocate in tier ", tier,
                 ": size 0; strata hands out no empty blocks (a zero-size tensor "
                 "needs no storage)"));
   }
   if (bytes > kMaxAllocationSize) {
+    const std::string_view tier = tier_name(config_.tier);
     return absl::InvalidArgumentError(str_cat("allocate in tier ", tier, ": size ", bytes,
                                               " bytes is above the largest allocation (",
                                               kMaxAllocationSize, " bytes, 1 PiB)"));
   }
   if (options.alignment == 0 || !is_power_of_two(options.alignment) ||
       options.alignment > kMaxAlignment) {
+    const std::string_view tier = tier_name(config_.tier);
     return absl::InvalidArgumentError(
         str_cat("allocate in tier ", tier, ": alignment ", options.alignment,
                 " is not a power of two between 1 and ", kMaxAlignment));
@@ -116,7 +118,7 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
   const std::size_t size = round_size(bytes);
   const bool small = size <= kSmallSize;
 
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (!pending_.empty()) process_ready_events_locked();
   Block* block = take_best_fit_locked(options.stream, small, size);
   if (block == nullptr && unmerged_frees_ > 0) {
@@ -190,9 +192,9 @@ absl::StatusOr<BlockPool::Block*> BlockPool::grow_locked(std::size_t size, bool 
   // Note: no lock is held across the upstream call (cudaMalloc can take milliseconds); the bytes in
   // flight count against the budget meanwhile.
   growing_bytes_ += segment_size;
-  mu_.Unlock();
+  mu_.unlock();
   absl::StatusOr<void*> memory = upstream_->allocate(segment_size);
-  mu_.Lock();
+  mu_.lock();
   growing_bytes_ -= segment_size;
   if (!memory.ok()) {
     return absl::Status(memory.status().code(),
@@ -272,7 +274,7 @@ void BlockPool::free_block_locked(Block* block, bool merge) {
 }
 
 absl::Status BlockPool::deallocate(void* ptr) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(ptr);
   if (it == live_.end()) return bad_free_locked(ptr);
   Block* block = it->second;
@@ -309,7 +311,7 @@ absl::Status BlockPool::deallocate(void* ptr) {
 }
 
 absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     return absl::InvalidArgumentError(str_cat("record_stream in tier ", tier_name(config_.tier),
@@ -351,9 +353,9 @@ absl::Status BlockPool::wait_all_pending_locked() {
     PendingEvent entry = pending_.front();
     pending_.pop_front();
     ++stats_.num_event_waits;
-    mu_.Unlock();
+    mu_.unlock();
     absl::Status s = stream_ops_->synchronize(entry.event);
-    mu_.Lock();
+    mu_.lock();
     if (!s.ok()) {
       // Fail closed: the block stays withheld; the event is kept out of the pool.
       status.Update(s);
@@ -369,7 +371,7 @@ absl::Status BlockPool::wait_all_pending_locked() {
 }
 
 absl::Status BlockPool::synchronize_pending() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return wait_all_pending_locked();
 }
 
@@ -395,7 +397,7 @@ void BlockPool::consolidate_locked() {
 }
 
 void BlockPool::consolidate() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   consolidate_locked();
 }
 
@@ -414,7 +416,7 @@ std::size_t BlockPool::release_cached_segments_locked() {
   }
   std::size_t released = 0;
   for (Segment* segment : victims) {
-    mu_.Unlock();
+    mu_.unlock();
     // Note [Stream ordering]: work queued on the segment's stream before its last free may still
     // touch it; wait for that stream before the memory leaves the pool. Fail closed: a segment
     // whose stream cannot be waited on stays in the pool.
@@ -428,7 +430,7 @@ std::size_t BlockPool::release_cached_segments_locked() {
       }
     }
     if (s.ok()) s = upstream_->deallocate(segment->base, segment->size);
-    mu_.Lock();
+    mu_.lock();
     if (!s.ok()) {
       std::fprintf(stderr, "strata: keeping a segment of tier %s: %s\n",
                    std::string(tier_name(config_.tier)).c_str(), std::string(s.message()).c_str());
@@ -447,13 +449,13 @@ std::size_t BlockPool::release_cached_segments_locked() {
 }
 
 absl::StatusOr<std::size_t> BlockPool::trim() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (!pending_.empty()) process_ready_events_locked();
   return release_cached_segments_locked();
 }
 
 absl::Status BlockPool::set_budget(std::size_t budget) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (budget == 0) {
     return absl::InvalidArgumentError(
         str_cat("budget of tier ", tier_name(config_.tier), " must be > 0"));
@@ -463,7 +465,7 @@ absl::Status BlockPool::set_budget(std::size_t budget) {
 }
 
 std::size_t BlockPool::budget() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return budget_;
 }
 
@@ -529,14 +531,14 @@ void BlockPool::compute_derived_locked(TierStats& s) const {
 }
 
 TierStats BlockPool::stats() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   TierStats s = stats_;
   compute_derived_locked(s);
   return s;
 }
 
 void BlockPool::reset_peak_stats() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto reset_peak = [](auto& stat) {
     if constexpr (std::is_same_v<std::decay_t<decltype(stat)>, Gauge>) stat.reset_peak();
   };
@@ -560,7 +562,7 @@ std::string BlockPool::oom_message_locked(std::size_t size, std::size_t requeste
 }
 
 std::vector<LiveAllocation> BlockPool::live_allocations() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<LiveAllocation> out;
   out.reserve(live_.size());
   for (const auto& [ptr, b] : live_) {
@@ -573,24 +575,24 @@ std::vector<LiveAllocation> BlockPool::live_allocations() const {
 }
 
 bool BlockPool::is_live(const void* ptr) const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return live_.contains(ptr);
 }
 
 bool BlockPool::contains(const void* ptr) const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return find_segment_locked(ptr) != nullptr;
 }
 
 std::optional<std::size_t> BlockPool::requested_size(const void* ptr) const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(ptr);
   if (it == live_.end()) return std::nullopt;
   return it->second->requested;
 }
 
 absl::Status BlockPool::validate() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::int64_t reserved = 0, allocated = 0, requested = 0, active = 0, pending = 0;
   std::size_t free_blocks = 0;
   for (const auto& [base, segment] : segments_) {
