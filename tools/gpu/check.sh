@@ -46,9 +46,9 @@ tail -3 "$LOGS/ctest-cpu.log"
 
 step "compute-sanitizer memcheck --leak-check full"
 declare -A SAN
-san_run() {  # name, then the command
+san_run() {  # name, then the command; LEAK_CHECK=no turns the leak check off for one run
   local name=$1; shift
-  compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99 "$@" \
+  compute-sanitizer --tool memcheck --leak-check "${LEAK_CHECK:-full}" --error-exitcode 99 "$@" \
     >"$LOGS/memcheck-$name.log" 2>&1
   local rc=$?
   local errors
@@ -64,8 +64,11 @@ STRATA_L2_OPS=400 GTEST_FILTER='-*OutOfMemoryMessage*:*Probe*' \
 GTEST_FILTER='*Gpu*:-*Impossible*' san_run allocator_conformance "$BUILD/bin/allocator_conformance_test"
 # The overlap test times copies, which the sanitizer distorts; it runs in the plain pass.
 STRATA_D1_CYCLES=20 GTEST_FILTER='-*RunAtOnce*' san_run runtime_gpu_test "$BUILD/bin/runtime_gpu_test"
+# LibTorch's caching allocator and cuBLAS keep their device memory until the process ends, so a
+# leak check over the bridge reports LibTorch's segments, not strata's; strata's own leak checks run
+# in the suites above.
 if [ -x "$BUILD/bin/bridge_test" ]; then
-  GTEST_FILTER='*Gpu*' san_run bridge_gpu "$BUILD/bin/bridge_test"
+  LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run bridge_gpu "$BUILD/bin/bridge_test"
 fi
 # The probe must be caught: proof that memcheck sees block bounds inside pool segments.
 GTEST_FILTER='*Probe*' compute-sanitizer --tool memcheck "$BUILD/bin/allocator_gpu_test" \
