@@ -105,7 +105,10 @@ struct Runtime::Impl {
   int next_slot = 0;
   std::map<int, int> staged_layers;  // layer -> slot
 
-  // Pinned bounce buffers for pageable copies.
+  // Pinned bounce buffers for pageable copies, from a pool of the runtime's own: a spill to
+  // pageable memory happens when the pinned budget is full, so the bounce memory cannot come out of
+  // it.
+  std::unique_ptr<alloc::BlockPool> bounce_pool;
   std::vector<void*> bounce;
   std::vector<EventHandle> bounce_events;
 
@@ -170,6 +173,7 @@ Runtime::Impl::~Impl() {
   }
   policy.reset();
   staging_pool.reset();
+  bounce_pool.reset();
   allocator.reset();
 }
 
@@ -207,10 +211,9 @@ absl::Status Runtime::Impl::wait_ready_on_host_locked(Entry& e) {
 absl::Status Runtime::Impl::ensure_bounce_locked() {
   if (!bounce.empty()) return absl::OkStatus();
   for (int i = 0; i < kBounceSlots; ++i) {
-    absl::StatusOr<void*> b =
-        allocator->allocate(Tier::kPinnedHost, kBounceChunkBytes, {.owner = "runtime.bounce"});
+    absl::StatusOr<void*> b = bounce_pool->allocate(kBounceChunkBytes, {.owner = "runtime.bounce"});
     if (!b.ok()) {
-      for (void* p : bounce) (void)allocator->deallocate(Tier::kPinnedHost, p);
+      for (void* p : bounce) (void)bounce_pool->deallocate(p);
       bounce.clear();
       return b.status();
     }
@@ -452,7 +455,7 @@ absl::Status Runtime::Impl::release_scratch_locked() {
       STRATA_RETURN_IF_ERROR(device->synchronize(bounce_events[i]));
       device->release(bounce_events[i]);
     }
-    STRATA_RETURN_IF_ERROR(allocator->deallocate(Tier::kPinnedHost, bounce[i]));
+    STRATA_RETURN_IF_ERROR(bounce_pool->deallocate(bounce[i]));
   }
   bounce.clear();
   bounce_events.clear();
@@ -562,10 +565,13 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
   a.stream_ops = impl->device;
   impl->gpu_budget = a.budgets[alloc::tier_index(Tier::kGpu)];
   std::unique_ptr<alloc::Upstream> staging_upstream;
+  std::unique_ptr<alloc::Upstream> bounce_upstream;
   if (impl->device->is_simulated()) {
     staging_upstream = alloc::make_simulated_device_upstream(a.simulated_device);
+    bounce_upstream = alloc::make_simulated_pinned_upstream();
   } else {
     STRATA_ASSIGN_OR_RETURN(staging_upstream, alloc::make_cuda_device_upstream(a.cuda_device));
+    STRATA_ASSIGN_OR_RETURN(bounce_upstream, alloc::make_pinned_host_upstream(a.pinned_method));
   }
   const bool tracking = a.track_allocations;
   STRATA_ASSIGN_OR_RETURN(impl->allocator, alloc::TieredAllocator::create(std::move(a)));
@@ -575,6 +581,9 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
   impl->staging_pool =
       std::make_unique<alloc::BlockPool>(alloc::PoolConfig{Tier::kGpu, alloc::kNoBudget, tracking},
                                          std::move(staging_upstream), impl->device);
+  impl->bounce_pool = std::make_unique<alloc::BlockPool>(
+      alloc::PoolConfig{Tier::kPinnedHost, alloc::kNoBudget, tracking}, std::move(bounce_upstream),
+      impl->device);
   STRATA_ASSIGN_OR_RETURN(impl->h2d, impl->device->create_stream());
   STRATA_ASSIGN_OR_RETURN(impl->d2h, impl->device->create_stream());
   STRATA_ASSIGN_OR_RETURN(impl->own_compute, impl->device->create_stream());

@@ -16,7 +16,9 @@
 // and the GPU never holds more than `slots` layers of staged data.
 //
 // Pageable host memory is never streamed directly: copies to and from it go through pinned bounce
-// buffers in pieces of kBounceChunkBytes, and those migrations wait on the host (counted).
+// buffers in pieces of kBounceChunkBytes, and those migrations wait on the host (counted). The
+// bounce buffers (kBounceSlots of them) and the staging ring come from pools of the runtime's own,
+// outside the tiers' budgets: a spill to pageable memory happens when the pinned budget is full.
 //
 // Not thread-safe beyond what one mutex gives: every public call takes it.
 //

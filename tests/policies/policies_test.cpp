@@ -105,6 +105,31 @@ TEST(TimelineTest, BulkEveryStepMovesEverythingAroundEachStep) {
   EXPECT_EQ(got[10], "reload_all: G G G G G G G G G");
 }
 
+TEST(TimelineTest, BulkSpillsToPageableWhenThePinnedBudgetIsFull) {
+  // Pinned first while the pinned budget allows, pageable after; both come back bit for bit.
+  RuntimeOptions options;
+  options.policy = "bulk";
+  options.policy_config.roles = RoleSet::all();
+  options.device = DeviceKind::kSimulated;
+  options.allocator.budgets[alloc::tier_index(Tier::kPinnedHost)] = 8 << 20;
+  auto rt = *Runtime::create(std::move(options), policy::builtin_policies());
+  std::vector<std::vector<unsigned char>> payloads;
+  std::vector<TensorHandle> hs;
+  for (int i = 0; i < 5; ++i) {
+    payloads.push_back(special_payload(3 << 20, 40 + i));  // 3 MiB each, 4 MiB segments
+    hs.push_back(
+        *rt->register_tensor(spec(str_cat("t", i), i, Role::kParameter, 3 << 20, DType::kUInt8),
+                             payloads.back().data()));
+  }
+  absl::Status off = rt->offload_all();
+  ASSERT_TRUE(off.ok()) << off;
+  EXPECT_EQ(where(*rt), "P P H H H");
+  ASSERT_TRUE(rt->reload_all().ok());
+  EXPECT_EQ(where(*rt), "G G G G G");
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(read_all(*rt, hs[i]), payloads[i]) << i;
+  EXPECT_EQ(rt->stats().failed_migrations, 3) << "each spill is a refused pinned move first";
+}
+
 TEST(TimelineTest, LayerPrefetchStreamsStatesThroughTheRing) {
   auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1});
   register_model(*rt);
