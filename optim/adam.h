@@ -1,0 +1,79 @@
+// optim/adam.h: Adam / AdamW as a client of the runtime.
+//
+// Adam registers each parameter's moments with the runtime (roles exp_avg, exp_avg_sq, and
+// max_exp_avg_sq as role other with amsgrad), so the policy decides where they live. step() walks
+// the layers in the policy's order, acquires each layer's tensors on the GPU for the compute
+// stream, queues the fused kernel there (the CPU kernel, as a host function, on the simulated
+// device) and releases them, which lets the policy write the layer back and prefetch the next one.
+// Hyperparameters are per parameter group and the learning rate may change between steps; step
+// counters are int64 on the host.
+//
+// Example:
+//   AdamOptions options;
+//   options.groups.push_back({.params = {{w0, w0_grad}, {w1, w1_grad}},
+//                             .hyper = {.lr = 1e-3f, .weight_decay = 0.01f}});
+//   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Adam> adam, Adam::create(runtime, options));
+//   ...backward...
+//   STRATA_RETURN_IF_ERROR(adam->step());
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "optim/adam_math.h"
+#include "runtime/runtime.h"
+
+namespace strata::optim {
+
+struct ParamGroup {
+  // (parameter, its gradient), both registered with the runtime: float32, same shape and layer.
+  std::vector<std::pair<rt::TensorHandle, rt::TensorHandle>> params;
+  AdamHyper hyper;
+};
+
+struct AdamOptions {
+  std::vector<ParamGroup> groups;
+  // Host threads of the CPU kernel (simulated device).
+  int cpu_threads = 8;
+};
+
+class Adam {
+ public:
+  // Checks every parameter and gradient before registering any state: kInvalidArgument for a
+  // dtype other than float32, a shape or layer mismatch, a tensor of the wrong role, a parameter
+  // listed twice; kNotFound for an unregistered handle.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Adam>> create(rt::Runtime& runtime,
+                                                                    AdamOptions options);
+  ~Adam();
+
+  // One optimizer step over every group. grad_scale / found_inf: device pointers or null (see
+  // adam_step_cuda); on the simulated device they are host pointers read when the step runs.
+  [[nodiscard]] absl::Status step(const float* grad_scale = nullptr,
+                                  const float* found_inf = nullptr);
+
+  [[nodiscard]] absl::Status set_lr(std::size_t group, float lr);
+  std::int64_t step_count(std::size_t group) const { return steps_.at(group); }
+  std::size_t num_groups() const { return groups_.size(); }
+  // The state tensors of a parameter: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad).
+  [[nodiscard]] absl::StatusOr<std::vector<rt::TensorHandle>> state(rt::TensorHandle param) const;
+
+ private:
+  struct Slot {
+    rt::TensorHandle param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;
+    std::size_t group = 0;
+    int layer = 0;
+  };
+  Adam(rt::Runtime& runtime, AdamOptions options);
+
+  rt::Runtime& runtime_;
+  AdamOptions options_;
+  std::vector<ParamGroup>& groups_ = options_.groups;
+  std::vector<std::int64_t> steps_;
+  std::vector<Slot> slots_;
+};
+
+}  // namespace strata::optim

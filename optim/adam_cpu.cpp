@@ -1,0 +1,50 @@
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "optim/adam_kernels.h"
+
+namespace strata::optim {
+namespace {
+
+// Elements [begin, end) of the concatenation of all tensors.
+void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& s, float inv,
+               std::int64_t begin, std::int64_t end) {
+  std::int64_t base = 0;
+  for (std::size_t t = 0; t < count && base < end; ++t) {
+    const AdamTensor& x = tensors[t];
+    const std::int64_t lo = std::max<std::int64_t>(begin - base, 0);
+    const std::int64_t hi = std::min<std::int64_t>(end - base, x.numel);
+    for (std::int64_t i = lo; i < hi; ++i) {
+      adam_element(x.param[i], x.grad[i], x.exp_avg[i], x.exp_avg_sq[i],
+                   x.max_exp_avg_sq != nullptr ? x.max_exp_avg_sq + i : nullptr, s, inv);
+    }
+    base += x.numel;
+  }
+}
+
+}  // namespace
+
+void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
+                   float inv_grad_scale, int threads) {
+  std::int64_t total = 0;
+  for (std::size_t t = 0; t < count; ++t) total += tensors[t].numel;
+  // Threads only pay off on large lists; below ~1M elements one thread is faster than spawning.
+  const std::int64_t kMinPerThread = std::int64_t{1} << 18;
+  const int n =
+      static_cast<int>(std::clamp<std::int64_t>(total / kMinPerThread, 1, std::max(threads, 1)));
+  if (n == 1) {
+    run_range(tensors, count, s, inv_grad_scale, 0, total);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const std::int64_t per = (total + n - 1) / n;
+  for (int i = 0; i < n; ++i) {
+    const std::int64_t begin = per * i;
+    const std::int64_t end = std::min(total, begin + per);
+    pool.emplace_back([=] { run_range(tensors, count, s, inv_grad_scale, begin, end); });
+  }
+  for (std::thread& th : pool) th.join();
+}
+
+}  // namespace strata::optim
