@@ -46,75 +46,78 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
+  absl::Status on_begin_step(rt::Runtime& rt) override { return reset(rt); }
+
   absl::Status on_before_forward(rt::Runtime& rt, int layer) override {
     if (!streams_parameters()) return absl::OkStatus();
-    if (!in_forward_) STRATA_RETURN_IF_ERROR(start_forward(rt));
-    const std::size_t j = position(forward_, layer);
+    std::vector<int> streamed = streamed_layers(rt, RoleSet{Role::kParameter});
+    const std::size_t j = position(streamed, layer);
+    if (j == streamed.size()) return absl::OkStatus();  // nothing of this layer streams
+    // A forward that starts over (evaluation before training, a module run twice, recompute in
+    // backward) finds the ring as the last pass left it: put everything home and start again.
+    if (in_forward_ || in_backward_) {
+      const std::size_t held_at = position(forward_, last_);
+      if (!in_forward_ || j <= held_at || held_at == forward_.size())
+        STRATA_RETURN_IF_ERROR(reset(rt));
+    }
+    if (!in_forward_) {
+      forward_ = std::move(streamed);
+      STRATA_RETURN_IF_ERROR(start_forward(rt));
+    }
     if (held_ >= 0) {
       STRATA_RETURN_IF_ERROR(release_held(rt));
       const std::size_t prev = position(forward_, last_);
       if (!kept_for_backward(prev)) {
-        STRATA_RETURN_IF_ERROR(rt.unstage_layer(last_, RoleSet()));  // read only: drop
-        if (next_ < forward_.size()) {
-          STRATA_RETURN_IF_ERROR(rt.stage_layer(forward_[next_], forward_roles(next_)));
-          ++next_;
-        }
+        STRATA_RETURN_IF_ERROR(unstage(rt, last_, RoleSet()));  // read only: drop
+        STRATA_RETURN_IF_ERROR(
+            refill(rt, forward_, [&](std::size_t k) { return forward_roles(k); }));
       }
     }
     return hold(rt, layer, forward_roles(j));
   }
 
   absl::Status on_after_backward(rt::Runtime& rt, int layer) override {
-    if (!streams_parameters()) return absl::OkStatus();
+    if (!streams_parameters() || (!in_forward_ && !in_backward_)) return absl::OkStatus();
     if (in_forward_) {
-      // Forward is over: the last K + 1 layers are staged, so backward starts K + 1 layers in.
+      // Forward is over: its last layers are staged, so backward starts that far in.
       in_forward_ = false;
+      in_backward_ = true;
       backward_.assign(forward_.rbegin(), forward_.rend());
-      next_ = std::min<std::size_t>(config().prefetch_depth + 1, backward_.size());
-    }
-    if (held_ >= 0) STRATA_RETURN_IF_ERROR(release_held(rt));
-    STRATA_RETURN_IF_ERROR(rt.unstage_layer(layer, RoleSet{Role::kGradient}));
-    if (next_ < backward_.size()) {
-      STRATA_RETURN_IF_ERROR(rt.stage_layer(backward_[next_], backward_roles()));
-      ++next_;
+      next_ = std::min<std::size_t>(staged_.size(), backward_.size());
     }
     const std::size_t b = position(backward_, layer);
+    if (b == backward_.size()) return absl::OkStatus();  // nothing of this layer streams
+    if (held_ >= 0) STRATA_RETURN_IF_ERROR(release_held(rt));
+    STRATA_RETURN_IF_ERROR(unstage(rt, layer, RoleSet{Role::kGradient}));
+    STRATA_RETURN_IF_ERROR(refill(rt, backward_, [&](std::size_t) { return backward_roles(); }));
     if (b + 1 < backward_.size()) {
       const int following = backward_[b + 1];
       STRATA_RETURN_IF_ERROR(rt.stage_layer(following, backward_roles()));
       return hold(rt, following, backward_roles());
     }
+    in_backward_ = false;
     return absl::OkStatus();
   }
 
   absl::Status on_begin_optimizer_step(rt::Runtime& rt) override {
-    // A forward without backward (evaluation) leaves layers staged: put them back first.
-    if (held_ >= 0) STRATA_RETURN_IF_ERROR(release_held(rt));
-    in_forward_ = false;
-    for (int layer : rt.layers()) {
-      if (rt.is_staged(layer)) STRATA_RETURN_IF_ERROR(rt.unstage_layer(layer, write_back()));
+    STRATA_RETURN_IF_ERROR(reset(rt));
+    order_.clear();
+    for (int layer : rt.optimizer_layer_order()) {
+      if (rt.layer_bytes(layer, config().roles) > 0) order_.push_back(layer);
     }
-    STRATA_RETURN_IF_ERROR(rt.configure_staging(config().prefetch_depth + 1, config().roles));
-    order_ = rt.optimizer_layer_order();
+    STRATA_RETURN_IF_ERROR(configure(rt));
     next_ = 0;
-    for (int i = 0; i <= config().prefetch_depth && next_ < order_.size(); ++i) {
-      STRATA_RETURN_IF_ERROR(rt.stage_layer(order_[next_++]));
-    }
-    return absl::OkStatus();
+    return refill(rt, order_, [&](std::size_t) { return config().roles; });
   }
 
   absl::Status on_layer_released(rt::Runtime& rt, int layer) override {
-    if (!rt.is_staged(layer)) return absl::OkStatus();
-    STRATA_RETURN_IF_ERROR(rt.unstage_layer(layer, write_back()));
-    if (next_ < order_.size()) STRATA_RETURN_IF_ERROR(rt.stage_layer(order_[next_++]));
-    return absl::OkStatus();
+    STRATA_RETURN_IF_ERROR(unstage(rt, layer, write_back()));
+    return refill(rt, order_, [&](std::size_t) { return config().roles; });
   }
 
   absl::Status on_end_optimizer_step(rt::Runtime& rt) override {
     // Layers the optimizer did not release (it stopped early) go home too.
-    for (int layer : order_) {
-      if (rt.is_staged(layer)) STRATA_RETURN_IF_ERROR(rt.unstage_layer(layer, write_back()));
-    }
+    STRATA_RETURN_IF_ERROR(reset(rt));
     order_.clear();
     next_ = 0;
     return absl::OkStatus();
@@ -134,33 +137,75 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return config().roles.contains(Role::kGradient) ? RoleSet{Role::kParameter, Role::kGradient}
                                                     : RoleSet{Role::kParameter};
   }
-  // The last K + 1 forward layers are the first of backward: they stay, with their gradients.
-  bool kept_for_backward(std::size_t j) const {
-    return j + config().prefetch_depth + 1 >= forward_.size();
-  }
+  // The last layers of forward (as many as the ring holds) are the first of backward: they stay,
+  // with their gradients.
+  bool kept_for_backward(std::size_t j) const { return j + slots_ >= forward_.size(); }
   RoleSet forward_roles(std::size_t j) const {
     return kept_for_backward(j) ? backward_roles() : RoleSet{Role::kParameter};
   }
   static std::size_t position(const std::vector<int>& order, int layer) {
     return static_cast<std::size_t>(std::find(order.begin(), order.end(), layer) - order.begin());
   }
+  // Layers with bytes of `roles`, in ascending order: the others take no slot and no turn.
+  static std::vector<int> streamed_layers(const rt::Runtime& rt, RoleSet roles) {
+    std::vector<int> out;
+    for (int layer : rt.layers()) {
+      if (rt.layer_bytes(layer, roles) > 0) out.push_back(layer);
+    }
+    return out;
+  }
 
-  absl::Status start_forward(rt::Runtime& rt) {
-    STRATA_RETURN_IF_ERROR(rt.configure_staging(config().prefetch_depth + 1, config().roles));
-    forward_ = rt.layers();
-    next_ = 0;
-    in_forward_ = true;
-    for (int i = 0; i <= config().prefetch_depth && next_ < forward_.size(); ++i, ++next_) {
-      STRATA_RETURN_IF_ERROR(rt.stage_layer(forward_[next_], forward_roles(next_)));
+  // K + 1 slots, or fewer when fewer layers stream.
+  absl::Status configure(rt::Runtime& rt) {
+    const std::size_t layers = streamed_layers(rt, config().roles).size();
+    slots_ = std::max<std::size_t>(
+        1, std::min<std::size_t>(config().prefetch_depth + 1, std::max<std::size_t>(layers, 1)));
+    return rt.configure_staging(static_cast<int>(slots_), config().roles);
+  }
+
+  // Stages layers of `order` from next_ on while the ring has room.
+  template <typename RolesOf>
+  absl::Status refill(rt::Runtime& rt, const std::vector<int>& order, RolesOf roles_of) {
+    while (staged_.size() < slots_ && next_ < order.size()) {
+      STRATA_RETURN_IF_ERROR(rt.stage_layer(order[next_], roles_of(next_)));
+      staged_.push_back(order[next_]);
+      ++next_;
     }
     return absl::OkStatus();
   }
 
+  absl::Status unstage(rt::Runtime& rt, int layer, RoleSet write) {
+    auto it = std::find(staged_.begin(), staged_.end(), layer);
+    if (it == staged_.end()) return absl::OkStatus();
+    STRATA_RETURN_IF_ERROR(rt.unstage_layer(layer, write));
+    staged_.erase(it);
+    return absl::OkStatus();
+  }
+
+  // Releases what is held and sends every staged layer home (gradients and whatever the optimizer
+  // writes are copied back, parameters read in forward are dropped).
+  absl::Status reset(rt::Runtime& rt) {
+    if (held_ >= 0) STRATA_RETURN_IF_ERROR(release_held(rt));
+    RoleSet keep = write_back();
+    if (config().roles.contains(Role::kGradient)) keep = keep | Role::kGradient;
+    while (!staged_.empty()) STRATA_RETURN_IF_ERROR(unstage(rt, staged_.front(), keep));
+    in_forward_ = false;
+    in_backward_ = false;
+    return absl::OkStatus();
+  }
+
+  absl::Status start_forward(rt::Runtime& rt) {
+    STRATA_RETURN_IF_ERROR(configure(rt));
+    next_ = 0;
+    in_forward_ = true;
+    return refill(rt, forward_, [&](std::size_t k) { return forward_roles(k); });
+  }
+
   // The compute stream waits for the layer's data; the runtime keeps it in place until released.
   absl::Status hold(rt::Runtime& rt, int layer, RoleSet roles) {
-    for (rt::TensorHandle h : rt.layer_tensors(layer, roles)) {
-      STRATA_RETURN_IF_ERROR(rt.acquire(h, rt::Tier::kGpu, rt.compute_stream()).status());
-    }
+    STRATA_ASSIGN_OR_RETURN(std::vector<void*> unused,
+                            rt.acquire_layer(layer, roles, rt::Tier::kGpu, rt.compute_stream()));
+    (void)unused;
     held_ = layer;
     last_ = layer;
     held_roles_ = roles;
@@ -170,18 +215,22 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Everything queued on the compute stream until this hook (the held layer's forward or backward)
   // may use the data; later moves wait for it.
   absl::Status release_held(rt::Runtime& rt) {
-    for (rt::TensorHandle h : rt.layer_tensors(held_, held_roles_)) {
+    const int layer = held_;
+    held_ = -1;
+    for (rt::TensorHandle h : rt.layer_tensors(layer, held_roles_)) {
       STRATA_RETURN_IF_ERROR(rt.release(h, rt.compute_stream()));
     }
-    held_ = -1;
     return absl::OkStatus();
   }
 
-  std::vector<int> order_;     // optimizer order
-  std::vector<int> forward_;   // forward order
+  std::vector<int> order_;     // optimizer order, layers that stream only
+  std::vector<int> forward_;   // forward order, layers whose parameters stream
   std::vector<int> backward_;  // backward order
+  std::vector<int> staged_;    // layers this policy staged, oldest first
   std::size_t next_ = 0;       // next layer to stage in the current phase
+  std::size_t slots_ = 1;      // slots of the ring
   bool in_forward_ = false;
+  bool in_backward_ = false;
   int held_ = -1;  // layer held for forward or backward, -1 for none
   int last_ = -1;  // the layer held last
   RoleSet held_roles_;

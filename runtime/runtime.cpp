@@ -41,9 +41,14 @@ struct Runtime::Impl {
     EventHandle timed_start = nullptr;
     EventHandle timed_end = nullptr;
     bool timed_h2d = false;
-    // Events after which the data is complete (releases on compute streams, copies completed early
-    // from the bookkeeping's point of view). Later copies wait on them on the GPU.
-    std::vector<EventHandle> ready;
+    // Events after which the data is complete: the last release on each compute stream that used
+    // it, and copies finished early from the bookkeeping's point of view. Later copies wait on all
+    // of them on the GPU; a release replaces only the event of its own stream.
+    struct Ready {
+      StreamHandle stream;
+      EventHandle event;
+    };
+    std::vector<Ready> ready;
     int holds = 0;
     std::uint64_t version = 0;
     // While staged: the home block the tensor keeps (Note [Staging ring]); the fetch reads it, a
@@ -156,9 +161,12 @@ Runtime::Impl::~Impl() {
     (void)wait_all_locked();
     drain_timing_locked(/*wait=*/true);
     for (auto& e : entries) {
-      for (EventHandle r : e->ready) device->release(r);
+      for (const Entry::Ready& r : e->ready) device->release(r.event);
       e->ready.clear();
-      if (e->bytes > 0) free_location_locked(*e, e->loc);
+      if (e->bytes > 0) {
+        free_location_locked(*e, e->loc);
+        if (e->rest.ptr != nullptr) free_location_locked(*e, e->rest);
+      }
     }
     entries.clear();
     absl::Status s = release_scratch_locked();
@@ -200,9 +208,9 @@ absl::Status Runtime::Impl::host_copy_locked(void* dst, const void* src, std::si
 }
 
 absl::Status Runtime::Impl::wait_ready_on_host_locked(Entry& e) {
-  for (EventHandle r : e.ready) {
-    STRATA_RETURN_IF_ERROR(device->synchronize(r));
-    device->release(r);
+  for (const Entry::Ready& r : e.ready) {
+    STRATA_RETURN_IF_ERROR(device->synchronize(r.event));
+    device->release(r.event);
   }
   e.ready.clear();
   return absl::OkStatus();
@@ -339,8 +347,8 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
 
   // Note [Stream ordering] rule 2: the copy waits for every prior use of the data on the GPU, and
   // the source stays the tensor's until the copy's event completes (finish_locked).
-  for (EventHandle r : e.ready) {
-    absl::Status s = device->stream_wait(stream, r);
+  for (const Entry::Ready& r : e.ready) {
+    absl::Status s = device->stream_wait(stream, r.event);
     if (!s.ok()) return undo(s);
   }
   for (EventHandle w : wait_first) {
@@ -364,7 +372,7 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
     if (end.ok()) device->release_timed(*end);
     return undo(arrival.status());
   }
-  for (EventHandle r : e.ready) device->release(r);
+  for (const Entry::Ready& r : e.ready) device->release(r.event);
   e.ready.clear();
   e.in_flight = true;
   e.dst = dst;
@@ -395,10 +403,16 @@ void Runtime::Impl::finish_locked(Entry& e, bool early) {
       absl::Status s = allocator->record_stream(src.tier, src.ptr, e.copy_stream);
       STRATA_CHECK(s.ok(), "record_stream on the source of '", e.spec.name, "': ", s.message());
     }
+    // Kernels the loop queued after migrate() may still read the source (the tensor's address was
+    // the source until now): it is reused only once the compute stream passed this point.
+    if (src.tier != Tier::kPageableHost) {
+      absl::Status s = allocator->record_stream(src.tier, src.ptr, compute);
+      STRATA_CHECK(s.ok(), "record_stream on the source of '", e.spec.name, "': ", s.message());
+    }
     free_location_locked(e, src);
   }
   if (early) {
-    e.ready.push_back(e.arrival);
+    e.ready.push_back({e.copy_stream, e.arrival});
   } else {
     device->release(e.arrival);
   }
@@ -440,6 +454,7 @@ absl::Status Runtime::Impl::release_scratch_locked() {
   }
   slots.clear();
   staged_layers.clear();
+  staged_now = 0;
   slot_bytes = 0;
   staging_roles = RoleSet();
   stats.staging_bytes = 0;
@@ -659,6 +674,7 @@ absl::Status Runtime::unregister(TensorHandle tensor) {
   if (e->loc.slot >= 0) {
     auto& occ = impl_->slots[e->loc.slot].occupants;
     occ.erase(std::remove(occ.begin(), occ.end(), e), occ.end());
+    impl_->staged_now -= static_cast<std::int64_t>(align_up(e->bytes, kStagingAlignment));
   }
   if (e->bytes > 0) {
     impl_->free_location_locked(*e, e->loc);
@@ -815,6 +831,10 @@ absl::Status Runtime::configure_staging(int slots, RoleSet roles) {
     STRATA_RETURN_IF_ERROR(impl_->staging_pool->deallocate(impl_->staging_memory));
     impl_->staging_memory = nullptr;
   }
+  if (impl_->gpu_budget != alloc::kNoBudget) {
+    // The old ring is gone: the main pool has the whole budget until the new one is taken.
+    STRATA_RETURN_IF_ERROR(impl_->allocator->set_budget(Tier::kGpu, impl_->gpu_budget));
+  }
   impl_->slots.clear();
   impl_->slot_bytes = largest;
   impl_->staging_roles = roles;
@@ -867,7 +887,8 @@ absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
     // On the GPU already (in the main pool, or in its slot), or being fetched into its slot. A
     // tensor still being written back from its last staging is fetched again (chained on the GPU
     // below).
-    const bool on_gpu_already = e->in_flight ? e->dst.slot >= 0 : e->loc.tier == Tier::kGpu;
+    const bool on_gpu_already =
+        e->in_flight ? e->dst.tier == Tier::kGpu : e->loc.tier == Tier::kGpu;
     if (want.contains(e->spec.role) && e->bytes > 0 && !on_gpu_already) todo.emplace_back(e, off);
   }
   if (todo.empty()) return absl::OkStatus();
@@ -883,9 +904,11 @@ absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
     }
   }
   int index = -1;
+  bool new_slot = false;
   if (auto it = impl_->staged_layers.find(layer); it != impl_->staged_layers.end()) {
     index = it->second;  // more roles into the layer's slot
   } else {
+    new_slot = true;
     // The ring position first (the policy's order keeps it free); any free slot otherwise.
     const int n = static_cast<int>(impl_->slots.size());
     for (int i = 0; i < n && index < 0; ++i) {
@@ -907,6 +930,7 @@ absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
   }
   Impl::Slot& slot = impl_->slots[index];
   absl::Status status;
+  int queued = 0;
   for (auto [e, off] : todo) {
     // Still being written back from the last step: chain on the GPU instead of waiting here.
     if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);
@@ -917,12 +941,19 @@ absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
       e->rest = {};
       break;
     }
+    ++queued;
     slot.occupants.push_back(e);
     impl_->staged_now += static_cast<std::int64_t>(align_up(e->bytes, kStagingAlignment));
   }
-  // Every copy into the slot waits for these already; they are spent.
-  for (EventHandle ev : slot.free_events) impl_->device->release(ev);
-  slot.free_events.clear();
+  if (queued > 0) {
+    // Every copy into the slot waited for these; they are spent.
+    for (EventHandle ev : slot.free_events) impl_->device->release(ev);
+    slot.free_events.clear();
+  } else if (new_slot) {
+    // Nothing went in: the slot stays free, and keeps what a later fetch must wait for.
+    slot.layer = -1;
+    impl_->staged_layers.erase(layer);
+  }
   impl_->stats.staged_peak_bytes = std::max(impl_->stats.staged_peak_bytes, impl_->staged_now);
   return status;
 }
@@ -940,42 +971,52 @@ absl::Status Runtime::unstage_layer(int layer, std::optional<RoleSet> write_back
           str_cat("unstage_layer ", layer, ": tensor '", e->spec.name, "' is still held"));
     }
   }
+  // Each occupant leaves the slot's books only once handled, so a call that fails half-way can be
+  // retried and handles the rest.
   bool copied = false;
-  for (Impl::Entry* e : slot.occupants) {
-    impl_->staged_now -= static_cast<std::int64_t>(align_up(e->bytes, kStagingAlignment));
+  absl::Status status;
+  while (!slot.occupants.empty()) {
+    Impl::Entry* e = slot.occupants.back();
     if (copy_home.contains(e->spec.role)) {
       if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);  // still arriving: chain on GPU
-      STRATA_RETURN_IF_ERROR(impl_->migrate_locked(*e, e->rest.tier, e->rest.ptr, -1, {}));
+      status = impl_->migrate_locked(*e, e->rest.tier, e->rest.ptr, -1, {});
+      if (!status.ok()) break;
       copied = true;
-      continue;
-    }
-    // Discard: the kept home block still holds the data (the staged copy was only read). The slot
-    // must not be refilled before the fetch into it and the compute that read it are done.
-    if (e->in_flight) {
-      slot.free_events.push_back(e->arrival);
-      e->arrival = nullptr;
-      if (e->timed_start != nullptr) {
-        impl_->timed.push_back({e->timed_start, e->timed_end, e->timed_h2d, e->bytes});
-        e->timed_start = e->timed_end = nullptr;
+    } else {
+      // Discard: the kept home block still holds the data (the staged copy was only read). The
+      // slot must not be refilled before the fetch into it and the compute that read it are done.
+      absl::StatusOr<EventHandle> fetched = dev.record(impl_->h2d);
+      if (!fetched.ok()) {
+        status = fetched.status();
+        break;
       }
-      e->in_flight = false;
-      impl_->in_flight.erase(std::find(impl_->in_flight.begin(), impl_->in_flight.end(), e));
+      if (e->in_flight) {
+        slot.free_events.push_back(e->arrival);
+        e->arrival = nullptr;
+        if (e->timed_start != nullptr) {
+          impl_->timed.push_back({e->timed_start, e->timed_end, e->timed_h2d, e->bytes});
+          e->timed_start = e->timed_end = nullptr;
+        }
+        e->in_flight = false;
+        impl_->in_flight.erase(std::find(impl_->in_flight.begin(), impl_->in_flight.end(), e));
+      }
+      for (const Impl::Entry::Ready& r : e->ready) slot.free_events.push_back(r.event);
+      e->ready.clear();
+      // The fetch read the home block; later writes into it wait for the copy stream.
+      e->ready.push_back({impl_->h2d, *fetched});
+      e->loc = e->rest;
+      e->rest = {};
+      impl_->notify_locked(*e, e->loc.tier, e->loc.ptr);
     }
-    for (EventHandle r : e->ready) slot.free_events.push_back(r);
-    e->ready.clear();
-    // The fetch read the home block; later writes into it wait for the copy stream.
-    STRATA_ASSIGN_OR_RETURN(EventHandle fetched, dev.record(impl_->h2d));
-    e->ready.push_back(fetched);
-    e->loc = e->rest;
-    e->rest = {};
-    impl_->notify_locked(*e, e->loc.tier, e->loc.ptr);
+    impl_->staged_now -= static_cast<std::int64_t>(align_up(e->bytes, kStagingAlignment));
+    slot.occupants.pop_back();
   }
   if (copied) {
     // The slot may be refilled once the write-backs just queued have read it.
     STRATA_ASSIGN_OR_RETURN(EventHandle read_out, dev.record(impl_->d2h));
     slot.free_events.push_back(read_out);
   }
-  slot.occupants.clear();
+  if (!status.ok()) return status;  // still staged with the occupants not yet handled
   slot.layer = -1;
   impl_->staged_layers.erase(it);
   return absl::OkStatus();
@@ -1025,7 +1066,9 @@ absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHan
     }
   }
   ++impl_->stats.prefetch_hits;
-  for (EventHandle r : e->ready) STRATA_RETURN_IF_ERROR(dev.stream_wait(stream, r));
+  for (const Impl::Entry::Ready& r : e->ready) {
+    STRATA_RETURN_IF_ERROR(dev.stream_wait(stream, r.event));
+  }
   ++e->holds;
   impl_->notify_locked(*e, e->loc.tier, e->loc.ptr);
   return e->loc.ptr;
@@ -1039,10 +1082,16 @@ absl::Status Runtime::release(TensorHandle tensor, StreamHandle stream) {
         str_cat("release '", e->spec.name, "': it is not acquired"));
   }
   STRATA_ASSIGN_OR_RETURN(EventHandle done, impl_->device->record(stream));
-  // Everything the tensor waited on is behind this event now.
-  for (EventHandle r : e->ready) impl_->device->release(r);
-  e->ready.clear();
-  e->ready.push_back(done);
+  // This stream's earlier release is behind the new event; other streams' are not.
+  for (auto it = e->ready.begin(); it != e->ready.end();) {
+    if (it->stream == stream) {
+      impl_->device->release(it->event);
+      it = e->ready.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  e->ready.push_back({stream, done});
   --e->holds;
   return absl::OkStatus();
 }

@@ -175,8 +175,9 @@ class Runtime {
   // Calls fn(tensor, tier, address) on the host whenever the address that compute should use for a
   // tensor changes: when a migration completes, and when a staged tensor's copy is chained on the
   // GPU (its data may still be arriving then; staged tensors are used between acquire and release
-  // only). fn runs with the runtime's lock held and must not call the runtime. Returns an id for
-  // remove_on_moved.
+  // only; an address on a host tier may likewise still be receiving a copy from the GPU, so read
+  // it on the host after wait_all() or through read()). fn runs with the runtime's lock held and
+  // must not call the runtime. Returns an id for remove_on_moved.
   int add_on_moved(std::function<void(TensorHandle, Tier, void*)> fn);
   void remove_on_moved(int id);
 

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <map>
 
+#include "allocator/upstream.h"
 #include "optim/adam.h"
 #include "policies/builtin.h"
 #include "tests/runtime/runtime_test_util.h"
@@ -211,6 +212,42 @@ TEST(D2Test, BitwiseEqualUnderEveryPolicy) {
     for (const auto& [name, bytes] : want) {
       EXPECT_EQ(got.at(name), bytes)
           << name << " under " << r.policy << " differs from keep_on_gpu";
+    }
+  }
+}
+
+// D2 on a real GPU: the fused kernel, real copies, every policy; bitwise equal to keep_on_gpu.
+TEST(GpuD2Test, GpuBitwiseEqualUnderEveryPolicy) {
+  if (alloc::cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const auto init = initial_values();
+  std::map<std::string, std::vector<unsigned char>> want;
+  const std::vector<std::pair<std::string, rt::PolicyConfig>> runs = {
+      {"keep_on_gpu", {}},
+      {"bulk", {.roles = RoleSet::all(), .offload_after_step = true}},
+      {"layer_prefetch", {.prefetch_depth = 1}},
+      {"layer_prefetch", {.prefetch_depth = 2, .roles = RoleSet::all()}},
+  };
+  for (const auto& [policy, config] : runs) {
+    rt::RuntimeOptions options;
+    options.policy = policy;
+    options.policy_config = config;
+    options.device = rt::DeviceKind::kCuda;
+    auto runtime = rt::Runtime::create(std::move(options), policy::builtin_policies());
+    ASSERT_TRUE(runtime.ok()) << runtime.status();
+    Model m = register_model(**runtime, init);
+    auto adam = Adam::create(**runtime, options_for(m, true, false));
+    ASSERT_TRUE(adam.ok()) << adam.status();
+    run_steps(**runtime, **adam, m, 200);
+    std::map<std::string, std::vector<unsigned char>> got;
+    for (TensorHandle h : (*runtime)->tensors()) {
+      got[(*runtime)->info(h)->spec.name] = read_all(**runtime, h);
+    }
+    if (want.empty()) {
+      want = got;
+      continue;
+    }
+    for (const auto& [name, bytes] : want) {
+      EXPECT_EQ(got.at(name), bytes) << name << " under " << policy << " differs from keep_on_gpu";
     }
   }
 }

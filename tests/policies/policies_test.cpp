@@ -312,7 +312,10 @@ std::map<std::string, std::vector<unsigned char>> train(Runtime& rt, SimulatedDe
                                      for (std::size_t i = 0; i < n; ++i) g[i] = p[i] * 0.5f + *act;
                                    })
                       .ok());
-      EXPECT_TRUE(rt.after_backward(l).ok());
+      {
+        absl::Status ab = rt.after_backward(l);
+        EXPECT_TRUE(ab.ok()) << ab;
+      }
       jiggle();
     }
     EXPECT_TRUE(rt.begin_optimizer_step().ok());
@@ -418,6 +421,48 @@ TEST(ParameterStreamingTest, ForwardHoldsOneLayerAndKeepsTheLastForBackward) {
   ASSERT_TRUE(rt->after_backward(1).ok());
   ASSERT_TRUE(rt->after_backward(0).ok());
   EXPECT_EQ(where(*rt), "P P P P P P P P P P P P P P P P");
+}
+
+TEST(ParameterStreamingTest, FrozenLayersTakeNoSlotAndNothingLandsInTheMainPool) {
+  // Layers 1 and 3 have no optimizer states (frozen); the window must not shrink because of them.
+  auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1});
+  for (int l = 0; l < 6; ++l) {
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("w", l), l, Role::kParameter, 100)).ok());
+    if (l == 1 || l == 3) continue;
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, 100)).ok());
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("v", l), l, Role::kExpAvgSq, 100)).ok());
+  }
+  const std::int64_t gpu_before = rt->allocator().stats(Tier::kGpu).allocated_bytes.current;
+  for (int step = 0; step < 3; ++step) testing::empty_optimizer_step(*rt);
+  EXPECT_EQ(rt->allocator().stats(Tier::kGpu).allocated_bytes.peak, gpu_before)
+      << "a state was fetched into the main GPU pool";
+  EXPECT_EQ(rt->stats().prefetch_hits + rt->stats().prefetch_waits, 3 * 8);
+  for (TensorHandle h : rt->tensors()) {
+    TensorInfo i = *rt->info(h);
+    if (i.spec.role != Role::kParameter) {
+      EXPECT_EQ(i.tier, Tier::kPinnedHost) << i.spec.name;
+    }
+  }
+}
+
+TEST(ParameterStreamingTest, AnEvaluationForwardThenTrainingStaysInTheRing) {
+  auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()});
+  register_trainable(*rt, 5, 100);
+  // Evaluation: forward only, twice.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int l = 0; l < 5; ++l) ASSERT_TRUE(rt->before_forward(l).ok()) << pass << " " << l;
+  }
+  // Training step.
+  ASSERT_TRUE(rt->begin_step().ok());
+  for (int l = 0; l < 5; ++l) ASSERT_TRUE(rt->before_forward(l).ok());
+  for (int l = 4; l >= 0; --l) ASSERT_TRUE(rt->after_backward(l).ok());
+  testing::empty_optimizer_step(*rt);
+  ASSERT_TRUE(rt->end_step().ok());
+  EXPECT_EQ(rt->allocator().stats(Tier::kGpu).allocated_bytes.peak, 0);
+  EXPECT_EQ(where(*rt), "P P P P P P P P P P P P P P P P P P P P");
+  // Nothing is left held: a phase switch and unregistering work.
+  ASSERT_TRUE(rt->offload_all().ok());
+  for (TensorHandle h : rt->tensors()) ASSERT_TRUE(rt->unregister(h).ok());
 }
 
 // D1 of RELIABILITY.md: 10^4 offload/reload cycles per tier pair, payloads with NaN, +-Inf, -0 and

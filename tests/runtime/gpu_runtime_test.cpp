@@ -168,7 +168,8 @@ TEST_F(GpuRuntimeTest, GpuLayerPrefetchStepMakesNoHostWaitAndKeepsStatesExact) {
       ASSERT_EQ(wrong, 0u) << rt->info(h)->spec.name << " depth " << depth;
     }
     std::printf(
-        "layer_prefetch depth %d: %d steps, host waits in them %lld, staged peak %s, H2D %.1f GB/s, "
+        "layer_prefetch depth %d: %d steps, host waits in them %lld, staged peak %s, H2D %.1f "
+        "GB/s, "
         "D2H %.1f GB/s, prefetch waits %lld (stalled %.3f ms)\n",
         depth, kSteps, static_cast<long long>(steady_waits),
         format_bytes(s.staged_peak_bytes).c_str(), s.h2d_gbps(), s.d2h_gbps(),

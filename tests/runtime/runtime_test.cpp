@@ -197,6 +197,38 @@ TEST(GuardTest, HooksFenceTheComputeStreamBeforeMoving) {
   EXPECT_EQ(back, std::vector<float>(512, 3.0f));
 }
 
+TEST(GuardTest, ReleasesOnTwoStreamsAreBothWaitedFor) {
+  // Two streams use the tensor; the later release must not drop the earlier stream's event.
+  auto [rt, dev] = make_runtime("bulk", {}, /*deferred=*/true);
+  std::vector<float> values(64, 1.0f);
+  TensorHandle h = *rt->register_tensor(spec("t", 0, Role::kExpAvg, 64), values.data());
+  StreamHandle s1 = *dev->create_stream();
+  StreamHandle s2 = *dev->create_stream();
+  void* p = *rt->acquire(h, Tier::kGpu, s1);
+  ASSERT_TRUE(rt->acquire(h, Tier::kGpu, s2).ok());
+  ASSERT_TRUE(dev->enqueue_host(s1,
+                                [p] {
+                                  auto* f = static_cast<float*>(p);
+                                  for (int i = 0; i < 64; ++i) f[i] = 5.0f;
+                                })
+                  .ok());
+  ASSERT_TRUE(rt->release(h, s1).ok());
+  ASSERT_TRUE(rt->release(h, s2).ok());
+  ASSERT_TRUE(rt->migrate(h, Tier::kPinnedHost).ok());
+  // Run the copy streams and s2 first; s1 (with the write) last.
+  for (int i = 0; i < 50; ++i) {
+    for (StreamHandle s :
+         {reinterpret_cast<StreamHandle>(1), reinterpret_cast<StreamHandle>(2), s2}) {
+      dev->run_one(s);
+    }
+  }
+  dev->run_pending();
+  ASSERT_TRUE(rt->wait_all().ok());
+  std::vector<float> back(64);
+  ASSERT_TRUE(rt->read(h, back.data()).ok());
+  EXPECT_EQ(back, std::vector<float>(64, 5.0f)) << "the copy did not wait for stream s1";
+}
+
 TEST(PolicyChoiceTest, OptionThenFlagThenEnvironmentThenDefault) {
   absl::SetFlag(&FLAGS_strata_policy, "");
   unsetenv("STRATA_POLICY");

@@ -67,6 +67,7 @@ STRATA_D1_CYCLES=20 GTEST_FILTER='-*RunAtOnce*' san_run runtime_gpu_test "$BUILD
 # LibTorch's caching allocator and cuBLAS keep their device memory until the process ends, so a
 # leak check over the bridge reports LibTorch's segments, not strata's; strata's own leak checks run
 # in the suites above.
+GTEST_FILTER='*Gpu*:-*TwoToTheThirtyOne*' san_run optim_kernel "$BUILD/bin/optim_kernel_test"
 if [ -x "$BUILD/bin/bridge_test" ]; then
   LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run bridge_gpu "$BUILD/bin/bridge_test"
 fi
