@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <string>
+#include <string_view>
 
 #include "base/status.h"
 #include "base/strings.h"
@@ -167,6 +169,156 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
   }
   return rt.end_optimizer_step();
+}
+
+// Checkpoint format (little-endian, as the machine writes it):
+//   "STRATA-ADAM-1\n", u32 groups, per group {i64 step, AdamHyper}, u32 tensors, per tensor
+//   {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of everything before it.
+namespace {
+
+constexpr char kMagic[] = "STRATA-ADAM-1\n";
+
+struct Hasher {
+  std::uint64_t h = 1469598103934665603ull;
+  void add(const void* data, std::size_t n) {
+    const auto* b = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+};
+
+class Writer {
+ public:
+  explicit Writer(std::ostream& out) : out_(out) {}
+  void bytes(const void* data, std::size_t n) {
+    hash_.add(data, n);
+    out_.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+  }
+  template <typename T>
+  void pod(const T& v) {
+    bytes(&v, sizeof(T));
+  }
+  std::uint64_t hash() const { return hash_.h; }
+  bool ok() const { return static_cast<bool>(out_); }
+
+ private:
+  std::ostream& out_;
+  Hasher hash_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::istream& in) : in_(in) {}
+  bool bytes(void* data, std::size_t n) {
+    in_.read(static_cast<char*>(data), static_cast<std::streamsize>(n));
+    if (static_cast<std::size_t>(in_.gcount()) != n) return false;
+    hash_.add(data, n);
+    return true;
+  }
+  template <typename T>
+  bool pod(T& v) {
+    return bytes(&v, sizeof(T));
+  }
+  std::uint64_t hash() const { return hash_.h; }
+
+ private:
+  std::istream& in_;
+  Hasher hash_;
+};
+
+absl::Status truncated() {
+  return absl::DataLossError("Adam checkpoint is truncated or not a strata Adam checkpoint");
+}
+
+}  // namespace
+
+absl::Status Adam::save(std::ostream& out) {
+  Writer w(out);
+  w.bytes(kMagic, sizeof(kMagic) - 1);
+  w.pod(static_cast<std::uint32_t>(groups_.size()));
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    w.pod(steps_[g]);
+    w.pod(groups_[g].hyper);
+  }
+  std::vector<rt::TensorHandle> tensors;
+  for (const Slot& s : slots_) {
+    for (rt::TensorHandle h : {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq}) {
+      if (h.valid()) tensors.push_back(h);
+    }
+  }
+  w.pod(static_cast<std::uint32_t>(tensors.size()));
+  std::vector<unsigned char> buffer;
+  for (rt::TensorHandle h : tensors) {
+    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(h));
+    w.pod(static_cast<std::uint32_t>(info.spec.name.size()));
+    w.bytes(info.spec.name.data(), info.spec.name.size());
+    w.pod(static_cast<std::uint64_t>(info.bytes));
+    buffer.resize(info.bytes);
+    STRATA_RETURN_IF_ERROR(runtime_.read(h, buffer.data()));  // from its tier, to host memory
+    w.bytes(buffer.data(), buffer.size());
+  }
+  const std::uint64_t sum = w.hash();
+  out.write(reinterpret_cast<const char*>(&sum), sizeof(sum));
+  if (!out) return absl::InternalError("Adam checkpoint: writing failed");
+  return absl::OkStatus();
+}
+
+absl::Status Adam::load(std::istream& in) {
+  // Read and check everything first; write into the runtime only once the whole file is good.
+  Reader r(in);
+  char magic[sizeof(kMagic) - 1];
+  if (!r.bytes(magic, sizeof(magic)) || std::string_view(magic, sizeof(magic)) != kMagic) {
+    return truncated();
+  }
+  std::uint32_t groups = 0;
+  if (!r.pod(groups)) return truncated();
+  if (groups != groups_.size()) {
+    return absl::InvalidArgumentError(str_cat(
+        "Adam checkpoint has ", groups, " parameter groups; this optimizer has ", groups_.size()));
+  }
+  std::vector<std::int64_t> steps(groups);
+  std::vector<AdamHyper> hypers(groups);
+  for (std::uint32_t g = 0; g < groups; ++g) {
+    if (!r.pod(steps[g]) || !r.pod(hypers[g])) return truncated();
+    if (steps[g] < 0) return absl::DataLossError("Adam checkpoint: negative step counter");
+  }
+  std::uint32_t count = 0;
+  if (!r.pod(count)) return truncated();
+  std::vector<std::pair<rt::TensorHandle, std::vector<unsigned char>>> values;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    std::uint32_t len = 0;
+    if (!r.pod(len) || len > (1u << 20)) return truncated();
+    std::string name(len, '\0');
+    std::uint64_t bytes = 0;
+    if (!r.bytes(name.data(), len) || !r.pod(bytes)) return truncated();
+    absl::StatusOr<rt::TensorHandle> h = runtime_.find(name);
+    if (!h.ok()) {
+      return absl::InvalidArgumentError(
+          str_cat("Adam checkpoint has state '", name, "', which this optimizer does not"));
+    }
+    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(*h));
+    if (info.bytes != bytes) {
+      return absl::InvalidArgumentError(str_cat("Adam checkpoint: state '", name, "' has ", bytes,
+                                                " bytes; here it has ", info.bytes));
+    }
+    std::vector<unsigned char> data(bytes);
+    if (!r.bytes(data.data(), bytes)) return truncated();
+    values.emplace_back(*h, std::move(data));
+  }
+  const std::uint64_t expect = r.hash();
+  std::uint64_t sum = 0;
+  in.read(reinterpret_cast<char*>(&sum), sizeof(sum));
+  if (in.gcount() != sizeof(sum)) return truncated();
+  if (sum != expect) return absl::DataLossError("Adam checkpoint: checksum mismatch (corrupt)");
+  std::size_t states = 0;
+  for (const Slot& s : slots_) states += s.max_exp_avg_sq.valid() ? 3 : 2;
+  if (values.size() != states) {
+    return absl::InvalidArgumentError(str_cat("Adam checkpoint has ", values.size(),
+                                              " state tensors; this optimizer has ", states));
+  }
+  for (auto& [h, data] : values) STRATA_RETURN_IF_ERROR(runtime_.write(h, data.data()));
+  steps_ = steps;
+  for (std::uint32_t g = 0; g < groups; ++g) groups_[g].hyper = hypers[g];
+  return absl::OkStatus();
 }
 
 }  // namespace strata::optim

@@ -18,7 +18,9 @@
 #pragma once
 
 #include <cstdint>
+#include <istream>
 #include <memory>
+#include <ostream>
 #include <utility>
 #include <vector>
 
@@ -60,6 +62,15 @@ class Adam {
   std::size_t num_groups() const { return groups_.size(); }
   // The state tensors of a parameter: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad).
   [[nodiscard]] absl::StatusOr<std::vector<rt::TensorHandle>> state(rt::TensorHandle param) const;
+
+  // Checkpoints: every group's step counter and hyperparameters and every state tensor, read
+  // straight from whichever tier holds it (pinned or pageable states never visit the GPU), with a
+  // checksum. load() expects an Adam made over the same parameters (names and sizes) in a fresh
+  // runtime, whose policy has already placed the states; it writes them where they are.
+  // kInvalidArgument when the checkpoint is for other parameters; kDataLoss when it is truncated
+  // or corrupt. A failed load changes nothing.
+  [[nodiscard]] absl::Status save(std::ostream& out);
+  [[nodiscard]] absl::Status load(std::istream& in);
 
  private:
   struct Slot {

@@ -1189,6 +1189,9 @@ alloc::TieredAllocator& Runtime::allocator() { return *impl_->allocator; }
 Device& Runtime::device() { return *impl_->device; }
 const ResidencyPolicy& Runtime::policy() const { return *impl_->policy; }
 const PolicyChoice& Runtime::policy_choice() const { return impl_->choice; }
+StreamHandle Runtime::h2d_stream() const { return impl_->h2d; }
+StreamHandle Runtime::d2h_stream() const { return impl_->d2h; }
+
 StreamHandle Runtime::compute_stream() const {
   absl::MutexLock lock(&impl_->mu);
   return impl_->compute;

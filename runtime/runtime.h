@@ -194,6 +194,9 @@ class Runtime {
   const PolicyChoice& policy_choice() const;
   // The compute stream: the one set_compute_stream gave, else one the runtime made.
   StreamHandle compute_stream() const;
+  // The dedicated copy streams, for instrumentation and tests (e.g. delaying copies on purpose).
+  StreamHandle h2d_stream() const;
+  StreamHandle d2h_stream() const;
 
  private:
   struct Impl;

@@ -5,8 +5,12 @@
 // inputs Adam rejects before anything runs.
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
 #include <map>
+#include <random>
+#include <sstream>
+#include <thread>
 
 #include "allocator/upstream.h"
 #include "optim/adam.h"
@@ -19,6 +23,7 @@ namespace {
 using rt::Role;
 using rt::RoleSet;
 using rt::TensorHandle;
+using rt::Tier;
 using rt::testing::make_runtime;
 using rt::testing::read_all;
 using rt::testing::spec;
@@ -251,6 +256,155 @@ TEST(GpuD2Test, GpuBitwiseEqualUnderEveryPolicy) {
     }
   }
 }
+
+// D3 of RELIABILITY.md: optimizer state saved from whichever tier holds it and loaded into a fresh
+// runtime (whose policy places it) is bitwise equal, with exact step counters, and training goes
+// on identically.
+std::map<std::string, std::vector<unsigned char>> states_of(rt::Runtime& runtime) {
+  std::map<std::string, std::vector<unsigned char>> out;
+  for (TensorHandle h : runtime.tensors()) {
+    rt::TensorInfo i = *runtime.info(h);
+    if (i.spec.role == Role::kExpAvg || i.spec.role == Role::kExpAvgSq ||
+        i.spec.role == Role::kParameter) {
+      out[i.spec.name] = read_all(runtime, h);
+    }
+  }
+  return out;
+}
+
+TEST(D3Test, CheckpointRoundTripFromEveryTier) {
+  const auto init = initial_values();
+  struct Case {
+    std::string from;
+    rt::PolicyConfig from_config;
+    bool offload_before_save;
+    std::string to;
+  };
+  const std::vector<Case> cases = {
+      {"keep_on_gpu", {}, false, "layer_prefetch"},                     // states on the GPU
+      {"layer_prefetch", {.prefetch_depth = 1}, false, "keep_on_gpu"},  // states pinned
+      {"bulk", {.roles = RoleSet::optimizer_states()}, true, "bulk"},   // offloaded to pinned
+  };
+  for (const Case& c : cases) {
+    auto [a, a_dev] = make_runtime(c.from, c.from_config);
+    Model ma = register_model(*a, init);
+    auto adam_a = *Adam::create(*a, options_for(ma, true, true));
+    run_steps(*a, *adam_a, ma, 30);
+    if (c.offload_before_save) {
+      ASSERT_TRUE(a->offload_all().ok());
+    }
+    const Tier saved_from = a->info(*a->find("l0.w.exp_avg"))->tier;
+    std::stringstream file;
+    ASSERT_TRUE(adam_a->save(file).ok());
+    const std::int64_t gpu_peak = a->allocator().stats(Tier::kGpu).allocated_bytes.peak;
+
+    // A fresh runtime: the parameters come from the model checkpoint (here: copied over).
+    auto [b, b_dev] = make_runtime(c.to);
+    std::vector<std::vector<float>> params;
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<unsigned char> raw = read_all(*a, ma.params[l]);
+      params.emplace_back(reinterpret_cast<float*>(raw.data()),
+                          reinterpret_cast<float*>(raw.data()) + kNumel[l]);
+    }
+    Model mb = register_model(*b, params);
+    auto adam_b = *Adam::create(*b, options_for(mb, true, true));
+    absl::Status loaded = adam_b->load(file);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    EXPECT_EQ(adam_b->step_count(0), 30);
+    EXPECT_EQ(adam_b->step_count(1), 30);
+    EXPECT_EQ(states_of(*b), states_of(*a)) << c.from << " -> " << c.to;
+    if (saved_from != Tier::kGpu) {
+      EXPECT_EQ(a->allocator().stats(Tier::kGpu).allocated_bytes.peak, gpu_peak)
+          << "saving from " << alloc::tier_name(saved_from) << " must not bring states to the GPU";
+    }
+    if (c.offload_before_save) {
+      ASSERT_TRUE(a->reload_all().ok());
+    }
+    run_steps(*a, *adam_a, ma, 20);
+    run_steps(*b, *adam_b, mb, 20);
+    EXPECT_EQ(states_of(*b), states_of(*a))
+        << "training diverged after " << c.from << " -> " << c.to;
+  }
+}
+
+TEST(D3Test, CorruptTruncatedOrForeignCheckpointsAreRefusedAndChangeNothing) {
+  const auto init = initial_values();
+  auto [a, a_dev] = make_runtime("keep_on_gpu");
+  Model ma = register_model(*a, init);
+  auto adam = *Adam::create(*a, options_for(ma, true, false));
+  run_steps(*a, *adam, ma, 3);
+  std::stringstream file;
+  ASSERT_TRUE(adam->save(file).ok());
+  const std::string good = file.str();
+  const auto before = states_of(*a);
+  auto load = [&](const std::string& bytes) {
+    std::stringstream in(bytes);
+    return adam->load(in);
+  };
+  std::string corrupt = good;
+  corrupt[corrupt.size() / 2] ^= 0x40;
+  EXPECT_EQ(load(corrupt).message(), "Adam checkpoint: checksum mismatch (corrupt)");
+  EXPECT_EQ(load(good.substr(0, good.size() - 9)).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(load("not a checkpoint").code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(states_of(*a), before);
+  EXPECT_EQ(adam->step_count(0), 3);
+  // Another model's checkpoint: layer 3 has 4096 floats here, 4095 there.
+  auto [c, c_dev] = make_runtime("keep_on_gpu");
+  Model mc;
+  for (int l = 0; l < kLayers; ++l) {
+    const std::size_t n = l == 3 ? 4095 : kNumel[l];
+    mc.params.push_back(*c->register_tensor(spec(str_cat("l", l, ".w"), l, Role::kParameter, n)));
+    mc.grads.push_back(
+        *c->register_tensor(spec(str_cat("l", l, ".w.grad"), l, Role::kGradient, n)));
+  }
+  auto other = *Adam::create(*c, options_for(mc, true, false));
+  std::stringstream in(good);
+  EXPECT_EQ(other->load(in).message(),
+            "Adam checkpoint: state 'l3.w.exp_avg' has 16384 bytes; here it has 16380");
+  EXPECT_EQ(other->step_count(0), 0);
+}
+
+#ifdef STRATA_HAS_CUDA
+// C1 of RELIABILITY.md on a real GPU: the copy streams are held up at random (host functions that
+// sleep) while layer_prefetch moves states around the Adam step; the results equal keep_on_gpu's.
+TEST(GpuD2Test, GpuDelayedCopyStreamsGiveBitwiseEqualResults) {
+  if (alloc::cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const auto init = initial_values();
+  std::map<std::string, std::vector<unsigned char>> want;
+  for (bool delayed : {false, true}) {
+    rt::RuntimeOptions options;
+    options.policy = delayed ? "layer_prefetch" : "keep_on_gpu";
+    options.policy_config = {.prefetch_depth = 1, .roles = RoleSet::all()};
+    options.device = rt::DeviceKind::kCuda;
+    auto runtime = *rt::Runtime::create(std::move(options), policy::builtin_policies());
+    Model m = register_model(*runtime, init);
+    auto adam = *Adam::create(*runtime, options_for(m, true, false));
+    std::mt19937 rng(5);
+    for (int step = 1; step <= 60; ++step) {
+      for (int l = 0; l < kLayers; ++l) {
+        ASSERT_TRUE(runtime->write(m.grads[l], gradient(l, step).data()).ok());
+      }
+      if (delayed) {
+        for (rt::StreamHandle s : {runtime->h2d_stream(), runtime->d2h_stream()}) {
+          const int us = static_cast<int>(rng() % 3000);
+          ASSERT_TRUE(
+              runtime->device()
+                  .enqueue_host(
+                      s, [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); })
+                  .ok());
+        }
+      }
+      ASSERT_TRUE(adam->step().ok());
+    }
+    auto got = states_of(*runtime);
+    if (want.empty()) {
+      want = got;
+    } else {
+      EXPECT_EQ(got, want);
+    }
+  }
+}
+#endif
 
 TEST(AdamBadInputTest, RejectedBeforeAnythingIsRegistered) {
   auto [runtime, dev] = make_runtime("keep_on_gpu");
