@@ -4,7 +4,8 @@
 # python3's LibTorch, run the gpu-labelled tests, compute-sanitizer over them, the benchmarks, and
 # write logs and JSON into OUT_DIR, ending with a short table.
 #   tools/gpu/check.sh OUT_DIR [--quick]
-# Files in OUT_DIR: summary.txt, allocator_bench.json, runtime_bench.json, logs.tar.gz (every log).
+# Files in OUT_DIR: summary.txt, allocator_bench.json, runtime_bench.json, optim_bench.json,
+# logs.tar.gz (every log).
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick]}
 QUICK=${2:-}
@@ -94,6 +95,10 @@ tail -5 "$LOGS/allocator_bench.txt"
   --benchmark_report_aggregates_only=true --benchmark_out="$OUT/runtime_bench.json" \
   --benchmark_out_format=json >"$LOGS/runtime_bench.txt" 2>&1 || status=1
 tail -5 "$LOGS/runtime_bench.txt"
+"$BUILD/bin/strata_optim_bench" --benchmark_repetitions=$REPS \
+  --benchmark_report_aggregates_only=true --benchmark_out="$OUT/optim_bench.json" \
+  --benchmark_out_format=json >"$LOGS/optim_bench.txt" 2>&1 || status=1
+tail -5 "$LOGS/optim_bench.txt"
 
 step "summary"
 {
@@ -104,6 +109,7 @@ step "summary"
   grep -hoE "(L2: |GPU D1: |2 GiB H2D |layer_prefetch depth ).*" "$LOGS/ctest-gpu.log" || true
   python3 tools/gpu/summarize_bench.py "$OUT/allocator_bench.json" || true
   python3 tools/gpu/summarize_runtime.py "$OUT/runtime_bench.json" || true
+  python3 tools/gpu/summarize_optim.py "$OUT/optim_bench.json" || true
 } | tee "$OUT/summary.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 exit $status
