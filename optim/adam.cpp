@@ -111,8 +111,39 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   const rt::StreamHandle stream = rt.compute_stream();
   const bool simulated = rt.device().is_simulated();
 
+  // Queues the kernel for `list` (tensors of one group) on the compute stream.
+  auto launch = [&](const std::vector<AdamTensor>& list, std::size_t g) -> absl::Status {
+    if (list.empty()) return absl::OkStatus();
+    if (simulated) {
+      const int threads = options_.cpu_threads;
+      return rt.device().enqueue_host(
+          stream, [list, s = scalars[g], threads, grad_scale, found_inf] {
+            if (found_inf != nullptr && *found_inf != 0.0f) return;
+            const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
+            adam_step_cpu(list.data(), list.size(), s, inv, threads);
+          });
+    }
+#ifdef STRATA_HAS_CUDA
+    const cudaError_t err = adam_step_cuda(list.data(), list.size(), scalars[g], grad_scale,
+                                           found_inf, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) {
+      return absl::InternalError(str_cat("Adam kernel launch failed: ", cudaGetErrorString(err)));
+    }
+    return absl::OkStatus();
+#else
+    return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
+#endif
+  };
+
   for (int layer : rt.optimizer_layer_order()) {
     auto it = by_layer.find(layer);
+    // Note [Per-parameter pipelining]: a staged layer arrives tensor by tensor (its fetch copies
+    // are queued in this order), so its parameters are stepped one at a time, each released right
+    // after its kernel: the first kernel starts when the first parameter's moments are in, and each
+    // write-back can start while the rest of the layer is still arriving. That shortens the time
+    // only one copy direction is busy at the start and end of the step. A resident layer gets one
+    // multi-tensor launch per group instead.
+    const bool pipelined = rt.is_staged(layer);
     std::vector<rt::TensorHandle> held;
     std::vector<std::vector<AdamTensor>> per_group(groups_.size());
     if (it != by_layer.end()) {
@@ -137,33 +168,17 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
         t.exp_avg_sq = static_cast<float*>(ptrs[3]);
         t.max_exp_avg_sq = static_cast<float*>(ptrs[4]);
         t.numel = static_cast<std::int64_t>(rt.info(s->param)->bytes / sizeof(float));
-        per_group[s->group].push_back(t);
-      }
-    }
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      if (per_group[g].empty()) continue;
-      if (simulated) {
-        const int threads = options_.cpu_threads;
-        STRATA_RETURN_IF_ERROR(rt.device().enqueue_host(
-            stream, [list = per_group[g], s = scalars[g], threads, grad_scale, found_inf] {
-              if (found_inf != nullptr && *found_inf != 0.0f) return;
-              const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
-              adam_step_cpu(list.data(), list.size(), s, inv, threads);
-            }));
-      } else {
-#ifdef STRATA_HAS_CUDA
-        const cudaError_t err =
-            adam_step_cuda(per_group[g].data(), per_group[g].size(), scalars[g], grad_scale,
-                           found_inf, static_cast<cudaStream_t>(stream));
-        if (err != cudaSuccess) {
-          return absl::InternalError(
-              str_cat("Adam kernel launch failed: ", cudaGetErrorString(err)));
+        if (pipelined) {
+          STRATA_RETURN_IF_ERROR(launch({t}, s->group));
+          for (rt::TensorHandle h : held) STRATA_RETURN_IF_ERROR(rt.release(h, stream));
+          held.clear();
+        } else {
+          per_group[s->group].push_back(t);
         }
-#else
-        return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
-#endif
       }
     }
+    for (std::size_t g = 0; g < groups_.size(); ++g)
+      STRATA_RETURN_IF_ERROR(launch(per_group[g], g));
     for (rt::TensorHandle h : held) STRATA_RETURN_IF_ERROR(rt.release(h, stream));
     // Tell the policy the layer is done (write-back, next prefetch); its tensors are released.
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
