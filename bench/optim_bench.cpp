@@ -104,6 +104,7 @@
 #include "base/strings.h"
 #include "base/units.h"
 #include "bench/bench_util.h"
+#include "bench/link_rig.h"
 #include "optim/adam.h"
 #include "optim/adam_math.h"
 #include "policies/builtin.h"
@@ -122,8 +123,19 @@ using strata::alloc::Tier;
 using Clock = std::chrono::steady_clock;
 
 using strata::bench::have_gpu;
+using strata::bench::kBytesPerDirection;
+using strata::bench::kPieceBytes;
+using strata::bench::kPieces;
 using strata::bench::require_gpu;
 using strata::bench::skip;
+#ifdef STRATA_HAS_CUDA
+using strata::bench::cuda_status;
+using strata::bench::init_link_rig;
+using strata::bench::LinkRig;
+using strata::bench::LinkTiming;
+using strata::bench::piece;
+using strata::bench::run_link;
+#endif
 
 constexpr int kWarmupSteps = 2;
 
@@ -149,7 +161,9 @@ double seconds_between(Clock::time_point start, Clock::time_point end) {
 double gb_per_s(double bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
 
 // Milliseconds to move `bytes` at `gbps` decimal GB/s.
-double ms_at(double bytes, double gbps) { return gbps > 0 ? bytes / (gbps * 1e9) * 1e3 : 0; }
+[[maybe_unused]] double ms_at(double bytes, double gbps) {
+  return gbps > 0 ? bytes / (gbps * 1e9) * 1e3 : 0;
+}
 
 // Byte counts print as Ki/Mi/Gi in the console table; the JSON keeps the exact value.
 benchmark::Counter bytes_counter(double bytes) {
@@ -339,143 +353,22 @@ struct Bandwidths {
 };
 Bandwidths g_bw;
 
-constexpr std::size_t kPieceBytes = 256 * kMiB;
-constexpr int kPieces = 16;
-constexpr std::size_t kBytesPerDirection = kPieceBytes * kPieces;
 constexpr std::size_t kHbmCopyBytes = 2 * kGiB;
 constexpr int kLinkPasses = 3;
 constexpr int kHbmPasses = 5;
 
 #ifdef STRATA_HAS_CUDA
-absl::Status cuda_status(cudaError_t err, std::string_view what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();  // so the next call does not inherit a sticky-looking error
-  return absl::InternalError(
-      str_cat(what, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
-}
-
-char* piece(void* base, int k) {
-  return static_cast<char*>(base) + static_cast<std::size_t>(k) * kPieceBytes;
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-// Index 0: the H2D direction (host[0] -> gpu[0] on stream[0]); index 1: D2H (gpu[1] -> host[1]
-// on stream[1]); the HBM copy goes gpu[1] -> gpu[0]. Freed by the destructor.
-struct LinkRig {
-  std::array<void*, 2> gpu{};
-  std::array<void*, 2> host{};
-  std::array<cudaStream_t, 2> stream{};
-  std::array<cudaEvent_t, 2> start{};
-  std::array<cudaEvent_t, 2> end{};
-
-  LinkRig() = default;
-  LinkRig(const LinkRig&) = delete;
-  LinkRig& operator=(const LinkRig&) = delete;
-  ~LinkRig() {
-    for (int d = 0; d < 2; ++d) {
-      if (stream[d] != nullptr) (void)cudaStreamSynchronize(stream[d]);
-      if (start[d] != nullptr) (void)cudaEventDestroy(start[d]);
-      if (end[d] != nullptr) (void)cudaEventDestroy(end[d]);
-      if (stream[d] != nullptr) (void)cudaStreamDestroy(stream[d]);
-      if (gpu[d] != nullptr) (void)cudaFree(gpu[d]);
-      if (host[d] != nullptr) (void)cudaFreeHost(host[d]);
-    }
-  }
-};
-
-absl::Status init_link_rig(LinkRig& rig) {
-  for (int d = 0; d < 2; ++d) {
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaMalloc(&rig.gpu[d], kBytesPerDirection), "cudaMalloc"));
-    STRATA_RETURN_IF_ERROR(cuda_status(
-        cudaHostAlloc(&rig.host[d], kBytesPerDirection, cudaHostAllocPortable), "cudaHostAlloc"));
-    STRATA_RETURN_IF_ERROR(cuda_status(
-        cudaStreamCreateWithFlags(&rig.stream[d], cudaStreamNonBlocking), "cudaStreamCreate"));
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&rig.start[d]), "cudaEventCreate"));
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&rig.end[d]), "cudaEventCreate"));
-  }
-  // Pseudo-random payloads in both host buffers, and in the D2H / HBM source on the GPU.
-  auto* words = static_cast<std::uint64_t*>(rig.host[0]);
-  SplitMix64 rng(kParamSeed ^ kGradSeed);
-  for (std::size_t i = 0; i < kPieceBytes / sizeof(std::uint64_t); ++i) words[i] = rng.next();
-  for (int k = 1; k < kPieces; ++k) std::memcpy(piece(rig.host[0], k), rig.host[0], kPieceBytes);
-  std::memcpy(rig.host[1], rig.host[0], kBytesPerDirection);
-  return cuda_status(
-      cudaMemcpy(rig.gpu[1], rig.host[0], kBytesPerDirection, cudaMemcpyHostToDevice),
-      "cudaMemcpy (fill)");
-}
-
-struct LinkTiming {
-  double h2d_ms = 0;
-  double d2h_ms = 0;
-  double span_ms = 0;  // first start to last end
-};
-
-// One pass: 16 pieces of 256 MiB in each direction asked for, interleaved so that with both
-// directions the two streams start within microseconds of each other.
-absl::StatusOr<LinkTiming> run_link(LinkRig& rig, bool h2d, bool d2h) {
-  const std::array<bool, 2> on = {h2d, d2h};
-  const std::array<void*, 2> dst = {rig.gpu[0], rig.host[1]};
-  const std::array<void*, 2> src = {rig.host[0], rig.gpu[1]};
-  constexpr std::array<cudaMemcpyKind, 2> kKinds = {cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost};
-  for (int d = 0; d < 2; ++d) {
-    if (on[d]) {
-      STRATA_RETURN_IF_ERROR(cuda_status(cudaEventRecord(rig.start[d], rig.stream[d]), "record"));
-    }
-  }
-  for (int k = 0; k < kPieces; ++k) {
-    for (int d = 0; d < 2; ++d) {
-      if (!on[d]) continue;
-      STRATA_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(piece(dst[d], k), piece(src[d], k),
-                                                         kPieceBytes, kKinds[d], rig.stream[d]),
-                                         "cudaMemcpyAsync"));
-    }
-  }
-  for (int d = 0; d < 2; ++d) {
-    if (on[d]) {
-      STRATA_RETURN_IF_ERROR(cuda_status(cudaEventRecord(rig.end[d], rig.stream[d]), "record"));
-    }
-  }
-  for (int d = 0; d < 2; ++d) {
-    if (on[d]) {
-      STRATA_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(rig.end[d]), "cudaEventSynchronize"));
-    }
-  }
-  LinkTiming t;
-  float ms = 0;
-  if (on[0]) {
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&ms, rig.start[0], rig.end[0]), "elapsed"));
-    t.h2d_ms = ms;
-  }
-  if (on[1]) {
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&ms, rig.start[1], rig.end[1]), "elapsed"));
-    t.d2h_ms = ms;
-  }
-  if (on[0] && on[1]) {
-    // Relative to the H2D start; the D2H start may be a little before or after it.
-    float d2h_start = 0;
-    float d2h_end = 0;
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&d2h_start, rig.start[0], rig.start[1]), "elapsed"));
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&d2h_end, rig.start[0], rig.end[1]), "elapsed"));
-    t.span_ms = std::max<double>(t.h2d_ms, d2h_end) - std::min<double>(0.0, d2h_start);
-  } else {
-    t.span_ms = on[0] ? t.h2d_ms : t.d2h_ms;
-  }
-  return t;
-}
-
 // HBM: a 2 GiB device-to-device cudaMemcpyAsync (read + write = 2 x bytes), median of 5 after a
 // warm-up. Pinned: each direction alone and both at once, median of 3 passes after a warm-up.
 absl::StatusOr<Bandwidths> measure_bandwidths() {
   LinkRig rig;
-  STRATA_RETURN_IF_ERROR(init_link_rig(rig));
+  STRATA_RETURN_IF_ERROR(init_link_rig(rig, kParamSeed ^ kGradSeed));
   Bandwidths out;
 
   std::vector<double> hbm;

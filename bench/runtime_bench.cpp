@@ -64,6 +64,7 @@
 #include "base/strings.h"
 #include "base/units.h"
 #include "bench/bench_util.h"
+#include "bench/link_rig.h"
 #include "policies/builtin.h"
 #include "runtime/device.h"
 #include "runtime/runtime.h"
@@ -80,9 +81,6 @@ using Clock = std::chrono::steady_clock;
 // 16 pieces of 256 MiB per direction: each copy runs ~5 ms at PCIe gen5 speed, so neither launch
 // latency nor the runtime's per-migration bookkeeping should show, and 4 GiB keeps the link busy
 // for ~80 ms per direction.
-constexpr std::size_t kPieceBytes = 256 * kMiB;
-constexpr int kPieces = 16;
-constexpr std::size_t kBytesPerDirection = kPieceBytes * kPieces;
 
 // bulk offload + reload: 12 GB (decimal, as the issue states it) of optimizer states, two per
 // layer; and the simulated stand-in.
@@ -112,8 +110,19 @@ benchmark::Counter bytes_counter(double bytes) {
 }
 
 using strata::bench::have_gpu;
+using strata::bench::kBytesPerDirection;
+using strata::bench::kPieceBytes;
+using strata::bench::kPieces;
 using strata::bench::require_gpu;
 using strata::bench::skip;
+#ifdef STRATA_HAS_CUDA
+using strata::bench::cuda_status;
+using strata::bench::init_link_rig;
+using strata::bench::LinkRig;
+using strata::bench::LinkTiming;
+using strata::bench::piece;
+using strata::bench::run_link;
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Payloads.
@@ -168,82 +177,20 @@ absl::Status verify_payload(rt::Runtime& runtime, rt::TensorHandle tensor, int t
 // ---------------------------------------------------------------------------------------------
 // Raw pinned copies: the reference every runtime figure is divided by.
 
-struct RawTiming {
-  double h2d_ms = 0;
-  double d2h_ms = 0;
-  double span_ms = 0;  // first start to last end
-};
-
 struct PinnedBandwidth {
   double h2d_gbps = 0;
   double d2h_gbps = 0;
 };
 
 #ifdef STRATA_HAS_CUDA
-absl::Status cuda_status(cudaError_t err, std::string_view what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();  // so the next call does not inherit a sticky-looking error
-  return absl::InternalError(
-      str_cat(what, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
-}
-
-char* piece(void* base, int k) {
-  return static_cast<char*>(base) + static_cast<std::size_t>(k) * kPieceBytes;
-}
-
-// Index 0 is the H2D direction (host[0] -> gpu[0] on stream[0]), index 1 the D2H one
-// (gpu[1] -> host[1] on stream[1]), so "both" never copies into a buffer the other direction reads.
-struct RawRig {
-  std::array<void*, 2> gpu{};
-  std::array<void*, 2> host{};
-  std::array<cudaStream_t, 2> stream{};
-  std::array<cudaEvent_t, 2> start{};
-  std::array<cudaEvent_t, 2> end{};
-};
-
 // Made on first use, freed by release_rigs() from main: no CUDA call in static destructors.
-RawRig* g_raw_rig = nullptr;
+LinkRig* g_raw_rig = nullptr;
 
-void destroy_raw_rig(RawRig* rig) {
-  if (rig == nullptr) return;
-  for (int d = 0; d < 2; ++d) {
-    if (rig->stream[d] != nullptr) (void)cudaStreamSynchronize(rig->stream[d]);
-    if (rig->start[d] != nullptr) (void)cudaEventDestroy(rig->start[d]);
-    if (rig->end[d] != nullptr) (void)cudaEventDestroy(rig->end[d]);
-    if (rig->stream[d] != nullptr) (void)cudaStreamDestroy(rig->stream[d]);
-    if (rig->gpu[d] != nullptr) (void)cudaFree(rig->gpu[d]);
-    if (rig->host[d] != nullptr) (void)cudaFreeHost(rig->host[d]);
-  }
-  delete rig;
-}
-
-absl::Status init_raw_rig(RawRig& rig) {
-  for (int d = 0; d < 2; ++d) {
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaMalloc(&rig.gpu[d], kBytesPerDirection), "cudaMalloc"));
-    // Portable, as strata's pinned upstream asks for it.
-    STRATA_RETURN_IF_ERROR(cuda_status(
-        cudaHostAlloc(&rig.host[d], kBytesPerDirection, cudaHostAllocPortable), "cudaHostAlloc"));
-    STRATA_RETURN_IF_ERROR(cuda_status(
-        cudaStreamCreateWithFlags(&rig.stream[d], cudaStreamNonBlocking), "cudaStreamCreate"));
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&rig.start[d]), "cudaEventCreate"));
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&rig.end[d]), "cudaEventCreate"));
-  }
-  // Non-zero payloads in both sources (the D2H source is filled from the H2D source).
-  const std::vector<std::uint64_t>& words = pattern();
-  for (int k = 0; k < kPieces; ++k) {
-    std::memcpy(piece(rig.host[0], k), words.data(), kPieceBytes);
-    std::memcpy(piece(rig.host[1], k), words.data(), kPieceBytes);
-  }
-  return cuda_status(
-      cudaMemcpy(rig.gpu[1], rig.host[0], kBytesPerDirection, cudaMemcpyHostToDevice),
-      "cudaMemcpy (fill)");
-}
-
-absl::StatusOr<RawRig*> raw_rig() {
+absl::StatusOr<LinkRig*> raw_rig() {
   if (g_raw_rig != nullptr) return g_raw_rig;
-  auto* rig = new RawRig;
-  if (absl::Status s = init_raw_rig(*rig); !s.ok()) {
-    destroy_raw_rig(rig);
+  auto* rig = new LinkRig;
+  if (absl::Status s = init_link_rig(*rig, /*seed=*/0x5eed); !s.ok()) {
+    delete rig;
     return s;
   }
   g_raw_rig = rig;
@@ -251,70 +198,20 @@ absl::StatusOr<RawRig*> raw_rig() {
 }
 
 // One pass: 16 pieces of 256 MiB in each direction asked for; returns once the copies are done.
-absl::StatusOr<RawTiming> run_raw(RawRig& rig, Direction direction) {
-  const std::array<bool, 2> on = {direction != Direction::kD2H, direction != Direction::kH2D};
-  const std::array<void*, 2> dst = {rig.gpu[0], rig.host[1]};
-  const std::array<void*, 2> src = {rig.host[0], rig.gpu[1]};
-  constexpr std::array<cudaMemcpyKind, 2> kKinds = {cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost};
-  for (int d = 0; d < 2; ++d) {
-    if (!on[d]) continue;
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventRecord(rig.start[d], rig.stream[d]), "record"));
-  }
-  // Interleaved, so with both directions the two streams start within microseconds of each other.
-  for (int k = 0; k < kPieces; ++k) {
-    for (int d = 0; d < 2; ++d) {
-      if (!on[d]) continue;
-      STRATA_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(piece(dst[d], k), piece(src[d], k),
-                                                         kPieceBytes, kKinds[d], rig.stream[d]),
-                                         "cudaMemcpyAsync"));
-    }
-  }
-  for (int d = 0; d < 2; ++d) {
-    if (!on[d]) continue;
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventRecord(rig.end[d], rig.stream[d]), "record"));
-  }
-  for (int d = 0; d < 2; ++d) {
-    if (!on[d]) continue;
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(rig.end[d]), "cudaEventSynchronize"));
-  }
-
-  RawTiming t;
-  float ms = 0;
-  if (on[0]) {
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&ms, rig.start[0], rig.end[0]), "elapsed"));
-    t.h2d_ms = ms;
-  }
-  if (on[1]) {
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&ms, rig.start[1], rig.end[1]), "elapsed"));
-    t.d2h_ms = ms;
-  }
-  if (on[0] && on[1]) {
-    // Everything relative to the H2D start; the D2H start may be a little before or after it.
-    float d2h_start = 0;
-    float d2h_end = 0;
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&d2h_start, rig.start[0], rig.start[1]), "elapsed"));
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&d2h_end, rig.start[0], rig.end[1]), "elapsed"));
-    t.span_ms = std::max<double>(t.h2d_ms, d2h_end) - std::min<double>(0.0, d2h_start);
-  } else {
-    t.span_ms = on[0] ? t.h2d_ms : t.d2h_ms;
-  }
-  return t;
+absl::StatusOr<LinkTiming> run_raw(LinkRig& rig, Direction direction) {
+  return run_link(rig, direction != Direction::kD2H, direction != Direction::kH2D);
 }
 
 // Raw pinned H2D and D2H bandwidth, one direction at a time, by the same method as
 // BM_RawPinnedCopy: a warm-up pass, then the median of kFloorPasses passes.
 absl::StatusOr<PinnedBandwidth> measure_pinned_bandwidth() {
-  STRATA_ASSIGN_OR_RETURN(RawRig * rig, raw_rig());
+  STRATA_ASSIGN_OR_RETURN(LinkRig * rig, raw_rig());
   PinnedBandwidth out;
   for (Direction direction : {Direction::kH2D, Direction::kD2H}) {
     STRATA_RETURN_IF_ERROR(run_raw(*rig, direction).status());
     std::vector<double> gbps;
     for (int pass = 0; pass < kFloorPasses; ++pass) {
-      STRATA_ASSIGN_OR_RETURN(RawTiming t, run_raw(*rig, direction));
+      STRATA_ASSIGN_OR_RETURN(LinkTiming t, run_raw(*rig, direction));
       gbps.push_back(gb_per_s(static_cast<double>(kBytesPerDirection), t.span_ms / 1e3));
     }
     std::sort(gbps.begin(), gbps.end());
@@ -331,9 +228,9 @@ absl::StatusOr<PinnedBandwidth> measure_pinned_bandwidth() {
 void BM_RawPinnedCopy(benchmark::State& state, Direction direction) {
   if (!require_gpu(state)) return;
 #ifdef STRATA_HAS_CUDA
-  absl::StatusOr<RawRig*> rig = raw_rig();
+  absl::StatusOr<LinkRig*> rig = raw_rig();
   if (!rig.ok()) return skip(state, "raw copy buffers", rig.status());
-  if (absl::StatusOr<RawTiming> warm = run_raw(**rig, direction); !warm.ok()) {
+  if (absl::StatusOr<LinkTiming> warm = run_raw(**rig, direction); !warm.ok()) {
     return skip(state, "warm-up copies", warm.status());
   }
 
@@ -341,7 +238,7 @@ void BM_RawPinnedCopy(benchmark::State& state, Direction direction) {
   double d2h_seconds = 0;
   double span_seconds = 0;
   for (auto _ : state) {
-    absl::StatusOr<RawTiming> t = run_raw(**rig, direction);
+    absl::StatusOr<LinkTiming> t = run_raw(**rig, direction);
     if (!t.ok()) {
       skip(state, "copies", t.status());
       break;
@@ -830,7 +727,7 @@ void release_rigs() {
     g_migrate_rig = nullptr;
   }
 #ifdef STRATA_HAS_CUDA
-  destroy_raw_rig(g_raw_rig);
+  delete g_raw_rig;
   g_raw_rig = nullptr;
 #endif
 }
