@@ -3,11 +3,12 @@
 #   make test   every test that needs no GPU, the layering check and a sanitizer build
 BUILD       ?= build
 ASAN_BUILD  ?= build-asan
+TSAN_BUILD  ?= build-tsan
 CUDACXX     ?= $(wildcard /usr/local/cuda/bin/nvcc)
 export CUDACXX
 CMAKE_FLAGS ?=
 
-.PHONY: demo test deps configure build sanitize clean
+.PHONY: demo test deps configure build sanitize sanitize-thread clean
 
 deps:
 	@tools/install-deps.sh
@@ -31,11 +32,20 @@ sanitize: deps
 	cmake --build $(ASAN_BUILD)
 	ctest --test-dir $(ASAN_BUILD) -LE gpu --output-on-failure
 
+# The same with ThreadSanitizer (the threaded suites: pools, L3, the runtime's locks).
+sanitize-thread: deps
+	cmake -S . -B $(TSAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DSTRATA_WITH_CUDA=OFF -DSTRATA_WITH_TORCH=OFF -DSTRATA_BUILD_BENCHMARKS=OFF \
+	  -DSTRATA_BUILD_APPS=OFF -DSTRATA_SANITIZE=thread
+	cmake --build $(TSAN_BUILD)
+	ctest --test-dir $(TSAN_BUILD) -LE gpu --output-on-failure
+
 test: build
 	tools/check_layering.sh --self-test
 	tools/check_layering.sh
 	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
 	$(MAKE) --no-print-directory sanitize
+	$(MAKE) --no-print-directory sanitize-thread
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)

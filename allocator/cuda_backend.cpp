@@ -7,8 +7,8 @@
 #include <cstring>
 #include <vector>
 
+#include <mutex>
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "allocator/stream_ops.h"
 #include "allocator/upstream.h"
 #include "base/strings.h"
@@ -214,7 +214,7 @@ class CudaStreamOps final : public StreamOps {
   absl::StatusOr<EventHandle> record(StreamHandle stream) override {
     cudaEvent_t event = nullptr;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (!free_.empty()) {
         event = free_.back();
         free_.pop_back();
@@ -255,12 +255,12 @@ class CudaStreamOps final : public StreamOps {
   }
 
   void release(EventHandle event) override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     free_.push_back(static_cast<cudaEvent_t>(event));
   }
 
  private:
-  absl::Mutex mu_;
+  std::mutex mu_;
   std::vector<cudaEvent_t> free_ ABSL_GUARDED_BY(mu_);
 };
 

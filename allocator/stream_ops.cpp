@@ -5,14 +5,14 @@
 namespace strata::alloc {
 
 absl::StatusOr<EventHandle> SimulatedStreamOps::record(StreamHandle /*stream*/) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   const std::uintptr_t id = next_id_++;
   done_[id] = !holding_;
   return reinterpret_cast<EventHandle>(id);
 }
 
 absl::StatusOr<bool> SimulatedStreamOps::query(EventHandle event) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = done_.find(reinterpret_cast<std::uintptr_t>(event));
   if (it == done_.end()) {
     return absl::InvalidArgumentError(str_cat("query of an unknown event ", event));
@@ -21,7 +21,7 @@ absl::StatusOr<bool> SimulatedStreamOps::query(EventHandle event) {
 }
 
 absl::Status SimulatedStreamOps::synchronize(EventHandle event) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = done_.find(reinterpret_cast<std::uintptr_t>(event));
   if (it == done_.end()) {
     return absl::InvalidArgumentError(str_cat("synchronize on an unknown event ", event));
@@ -34,34 +34,34 @@ absl::Status SimulatedStreamOps::synchronize(EventHandle event) {
 }
 
 void SimulatedStreamOps::release(EventHandle event) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   done_.erase(reinterpret_cast<std::uintptr_t>(event));
 }
 
 void SimulatedStreamOps::hold() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   holding_ = true;
 }
 
 void SimulatedStreamOps::complete(EventHandle event) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = done_.find(reinterpret_cast<std::uintptr_t>(event));
   if (it != done_.end()) it->second = true;
 }
 
 void SimulatedStreamOps::complete_all() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   holding_ = false;
   for (auto& [id, done] : done_) done = true;
 }
 
 std::int64_t SimulatedStreamOps::live_events() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return static_cast<std::int64_t>(done_.size());
 }
 
 void SimulatedStreamOps::set_synchronize_completes(bool value) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   synchronize_completes_ = value;
 }
 

@@ -19,11 +19,11 @@
 #include <cstdint>
 #include <memory>
 
+#include <mutex>
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 
 namespace strata::alloc {
 
@@ -68,7 +68,7 @@ class SimulatedStreamOps final : public StreamOps {
   void set_synchronize_completes(bool value);
 
  private:
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   bool holding_ ABSL_GUARDED_BY(mu_) = false;
   bool synchronize_completes_ ABSL_GUARDED_BY(mu_) = true;
   std::uintptr_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <map>
 
+#include <mutex>
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
@@ -42,7 +42,7 @@ class SimulatedDeviceUpstream final : public Upstream {
 
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (bytes > options_.capacity - in_use_) {
         return absl::ResourceExhaustedError(
             str_cat("simulated device out of memory: asked ", format_bytes(bytes), ", in use ",
@@ -55,7 +55,7 @@ class SimulatedDeviceUpstream final : public Upstream {
         options_.backing == SimulatedBacking::kMemory ? PROT_READ | PROT_WRITE : PROT_NONE;
     absl::StatusOr<void*> p = map_anonymous(bytes, prot, name());
     if (!p.ok()) {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       in_use_ -= bytes;
     }
     return p;
@@ -64,7 +64,7 @@ class SimulatedDeviceUpstream final : public Upstream {
   absl::Status deallocate(void* ptr, std::size_t bytes) override {
     absl::Status s = unmap(ptr, bytes, name());
     if (s.ok()) {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       in_use_ -= bytes;
     }
     return s;
@@ -72,7 +72,7 @@ class SimulatedDeviceUpstream final : public Upstream {
 
  private:
   const SimulatedDeviceOptions options_;
-  absl::Mutex mu_;
+  std::mutex mu_;
   std::size_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
@@ -91,7 +91,7 @@ class AddressSpaceUpstream final : public Upstream {
   std::string_view name() const override { return "simulated_device(address_only)"; }
 
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (base_ == nullptr) {
       STRATA_ASSIGN_OR_RETURN(void* base, map_anonymous(capacity_, PROT_NONE, name()));
       base_ = static_cast<std::byte*>(base);
@@ -112,7 +112,7 @@ class AddressSpaceUpstream final : public Upstream {
   }
 
   absl::Status deallocate(void* ptr, std::size_t bytes) override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     const std::size_t size = (bytes + kSegmentAlignment - 1) & ~(kSegmentAlignment - 1);
     std::size_t offset = static_cast<std::size_t>(static_cast<std::byte*>(ptr) - base_);
     std::size_t length = size;
@@ -135,7 +135,7 @@ class AddressSpaceUpstream final : public Upstream {
 
  private:
   const std::size_t capacity_;
-  absl::Mutex mu_;
+  std::mutex mu_;
   std::byte* base_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<std::size_t, std::size_t> free_ ABSL_GUARDED_BY(mu_);  // offset -> length
 };

@@ -4,8 +4,8 @@
 #include <atomic>
 #include <vector>
 
+#include <mutex>
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "allocator/upstream.h"
 #include "base/strings.h"
 #include "runtime/device.h"
@@ -102,7 +102,7 @@ class CudaDevice final : public Device {
   absl::StatusOr<EventHandle> record_timed(StreamHandle stream) override {
     cudaEvent_t e = nullptr;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (!timed_free_.empty()) {
         e = timed_free_.back();
         timed_free_.pop_back();
@@ -131,7 +131,7 @@ class CudaDevice final : public Device {
   }
 
   void release_timed(EventHandle event) override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     timed_free_.push_back(static_cast<cudaEvent_t>(event));
   }
 
@@ -142,7 +142,7 @@ class CudaDevice final : public Device {
   const std::shared_ptr<alloc::StreamOps> events_;
   const std::string name_;
   std::atomic<std::int64_t> host_syncs_{0};
-  absl::Mutex mu_;
+  std::mutex mu_;
   std::vector<cudaEvent_t> timed_free_ ABSL_GUARDED_BY(mu_);
 };
 

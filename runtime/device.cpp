@@ -5,7 +5,7 @@
 #include <deque>
 #include <map>
 
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 #include "allocator/upstream.h"
 #include "base/strings.h"
 
@@ -43,7 +43,7 @@ struct SimulatedDevice::State {
     std::function<void()> fn;
   };
 
-  absl::Mutex mu;
+  std::mutex mu;
   bool deferred = false;
   std::uintptr_t next_stream = 1;
   std::uintptr_t next_event = 1;
@@ -109,26 +109,26 @@ SimulatedDevice::SimulatedDevice() : state_(std::make_unique<State>()) {
 }
 
 SimulatedDevice::~SimulatedDevice() {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   state_->run_all();
 }
 
 absl::StatusOr<StreamHandle> SimulatedDevice::create_stream() {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   const std::uintptr_t id = state_->next_stream++;
   state_->streams[id];
   return reinterpret_cast<StreamHandle>(id);
 }
 
 void SimulatedDevice::destroy_stream(StreamHandle stream) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   state_->run_all();
   state_->streams.erase(reinterpret_cast<std::uintptr_t>(stream));
 }
 
 absl::Status SimulatedDevice::copy_async(void* dst, const void* src, std::size_t bytes,
                                          StreamHandle stream) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   State::Op op(State::Op::kCopy);
   op.dst = dst;
   op.src = src;
@@ -137,7 +137,7 @@ absl::Status SimulatedDevice::copy_async(void* dst, const void* src, std::size_t
 }
 
 absl::Status SimulatedDevice::stream_wait(StreamHandle stream, EventHandle event) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   std::shared_ptr<State::EventState> e = state_->find_event(event);
   if (e == nullptr) {
     return absl::InvalidArgumentError(str_cat("simulated device: wait on unknown event ", event));
@@ -148,14 +148,14 @@ absl::Status SimulatedDevice::stream_wait(StreamHandle stream, EventHandle event
 }
 
 absl::Status SimulatedDevice::enqueue_host(StreamHandle stream, std::function<void()> fn) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   State::Op op(State::Op::kHost);
   op.fn = std::move(fn);
   return state_->enqueue(stream, std::move(op));
 }
 
 absl::Status SimulatedDevice::stream_synchronize(StreamHandle stream) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   ++state_->host_syncs;
   state_->run_all();
   auto it = state_->streams.find(reinterpret_cast<std::uintptr_t>(stream));
@@ -170,7 +170,7 @@ absl::Status SimulatedDevice::stream_synchronize(StreamHandle stream) {
 }
 
 absl::StatusOr<EventHandle> SimulatedDevice::record(StreamHandle stream) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   const std::uintptr_t id = state_->next_event++;
   auto e = std::make_shared<State::EventState>();
   state_->events[id] = e;
@@ -189,7 +189,7 @@ absl::StatusOr<EventHandle> SimulatedDevice::record_timed(StreamHandle stream) {
 }
 
 absl::StatusOr<bool> SimulatedDevice::query(EventHandle event) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   std::shared_ptr<State::EventState> e = state_->find_event(event);
   if (e == nullptr) {
     return absl::InvalidArgumentError(str_cat("simulated device: query of unknown event ", event));
@@ -198,7 +198,7 @@ absl::StatusOr<bool> SimulatedDevice::query(EventHandle event) {
 }
 
 absl::Status SimulatedDevice::synchronize(EventHandle event) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   ++state_->host_syncs;
   std::shared_ptr<State::EventState> e = state_->find_event(event);
   if (e == nullptr) {
@@ -214,7 +214,7 @@ absl::Status SimulatedDevice::synchronize(EventHandle event) {
 }
 
 absl::StatusOr<double> SimulatedDevice::elapsed_ms(EventHandle start, EventHandle end) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   std::shared_ptr<State::EventState> a = state_->find_event(start);
   std::shared_ptr<State::EventState> b = state_->find_event(end);
   if (a == nullptr || b == nullptr) {
@@ -227,36 +227,36 @@ absl::StatusOr<double> SimulatedDevice::elapsed_ms(EventHandle start, EventHandl
 }
 
 void SimulatedDevice::release(EventHandle event) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   state_->events.erase(reinterpret_cast<std::uintptr_t>(event));
 }
 
 void SimulatedDevice::release_timed(EventHandle event) { release(event); }
 
 std::int64_t SimulatedDevice::host_syncs() const {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   return state_->host_syncs;
 }
 
 void SimulatedDevice::set_deferred(bool deferred) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   state_->deferred = deferred;
   if (!deferred) state_->run_all();
 }
 
 int SimulatedDevice::run_pending() {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   return state_->run_all();
 }
 
 bool SimulatedDevice::run_one(StreamHandle stream) {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   auto it = state_->streams.find(reinterpret_cast<std::uintptr_t>(stream));
   return it != state_->streams.end() && state_->run_front(it->second);
 }
 
 int SimulatedDevice::pending_operations() const {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   int n = 0;
   for (const auto& [id, q] : state_->streams) n += static_cast<int>(q.size());
   return n;

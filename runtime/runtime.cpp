@@ -6,8 +6,8 @@
 #include <cstring>
 #include <map>
 
+#include <mutex>
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
@@ -88,7 +88,7 @@ struct Runtime::Impl {
   StreamHandle compute = nullptr;
   std::size_t gpu_budget = alloc::kNoBudget;
 
-  mutable absl::Mutex mu;
+  mutable std::mutex mu;
   std::uint64_t next_id = 1;
   std::vector<std::unique_ptr<Entry>> entries;  // registration order
   absl::flat_hash_map<std::uint64_t, Entry*> by_id;
@@ -157,7 +157,7 @@ struct Runtime::Impl {
 
 Runtime::Impl::~Impl() {
   {
-    absl::MutexLock lock(&mu);
+    std::lock_guard<std::mutex> lock(mu);
     (void)wait_all_locked();
     drain_timing_locked(/*wait=*/true);
     for (auto& e : entries) {
@@ -609,7 +609,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
 absl::StatusOr<TensorHandle> Runtime::register_tensor(const TensorSpec& spec, const void* data) {
   TensorHandle handle;
   {
-    absl::MutexLock lock(&impl_->mu);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     if (spec.name.empty()) return absl::InvalidArgumentError("register_tensor: empty name");
     if (spec.layer < 0) {
       return absl::InvalidArgumentError(
@@ -663,7 +663,7 @@ absl::StatusOr<TensorHandle> Runtime::register_tensor(const TensorSpec& spec, co
 }
 
 absl::Status Runtime::unregister(TensorHandle tensor) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
   if (e->holds > 0) {
     return absl::FailedPreconditionError(str_cat("unregister '", e->spec.name, "': held by ",
@@ -692,7 +692,7 @@ absl::Status Runtime::unregister(TensorHandle tensor) {
 }
 
 absl::StatusOr<TensorInfo> Runtime::info(TensorHandle tensor) const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
   TensorInfo out;
   out.spec = e->spec;
@@ -709,7 +709,7 @@ absl::StatusOr<TensorInfo> Runtime::info(TensorHandle tensor) const {
 }
 
 absl::StatusOr<TensorHandle> Runtime::find(std::string_view name) const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->by_name.find(name);
   if (it == impl_->by_name.end()) {
     return absl::NotFoundError(str_cat("no tensor named '", name, "' is registered"));
@@ -718,21 +718,21 @@ absl::StatusOr<TensorHandle> Runtime::find(std::string_view name) const {
 }
 
 std::vector<TensorHandle> Runtime::tensors() const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<TensorHandle> out;
   for (const auto& e : impl_->entries) out.push_back(e->handle);
   return out;
 }
 
 std::vector<TensorHandle> Runtime::layer_tensors(int layer, RoleSet roles) const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<TensorHandle> out;
   for (Impl::Entry* e : impl_->layer_entries_locked(layer, roles)) out.push_back(e->handle);
   return out;
 }
 
 std::vector<int> Runtime::layers() const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<int> out;
   for (const auto& e : impl_->entries) out.push_back(e->spec.layer);
   std::sort(out.begin(), out.end());
@@ -741,14 +741,14 @@ std::vector<int> Runtime::layers() const {
 }
 
 std::size_t Runtime::layer_bytes(int layer, RoleSet roles) const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   std::size_t total = 0;
   for (Impl::Entry* e : impl_->layer_entries_locked(layer, roles)) total += e->bytes;
   return total;
 }
 
 absl::Status Runtime::read(TensorHandle tensor, void* host_dst) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
   STRATA_RETURN_IF_ERROR(impl_->wait_entry_locked(*e));
   STRATA_RETURN_IF_ERROR(impl_->wait_ready_on_host_locked(*e));
@@ -757,7 +757,7 @@ absl::Status Runtime::read(TensorHandle tensor, void* host_dst) {
 }
 
 absl::Status Runtime::write(TensorHandle tensor, const void* host_src) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
   if (e->holds > 0) {
     return absl::FailedPreconditionError(
@@ -773,7 +773,7 @@ absl::Status Runtime::write(TensorHandle tensor, const void* host_src) {
 }
 
 absl::Status Runtime::migrate(TensorHandle tensor, Tier dst) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
   if (e->loc.slot >= 0) {
     return absl::FailedPreconditionError(str_cat("tensor '", e->spec.name, "' is staged (layer ",
@@ -783,17 +783,17 @@ absl::Status Runtime::migrate(TensorHandle tensor, Tier dst) {
 }
 
 absl::Status Runtime::poll() {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->poll_locked();
 }
 
 absl::Status Runtime::wait_all() {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->wait_all_locked();
 }
 
 absl::Status Runtime::configure_staging(int slots, RoleSet roles) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   if (slots < 1) {
     return absl::InvalidArgumentError(str_cat("configure_staging: ", slots, " slots; need >= 1"));
   }
@@ -877,7 +877,7 @@ std::vector<std::pair<Runtime::Impl::Entry*, std::size_t>> Runtime::Impl::slot_l
 }
 
 absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   const RoleSet want = roles.value_or(impl_->staging_roles);
   std::vector<std::pair<Impl::Entry*, std::size_t>> layout = impl_->slot_layout_locked(layer);
   std::vector<std::pair<Impl::Entry*, std::size_t>> todo;
@@ -959,7 +959,7 @@ absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
 }
 
 absl::Status Runtime::unstage_layer(int layer, std::optional<RoleSet> write_back) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->staged_layers.find(layer);
   if (it == impl_->staged_layers.end()) return absl::OkStatus();
   const RoleSet copy_home = write_back.value_or(RoleSet::all());
@@ -1023,12 +1023,12 @@ absl::Status Runtime::unstage_layer(int layer, std::optional<RoleSet> write_back
 }
 
 bool Runtime::is_staged(int layer) const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->staged_layers.count(layer) > 0;
 }
 
 absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHandle stream) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_RETURN_IF_ERROR(impl_->poll_locked());
   STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
   Device& dev = *impl_->device;
@@ -1075,7 +1075,7 @@ absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHan
 }
 
 absl::Status Runtime::release(TensorHandle tensor, StreamHandle stream) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
   if (e->holds == 0) {
     return absl::FailedPreconditionError(
@@ -1117,7 +1117,7 @@ absl::Status Runtime::release_layer(int layer, RoleSet roles, StreamHandle strea
 }
 
 absl::Status Runtime::fence_and_poll() {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_RETURN_IF_ERROR(impl_->fence_compute_locked());
   return impl_->poll_locked();
 }
@@ -1162,24 +1162,24 @@ std::vector<int> Runtime::optimizer_layer_order() const {
 }
 
 int Runtime::add_on_moved(std::function<void(TensorHandle, Tier, void*)> fn) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   const int id = impl_->next_callback++;
   impl_->on_moved[id] = std::move(fn);
   return id;
 }
 
 void Runtime::remove_on_moved(int id) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->on_moved.erase(id);
 }
 
 void Runtime::set_compute_stream(StreamHandle stream) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->compute = stream;  // nullptr is the legacy default stream (torch's default), not "unset"
 }
 
 RuntimeStats Runtime::stats() const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   RuntimeStats s = impl_->stats;
   s.host_syncs = impl_->device->host_syncs();
   return s;
@@ -1193,7 +1193,7 @@ StreamHandle Runtime::h2d_stream() const { return impl_->h2d; }
 StreamHandle Runtime::d2h_stream() const { return impl_->d2h; }
 
 StreamHandle Runtime::compute_stream() const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->compute;
 }
 
