@@ -58,7 +58,8 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
     for (auto [param, grad] : adam->groups_[g].params) {
       rt::TensorInfo p = *runtime.info(param);
-      Slot slot{param, grad, {}, {}, {}, g, p.spec.layer};
+      Slot slot{param, grad, {},           {},
+                {},    g,    p.spec.layer, static_cast<std::int64_t>(p.bytes / sizeof(float))};
       auto add_state = [&](std::string_view suffix,
                            rt::Role role) -> absl::StatusOr<rt::TensorHandle> {
         rt::TensorSpec spec = p.spec;
@@ -71,6 +72,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       if (adam->groups_[g].hyper.amsgrad) {
         STRATA_ASSIGN_OR_RETURN(slot.max_exp_avg_sq, add_state("max_exp_avg_sq", rt::Role::kOther));
       }
+      adam->by_layer_[slot.layer].push_back(adam->slots_.size());
       adam->slots_.push_back(slot);
     }
   }
@@ -106,8 +108,6 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     scalars.push_back(adam_scalars(groups_[g].hyper, steps_[g]));
   }
-  std::map<int, std::vector<const Slot*>> by_layer;
-  for (const Slot& s : slots_) by_layer[s.layer].push_back(&s);
   const rt::StreamHandle stream = rt.compute_stream();
   const bool simulated = rt.device().is_simulated();
 
@@ -136,7 +136,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   };
 
   for (int layer : rt.optimizer_layer_order()) {
-    auto it = by_layer.find(layer);
+    auto it = by_layer_.find(layer);
     // Note [Per-parameter pipelining]: a staged layer arrives tensor by tensor (its fetch copies
     // are queued in this order), so its parameters are stepped one at a time, each released right
     // after its kernel: the first kernel starts when the first parameter's moments are in, and each
@@ -146,8 +146,9 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
     const bool pipelined = rt.is_staged(layer);
     std::vector<rt::TensorHandle> held;
     std::vector<std::vector<AdamTensor>> per_group(groups_.size());
-    if (it != by_layer.end()) {
-      for (const Slot* s : it->second) {
+    if (it != by_layer_.end()) {
+      for (std::size_t index : it->second) {
+        const Slot* s = &slots_[index];
         AdamTensor t;
         void* ptrs[5] = {};
         const rt::TensorHandle hs[5] = {s->param, s->grad, s->exp_avg, s->exp_avg_sq,
@@ -167,7 +168,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
         t.exp_avg = static_cast<float*>(ptrs[2]);
         t.exp_avg_sq = static_cast<float*>(ptrs[3]);
         t.max_exp_avg_sq = static_cast<float*>(ptrs[4]);
-        t.numel = static_cast<std::int64_t>(rt.info(s->param)->bytes / sizeof(float));
+        t.numel = s->numel;
         if (pipelined) {
           STRATA_RETURN_IF_ERROR(launch({t}, s->group));
           for (rt::TensorHandle h : held) STRATA_RETURN_IF_ERROR(rt.release(h, stream));

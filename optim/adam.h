@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <istream>
+#include <map>
 #include <memory>
 #include <ostream>
 #include <utility>
@@ -77,6 +78,7 @@ class Adam {
     rt::TensorHandle param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;
     std::size_t group = 0;
     int layer = 0;
+    std::int64_t numel = 0;
   };
   Adam(rt::Runtime& runtime, AdamOptions options);
 
@@ -85,6 +87,8 @@ class Adam {
   std::vector<ParamGroup>& groups_ = options_.groups;
   std::vector<std::int64_t> steps_;
   std::vector<Slot> slots_;
+  // Indices into slots_ by layer, built once: step() runs every iteration.
+  std::map<int, std::vector<std::size_t>> by_layer_;
 };
 
 }  // namespace strata::optim

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <optional>
 
 #include "base/status.h"
 #include "base/strings.h"
@@ -33,6 +34,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   absl::Status on_register(rt::Runtime& rt, rt::TensorHandle h) override {
+    parameter_layers_.reset();  // recomputed at the next forward
     STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
     if (!config().roles.contains(info.spec.role)) return absl::OkStatus();
     const std::size_t layer = rt.layer_bytes(info.spec.layer, config().roles);
@@ -50,7 +52,10 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   absl::Status on_before_forward(rt::Runtime& rt, int layer) override {
     if (!streams_parameters()) return absl::OkStatus();
-    std::vector<int> streamed = streamed_layers(rt, RoleSet{Role::kParameter});
+    // The layers whose parameters stream change only when tensors are registered: scanning them
+    // at every hook would cost O(layers^2) per forward.
+    if (!parameter_layers_) parameter_layers_ = streamed_layers(rt, RoleSet{Role::kParameter});
+    const std::vector<int>& streamed = *parameter_layers_;
     const std::size_t j = position(streamed, layer);
     if (j == streamed.size()) return absl::OkStatus();  // nothing of this layer streams
     // A forward that starts over (evaluation before training, a module run twice, recompute in
@@ -61,7 +66,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
         STRATA_RETURN_IF_ERROR(reset(rt));
     }
     if (!in_forward_) {
-      forward_ = std::move(streamed);
+      forward_ = streamed;
       STRATA_RETURN_IF_ERROR(start_forward(rt));
     }
     if (held_ >= 0) {
@@ -223,6 +228,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
+  // Layers with parameters (a layer whose tensors were all unregistered since stays listed;
+  // staging and holding it do nothing).
+  std::optional<std::vector<int>> parameter_layers_;
   std::vector<int> order_;     // optimizer order, layers that stream only
   std::vector<int> forward_;   // forward order, layers whose parameters stream
   std::vector<int> backward_;  // backward order
