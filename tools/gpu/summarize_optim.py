@@ -10,8 +10,6 @@ pass/fail of issue 4's targets ("Must show"):
 Every approach's median step time, ratio to its floor where it has one and peak extra GPU memory
 are listed, with the bulk and CPU peers for reference (no target here).
 Exit status 0 when every target passes, 1 otherwise (a missing or skipped benchmark fails)."""
-import json
-import statistics
 import sys
 
 DEPTHS = [1, 2]
@@ -32,64 +30,7 @@ APPROACHES = [
 ]
 
 
-class Group:
-    """Every row of one benchmark: per-repetition rows, aggregates by name, error messages."""
-
-    def __init__(self, name):
-        self.name = name
-        self.iterations = []
-        self.aggregates = {}
-        self.errors = []
-
-    def usable(self):
-        return bool(self.iterations or self.aggregates)
-
-    def value(self, counter):
-        """The median: the median aggregate when present, else the median of the repetitions."""
-        if "median" in self.aggregates and counter in self.aggregates["median"]:
-            return self.aggregates["median"][counter]
-        values = [r[counter] for r in self.iterations if counter in r]
-        return statistics.median(values) if values else None
-
-    def worst(self, counter):
-        """The largest value over the repetitions, for counters that must stay 0. With aggregates
-        only, the mean: for counts >= 0 it is above 0 exactly when some repetition was."""
-        values = [r[counter] for r in self.iterations if counter in r]
-        if values:
-            return max(values)
-        for agg in ("mean", "median"):
-            if agg in self.aggregates and counter in self.aggregates[agg]:
-                return self.aggregates[agg][counter]
-        return None
-
-
-def load(path):
-    with open(path) as f:
-        data = json.load(f)
-    groups = {}
-    for b in data.get("benchmarks", []):
-        name = b.get("run_name", b["name"])
-        g = groups.setdefault(name, Group(name))
-        if b.get("error_occurred"):
-            g.errors.append(b.get("error_message", "error"))
-        elif b.get("run_type") == "aggregate":
-            g.aggregates[b.get("aggregate_name")] = b
-        else:
-            g.iterations.append(b)
-    return data.get("context", {}), groups
-
-
-def find(groups, family):
-    """The group of `family` ("BM_StrataLayerPrefetch/1"); run names go on with
-    "/iterations:5/manual_time"."""
-    for name, g in groups.items():
-        if name == family or name.startswith(family + "/"):
-            return g
-    return None
-
-
-def fmt(v, spec=".2f"):
-    return "-" if v is None else format(v, spec)
+from bench_json import find, fmt, load  # noqa: E402  (beside this script)
 
 
 def fmt_bytes(v):
