@@ -62,6 +62,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -1187,6 +1188,43 @@ void BM_TorchFusedAdamW(benchmark::State& state) {
 #endif
 }
 
+#ifdef STRATA_BENCH_TORCH
+struct TimedSteps {
+  double step_ms = 0;
+  double peak_extra = 0;  // the caching allocator's peak above what was allocated before a step
+};
+
+// The LibTorch offloading peers' timing: warm-up steps, then one step per iteration with the
+// caching allocator's peak restarted (outside the clock) from what is allocated before it.
+// std::nullopt, with the benchmark skipped, on an error.
+std::optional<TimedSteps> time_torch_offload_steps(
+    benchmark::State& state, const std::function<absl::StatusOr<double>()>& step) {
+  for (int i = 0; i < kWarmupSteps; ++i) {
+    if (absl::StatusOr<double> w = step(); !w.ok()) {
+      skip(state, "warm-up step", w.status());
+      return std::nullopt;
+    }
+  }
+  double total_ms = 0;
+  TimedSteps out;
+  for (auto _ : state) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(kTorchDevice);
+    const std::int64_t base = torch_allocated_now();
+    absl::StatusOr<double> ms = step();
+    if (!ms.ok()) {
+      skip(state, "step", ms.status());
+      break;
+    }
+    out.peak_extra = std::max(out.peak_extra, static_cast<double>(torch_allocated_peak() - base));
+    total_ms += *ms;
+    state.SetIterationTime(*ms / 1e3);
+  }
+  if (state.error_occurred() || state.iterations() == 0) return std::nullopt;
+  out.step_ms = total_ms / static_cast<double>(state.iterations());
+  return out;
+}
+#endif
+
 void BM_TorchBulkTo(benchmark::State& state) {
   if (!require_gpu(state)) return;
 #ifndef STRATA_BENCH_TORCH
@@ -1199,37 +1237,19 @@ void BM_TorchBulkTo(benchmark::State& state) {
     if (!made.ok()) return skip(state, "LibTorch tensors of the model", made.status());
     TorchOffloadRig& r = **made;
     auto step = [&] { return time_to_idle([&] { return torch_bulk_step(r); }); };
-    for (int i = 0; i < kWarmupSteps; ++i) {
-      if (absl::StatusOr<double> w = step(); !w.ok())
-        return skip(state, "warm-up step", w.status());
-    }
-    double total_ms = 0;
-    double peak_extra = 0;
-    for (auto _ : state) {
-      // Outside the clock: the caching allocator's peak restarts from what is allocated now.
-      c10::cuda::CUDACachingAllocator::resetPeakStats(kTorchDevice);
-      const std::int64_t base = torch_allocated_now();
-      absl::StatusOr<double> ms = step();
-      if (!ms.ok()) {
-        skip(state, "step", ms.status());
-        break;
-      }
-      peak_extra = std::max(peak_extra, static_cast<double>(torch_allocated_peak() - base));
-      total_ms += *ms;
-      state.SetIterationTime(*ms / 1e3);
-    }
-    if (state.error_occurred() || state.iterations() == 0) return;
+    std::optional<TimedSteps> timed = time_torch_offload_steps(state, step);
+    if (!timed) return;
     if (absl::Status s = check_torch_offload("torch bulk .to()", model, r); !s.ok()) {
       return skip(state, "result check", s);
     }
-    const double step_ms = total_ms / static_cast<double>(state.iterations());
+    const double step_ms = timed->step_ms;
     const double moments = model.moment_bytes();
     const double floor_ms = ms_at(moments, g_bw.h2d_gbps) + ms_at(moments, g_bw.d2h_gbps);
     state.counters["step_ms"] = step_ms;
     state.counters["floor_ms"] = floor_ms;
     state.counters["ratio_to_floor"] = floor_ms > 0 ? step_ms / floor_ms : 0;
     state.counters["moment_bytes"] = bytes_counter(moments);
-    state.counters["peak_extra_gpu_bytes"] = bytes_counter(peak_extra);
+    state.counters["peak_extra_gpu_bytes"] = bytes_counter(timed->peak_extra);
     state.SetLabel(
         str_cat("moments pinned CPU tensors: .to(cuda, non_blocking) all, "
                 "at::_fused_adamw_, copy_(non_blocking) back, synchronize; ",
@@ -1250,29 +1270,12 @@ void BM_TorchPerLayerPipeline(benchmark::State& state) {
     if (!made.ok()) return skip(state, "LibTorch tensors of the model", made.status());
     TorchOffloadRig& r = **made;
     auto step = [&] { return time_to_idle([&] { return torch_pipeline_step(model, r); }); };
-    for (int i = 0; i < kWarmupSteps; ++i) {
-      if (absl::StatusOr<double> w = step(); !w.ok())
-        return skip(state, "warm-up step", w.status());
-    }
-    double total_ms = 0;
-    double peak_extra = 0;
-    for (auto _ : state) {
-      c10::cuda::CUDACachingAllocator::resetPeakStats(kTorchDevice);
-      const std::int64_t base = torch_allocated_now();
-      absl::StatusOr<double> ms = step();
-      if (!ms.ok()) {
-        skip(state, "step", ms.status());
-        break;
-      }
-      peak_extra = std::max(peak_extra, static_cast<double>(torch_allocated_peak() - base));
-      total_ms += *ms;
-      state.SetIterationTime(*ms / 1e3);
-    }
-    if (state.error_occurred() || state.iterations() == 0) return;
+    std::optional<TimedSteps> timed = time_torch_offload_steps(state, step);
+    if (!timed) return;
     if (absl::Status s = check_torch_offload("torch per-layer pipeline", model, r); !s.ok()) {
       return skip(state, "result check", s);
     }
-    const double step_ms = total_ms / static_cast<double>(state.iterations());
+    const double step_ms = timed->step_ms;
     const double moments = model.moment_bytes();
     const double floor_ms = ms_at(moments, g_bw.both_per_direction_gbps);
     state.counters["step_ms"] = step_ms;
@@ -1280,7 +1283,7 @@ void BM_TorchPerLayerPipeline(benchmark::State& state) {
     state.counters["ratio_to_floor"] = floor_ms > 0 ? step_ms / floor_ms : 0;
     state.counters["moment_bytes"] = bytes_counter(moments);
     state.counters["achieved_gbps_per_direction"] = gb_per_s(moments, step_ms / 1e3);
-    state.counters["peak_extra_gpu_bytes"] = bytes_counter(peak_extra);
+    state.counters["peak_extra_gpu_bytes"] = bytes_counter(timed->peak_extra);
     state.counters["largest_layer_moment_bytes"] =
         bytes_counter(kMomentBytesPerParam * static_cast<double>(model.layer_numel()));
     state.SetLabel(
