@@ -507,20 +507,7 @@ struct ReplayTrace {
   std::size_t allocs_per_step = 0;
 };
 
-// SplitMix64: a fixed sequence on every platform, unlike the <random> distributions.
-class SplitMix64 {
- public:
-  explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
-  std::uint64_t next() {
-    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111eb;
-    return z ^ (z >> 31);
-  }
-
- private:
-  std::uint64_t state_;
-};
+using strata::bench::SplitMix64;
 
 class TraceBuilder {
  public:

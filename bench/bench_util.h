@@ -1,6 +1,7 @@
 // bench/bench_util.h: helpers shared by strata's benchmark binaries.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -9,6 +10,23 @@
 #include "benchmark/benchmark.h"
 
 namespace strata::bench {
+
+// SplitMix64: a fixed sequence on every platform, unlike the <random> distributions.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111eb;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1), 24 random bits.
+  float symmetric() { return static_cast<float>(next() >> 40) * 0x1p-23f - 1.0f; }
+
+ private:
+  std::uint64_t state_;
+};
 
 inline void skip(benchmark::State& state, const std::string& message) {
   // Google Benchmark allows one SkipWithError per run.

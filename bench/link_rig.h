@@ -19,6 +19,7 @@
 #include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
+#include "bench/bench_util.h"
 
 namespace strata::bench {
 
@@ -81,14 +82,8 @@ inline absl::Status init_link_rig(LinkRig& rig, std::uint64_t seed) {
   }
   // Pseudo-random payloads in both host buffers, and in the D2H / HBM source on the GPU.
   auto* words = static_cast<std::uint64_t*>(rig.host[0]);
-  std::uint64_t x = seed;
-  for (std::size_t i = 0; i < kPieceBytes / sizeof(std::uint64_t); ++i) {
-    x += 0x9e3779b97f4a7c15ull;  // splitmix64: never zeros
-    std::uint64_t z = x;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    words[i] = z ^ (z >> 31);
-  }
+  SplitMix64 rng(seed);
+  for (std::size_t i = 0; i < kPieceBytes / sizeof(std::uint64_t); ++i) words[i] = rng.next();
   for (int k = 1; k < kPieces; ++k) std::memcpy(piece(rig.host[0], k), rig.host[0], kPieceBytes);
   std::memcpy(rig.host[1], rig.host[0], kBytesPerDirection);
   return cuda_status(
