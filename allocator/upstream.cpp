@@ -79,6 +79,11 @@ class SimulatedDeviceUpstream final : public Upstream {
 // Address space only: one PROT_NONE reservation, carved first-fit. One mapping however many
 // segments, so a model of terabytes in hundreds of thousands of segments stays within the kernel's
 // mapping limit; any access faults, since nothing is backed.
+//
+// The reservation is made at the first allocate. Where the process cannot map the whole capacity
+// (a sanitizer's shadow layout, a ulimit -v, a kernel without overcommit of PROT_NONE), it halves
+// the request until a mapping succeeds, no smaller than that first segment: the capacity is then
+// what could be reserved, and an out-of-memory message says so.
 class AddressSpaceUpstream final : public Upstream {
  public:
   static constexpr std::size_t kMaxReservation = std::size_t{16} << 40;
@@ -86,18 +91,14 @@ class AddressSpaceUpstream final : public Upstream {
   explicit AddressSpaceUpstream(std::size_t capacity)
       : capacity_(std::min(capacity, kMaxReservation) & ~(kSegmentAlignment - 1)) {}
   ~AddressSpaceUpstream() override {
-    if (base_ != nullptr) munmap(base_, capacity_);
+    if (base_ != nullptr) munmap(base_, reserved_);
   }
   std::string_view name() const override { return "simulated_device(address_only)"; }
 
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (base_ == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(void* base, map_anonymous(capacity_, PROT_NONE, name()));
-      base_ = static_cast<std::byte*>(base);
-      free_.emplace(0, capacity_);
-    }
     const std::size_t size = (bytes + kSegmentAlignment - 1) & ~(kSegmentAlignment - 1);
+    if (base_ == nullptr) STRATA_RETURN_IF_ERROR(reserve(size));
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second < size) continue;
       const std::size_t offset = it->first;
@@ -106,9 +107,14 @@ class AddressSpaceUpstream final : public Upstream {
       if (rest > 0) free_.emplace(offset + size, rest);
       return static_cast<void*>(base_ + offset);
     }
+    std::string reserved_note;
+    if (reserved_ < capacity_) {
+      reserved_note =
+          str_cat(" (only ", format_bytes(reserved_), " of address space could be reserved)");
+    }
     return absl::ResourceExhaustedError(
         str_cat("simulated device (address only) out of memory: ", "asked ", format_bytes(bytes),
-                " of capacity ", format_bytes(capacity_)));
+                " of capacity ", format_bytes(capacity_), reserved_note));
   }
 
   absl::Status deallocate(void* ptr, std::size_t bytes) override {
@@ -134,9 +140,29 @@ class AddressSpaceUpstream final : public Upstream {
   }
 
  private:
+  absl::Status reserve(std::size_t first_segment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (first_segment > capacity_) {
+      return absl::ResourceExhaustedError(
+          str_cat("simulated device (address only) out of memory: asked ",
+                  format_bytes(first_segment), " of capacity ", format_bytes(capacity_)));
+    }
+    std::size_t length = capacity_;
+    absl::StatusOr<void*> base = map_anonymous(length, PROT_NONE, name());
+    while (!base.ok() && length / 2 >= first_segment) {
+      length = (length / 2) & ~(kSegmentAlignment - 1);
+      base = map_anonymous(length, PROT_NONE, name());
+    }
+    if (!base.ok()) return base.status();
+    base_ = static_cast<std::byte*>(*base);
+    reserved_ = length;
+    free_.emplace(0, reserved_);
+    return absl::OkStatus();
+  }
+
   const std::size_t capacity_;
   std::mutex mu_;
   std::byte* base_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // bytes mapped at base_, <= capacity_
   std::map<std::size_t, std::size_t> free_ ABSL_GUARDED_BY(mu_);  // offset -> length
 };
 

@@ -15,7 +15,7 @@
 
 namespace strata::alloc::testing {
 
-inline std::unique_ptr<Upstream> address_only_device(std::size_t capacity = std::size_t{1} << 40) {
+inline std::unique_ptr<Upstream> address_only_device(std::size_t capacity = std::size_t{64} << 30) {
   return make_simulated_device_upstream(
       {.capacity = capacity, .backing = SimulatedBacking::kAddressOnly});
 }

@@ -2,8 +2,12 @@
 // kResourceExhausted and leaves the upstream working; alloc/free cycles hold nothing back.
 // Host upstreams run everywhere; the Gpu* ones (CUDA device and both pinned methods) need a GPU and
 // run under the CTest label gpu.
+#include <sys/resource.h>
+
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "allocator/upstream.h"
@@ -161,6 +165,52 @@ TYPED_TEST(UpstreamConformance, CyclesHoldNothingBack) {
 }
 
 TYPED_TEST(UpstreamConformance, HasAName) { EXPECT_FALSE(this->upstream_->name().empty()); }
+
+// Sanitizers map terabytes of shadow memory and abort rather than fail when an address-space limit
+// bites, so the limit test runs in the plain build only.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
+std::size_t virtual_memory_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "VmSize:") {
+      std::size_t kib = 0;
+      status >> kib;
+      return kib * kKiB;
+    }
+  }
+  return 0;
+}
+
+// Where the process cannot map the whole capacity (the CI's ThreadSanitizer layout could not map
+// 1 TiB), the address-only device reserves what it can and says so when that runs out.
+TEST(SimulatedAddressOnly, ReservesWhatTheAddressSpaceAllowsAndSaysSo) {
+  if (kSanitized) GTEST_SKIP() << "address-space limits and sanitizers do not mix";
+  const std::size_t in_use = virtual_memory_bytes();
+  ASSERT_GT(in_use, 0u);
+  rlimit old_limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &old_limit), 0);
+  rlimit limit = old_limit;
+  limit.rlim_cur = in_use + 8 * kGiB;
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &limit), 0);
+  auto device = make_simulated_device_upstream(
+      {.capacity = std::size_t{1} << 40, .backing = SimulatedBacking::kAddressOnly});
+  absl::StatusOr<void*> first = device->allocate(2 * kMiB);
+  absl::StatusOr<void*> too_much = device->allocate(16 * kGiB);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &old_limit), 0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_FALSE(too_much.ok());
+  EXPECT_EQ(too_much.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(too_much.status().message().find("of address space could be reserved"),
+            std::string_view::npos)
+      << too_much.status();
+  ASSERT_TRUE(device->deallocate(*first, 2 * kMiB).ok());
+}
 
 }  // namespace
 }  // namespace strata::alloc
