@@ -205,6 +205,7 @@ struct TorchBinding::Planned {
   std::string name;
   int layer = 0;
   rt::Role role = rt::Role::kOther;
+  std::optional<rt::Tier> home;
 };
 
 TorchBinding::TorchBinding(rt::Runtime& runtime)
@@ -317,7 +318,7 @@ std::vector<rt::TensorHandle> TorchBinding::register_all(const std::vector<Plann
   done.reserve(plan.size());
   try {
     for (const Planned& p : plan) {
-      done.push_back(unwrap(register_one(p.tensor, p.name, p.layer, p.role, std::nullopt)));
+      done.push_back(unwrap(register_one(p.tensor, p.name, p.layer, p.role, p.home)));
     }
   } catch (...) {
     for (auto it = done.rbegin(); it != done.rend(); ++it) {
@@ -361,11 +362,12 @@ std::string list_names(const std::vector<std::string>& names) {
 }  // namespace
 
 std::vector<rt::TensorHandle> TorchBinding::register_module(
-    torch::nn::Module& m, std::optional<std::vector<std::vector<std::string>>> grouping) {
+    torch::nn::Module& m, std::optional<std::vector<std::vector<std::string>>> grouping,
+    std::optional<rt::Tier> home) {
   std::vector<Planned> plan;
   if (!grouping.has_value()) {
     for (auto& [name, tensor_layer] : default_layers(m)) {
-      plan.push_back({tensor_layer.first, name, tensor_layer.second, rt::Role::kParameter});
+      plan.push_back({tensor_layer.first, name, tensor_layer.second, rt::Role::kParameter, home});
     }
   } else {
     const auto params = m.named_parameters(/*recurse=*/true);
@@ -384,7 +386,7 @@ std::vector<rt::TensorHandle> TorchBinding::register_module(
                                                    "' is in group ", it->second, " and in group ",
                                                    layer)));
         }
-        plan.push_back({*p, name, layer, rt::Role::kParameter});
+        plan.push_back({*p, name, layer, rt::Role::kParameter, home});
       }
     }
   }
@@ -397,7 +399,8 @@ std::vector<rt::TensorHandle> TorchBinding::register_module(
   return register_all(plan);
 }
 
-std::vector<rt::TensorHandle> TorchBinding::register_gradients(torch::nn::Module& m) {
+std::vector<rt::TensorHandle> TorchBinding::register_gradients(torch::nn::Module& m,
+                                                               std::optional<rt::Tier> home) {
   std::vector<Planned> plan;
   absl::flat_hash_set<const c10::StorageImpl*> seen;
   for (auto& [name, tensor_layer] : default_layers(m)) {
@@ -417,7 +420,7 @@ std::vector<rt::TensorHandle> TorchBinding::register_gradients(torch::nn::Module
     }
     const c10::StorageImpl* key = storage_key(grad);
     if (key != nullptr && !seen.insert(key).second) continue;
-    plan.push_back({grad, str_cat(name, ".grad"), layer, rt::Role::kGradient});
+    plan.push_back({grad, str_cat(name, ".grad"), layer, rt::Role::kGradient, home});
   }
   return register_all(plan);
 }

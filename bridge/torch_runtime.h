@@ -115,16 +115,21 @@ class TorchBinding {
   // throws before anything is registered. A parameter shared by two children (tied weights) is
   // registered once, where it first appears. All or nothing: if one registration fails, those
   // made by this call are undone (values back in torch memory) before the error is thrown.
+  // `home` as in register_tensor, for every parameter (e.g. kGpu for CPU tensors on a runtime
+  // whose GPU is simulated, so they live in its GPU tier).
   std::vector<rt::TensorHandle> register_module(
-      torch::nn::Module& m, std::optional<std::vector<std::vector<std::string>>> grouping = {});
+      torch::nn::Module& m, std::optional<std::vector<std::vector<std::string>>> grouping = {},
+      std::optional<rt::Tier> home = {});
 
   // Registers each parameter's gradient (role kGradient) as "<param>.grad", in the parameter's
   // layer: the one it is registered under with this binding, else the default layer of
   // register_module. Every gradient must be defined (kFailedPrecondition otherwise, before
   // anything is registered). All or nothing, like register_module. Autograd then accumulates into
   // the bound gradients in place; clearing them with zero_grad(/*set_to_none=*/true) would detach
-  // the parameters from them, so zero them in place (zero_grad(false)) instead.
-  std::vector<rt::TensorHandle> register_gradients(torch::nn::Module& m);
+  // the parameters from them, so zero them in place (zero_grad(false)) instead. `home` as in
+  // register_module.
+  std::vector<rt::TensorHandle> register_gradients(torch::nn::Module& m,
+                                                   std::optional<rt::Tier> home = {});
 
   // Unregisters t (or the tensor whose storage t shares) and frees the runtime's copy. t keeps its
   // device and shape but no data: any later use (a torch op, data_ptr(), registering it again)

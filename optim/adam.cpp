@@ -8,6 +8,7 @@
 
 #include "base/status.h"
 #include "base/strings.h"
+#include "base/units.h"
 #include "optim/adam_kernels.h"
 
 namespace strata::optim {
@@ -23,6 +24,22 @@ absl::Status check_tensor(const rt::TensorInfo& info, rt::Role role, std::string
     return absl::InvalidArgumentError(str_cat("Adam: ", what, " '", info.spec.name, "' has role ",
                                               rt::role_name(info.spec.role), ", not ",
                                               rt::role_name(role)));
+  }
+  return absl::OkStatus();
+}
+
+// Every layer's step working set must fit the GPU: the kernel reads GPU memory only, and a layer
+// that cannot be brought there whole would fail its step half way through the model.
+absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_t>& step_bytes) {
+  const std::size_t budget = runtime.allocator().pool(rt::Tier::kGpu).budget();
+  for (auto [layer, bytes] : step_bytes) {
+    if (bytes > budget) {
+      return absl::ResourceExhaustedError(str_cat(
+          "Adam: layer ", layer, " needs ", format_bytes(bytes),
+          " on the GPU for its step (parameters, gradients and moments; the kernel reads GPU "
+          "memory only), more than the GPU budget of ",
+          format_bytes(budget)));
+    }
   }
   return absl::OkStatus();
 }
@@ -53,8 +70,11 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
         return absl::InvalidArgumentError(
             str_cat("Adam: parameter '", p.spec.name, "' is listed twice"));
       }
+      const std::size_t moments = adam->groups_[g].hyper.amsgrad ? 3 : 2;
+      adam->step_bytes_[p.spec.layer] += p.bytes + d.bytes + moments * p.bytes;
     }
   }
+  STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime, adam->step_bytes_));
   for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
     for (auto [param, grad] : adam->groups_[g].params) {
       rt::TensorInfo p = *runtime.info(param);
@@ -100,8 +120,23 @@ absl::StatusOr<std::vector<rt::TensorHandle>> Adam::state(rt::TensorHandle param
   return absl::NotFoundError("Adam: no state for that parameter");
 }
 
+absl::Status Adam::check_can_step() const {
+  for (const Slot& s : slots_) {
+    for (rt::TensorHandle h : {s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq}) {
+      if (!h.valid()) continue;
+      if (!runtime_.is_registered(h)) {
+        return absl::FailedPreconditionError(
+            str_cat("Adam: tensor handle ", h.id, " of layer ", s.layer,
+                    " was unregistered after the optimizer was made"));
+      }
+    }
+  }
+  return check_fits_gpu(runtime_, step_bytes_);
+}
+
 absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   rt::Runtime& rt = runtime_;
+  STRATA_RETURN_IF_ERROR(check_can_step());
   STRATA_RETURN_IF_ERROR(rt.begin_optimizer_step());
   for (std::int64_t& s : steps_) ++s;
   std::vector<AdamScalars> scalars;

@@ -48,13 +48,18 @@ class Adam {
  public:
   // Checks every parameter and gradient before registering any state: kInvalidArgument for a
   // dtype other than float32, a shape or layer mismatch, a tensor of the wrong role, a parameter
-  // listed twice; kNotFound for an unregistered handle.
+  // listed twice; kNotFound for an unregistered handle; kResourceExhausted for a layer whose
+  // parameters, gradients and moments together exceed the GPU budget (the kernel reads GPU memory
+  // only, so such a layer could never be stepped).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Adam>> create(rt::Runtime& runtime,
                                                                     AdamOptions options);
   ~Adam();
 
   // One optimizer step over every group. grad_scale / found_inf: device pointers or null (see
   // adam_step_cuda); on the simulated device they are host pointers read when the step runs.
+  // Before any launch (and before the step counters move) it checks that every tensor is still
+  // registered and that every layer still fits the GPU budget (which may have been lowered since
+  // create), so those failures leave every parameter and moment as it was.
   [[nodiscard]] absl::Status step(const float* grad_scale = nullptr,
                                   const float* found_inf = nullptr);
 
@@ -81,6 +86,8 @@ class Adam {
     std::int64_t numel = 0;
   };
   Adam(rt::Runtime& runtime, AdamOptions options);
+  // The checks step() makes before it changes anything.
+  absl::Status check_can_step() const;
 
   rt::Runtime& runtime_;
   AdamOptions options_;
@@ -89,6 +96,8 @@ class Adam {
   std::vector<Slot> slots_;
   // Indices into slots_ by layer, built once: step() runs every iteration.
   std::map<int, std::vector<std::size_t>> by_layer_;
+  // Bytes each layer needs on the GPU during its step: parameters, gradients and moments.
+  std::map<int, std::size_t> step_bytes_;
 };
 
 }  // namespace strata::optim

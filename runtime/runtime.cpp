@@ -708,6 +708,11 @@ absl::StatusOr<TensorInfo> Runtime::info(TensorHandle tensor) const {
   return out;
 }
 
+bool Runtime::is_registered(TensorHandle tensor) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->get_locked(tensor).ok();
+}
+
 absl::StatusOr<TensorHandle> Runtime::find(std::string_view name) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->by_name.find(name);

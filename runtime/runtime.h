@@ -108,6 +108,8 @@ class Runtime {
   // kFailedPrecondition while held.
   [[nodiscard]] absl::Status unregister(TensorHandle tensor);
   [[nodiscard]] absl::StatusOr<TensorInfo> info(TensorHandle tensor) const;
+  // Cheaper than info() where only registration matters (a check per tensor per step).
+  bool is_registered(TensorHandle tensor) const;
   [[nodiscard]] absl::StatusOr<TensorHandle> find(std::string_view name) const;
   // Registration order.
   std::vector<TensorHandle> tensors() const;

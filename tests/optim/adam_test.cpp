@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "allocator/upstream.h"
+#include "base/units.h"
 #include "optim/adam.h"
 #include "policies/builtin.h"
 #include "tests/runtime/runtime_test_util.h"
@@ -434,6 +435,58 @@ TEST(AdamBadInputTest, RejectedBeforeAnythingIsRegistered) {
          "Adam: parameter 'p' is listed twice");
   expect({{p, TensorHandle{999}}}, absl::StatusCode::kNotFound,
          "tensor handle 999 is not registered");
+}
+
+// A layer that cannot fit the GPU could never be stepped (the kernel reads GPU memory only):
+// refused at create, and at step when the budget was lowered since, before anything changes.
+TEST(AdamBadInputTest, ALayerThatCannotFitTheGpuIsRefusedBeforeAnyLaunch) {
+  constexpr std::size_t kNumel = 1024 * 1024;  // 4 MiB per tensor, 16 MiB per layer with moments
+  auto [runtime, dev] = make_runtime("keep_on_gpu", {}, false, 12 * kMiB);
+  TensorHandle p = *runtime->register_tensor(spec("p", 3, Role::kParameter, kNumel));
+  TensorHandle g = *runtime->register_tensor(spec("p.grad", 3, Role::kGradient, kNumel));
+  const std::size_t before = runtime->tensors().size();
+  AdamOptions o;
+  o.groups.push_back({.params = {{p, g}}, .hyper = {}});
+  absl::Status s = Adam::create(*runtime, o).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(s.message(),
+            "Adam: layer 3 needs 16.00 MiB on the GPU for its step (parameters, gradients and "
+            "moments; the kernel reads GPU memory only), more than the GPU budget of 12.00 MiB");
+  EXPECT_EQ(runtime->tensors().size(), before) << "nothing may be registered";
+
+  // Room for it: made and stepped once. Then the budget shrinks below the layer (the allocator
+  // allows it: its blocks stay) and the next step is refused with nothing changed.
+  ASSERT_TRUE(runtime->allocator().set_budget(Tier::kGpu, 32 * kMiB).ok());
+  std::unique_ptr<Adam> adam = *Adam::create(*runtime, o);
+  std::vector<float> ones(kNumel, 1.0f);
+  ASSERT_TRUE(runtime->write(g, ones.data()).ok());
+  ASSERT_TRUE(adam->step().ok());
+  const std::vector<unsigned char> params = rt::testing::read_all(*runtime, p);
+  ASSERT_TRUE(runtime->allocator().set_budget(Tier::kGpu, 12 * kMiB).ok());
+  s = adam->step();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(adam->step_count(0), 1);
+  EXPECT_EQ(rt::testing::read_all(*runtime, p), params);
+}
+
+TEST(AdamBadInputTest, AnUnregisteredTensorStopsTheStepBeforeAnyLaunch) {
+  auto [runtime, dev] = make_runtime("keep_on_gpu");
+  TensorHandle p0 = *runtime->register_tensor(spec("p0", 0, Role::kParameter, 16));
+  TensorHandle g0 = *runtime->register_tensor(spec("p0.grad", 0, Role::kGradient, 16));
+  TensorHandle p1 = *runtime->register_tensor(spec("p1", 1, Role::kParameter, 16));
+  TensorHandle g1 = *runtime->register_tensor(spec("p1.grad", 1, Role::kGradient, 16));
+  AdamOptions o;
+  o.groups.push_back({.params = {{p0, g0}, {p1, g1}}, .hyper = {}});
+  std::unique_ptr<Adam> adam = *Adam::create(*runtime, o);
+  std::vector<float> ones(16, 1.0f);
+  ASSERT_TRUE(runtime->write(g0, ones.data()).ok());
+  const std::vector<unsigned char> before = rt::testing::read_all(*runtime, p0);
+  ASSERT_TRUE(runtime->unregister(g1).ok());
+  absl::Status s = adam->step();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("of layer 1 was unregistered"), std::string_view::npos) << s;
+  EXPECT_EQ(adam->step_count(0), 0);
+  EXPECT_EQ(rt::testing::read_all(*runtime, p0), before) << "layer 0 must not have been stepped";
 }
 
 }  // namespace
