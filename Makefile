@@ -1,5 +1,5 @@
 # strata's two entry points; each installs what is missing, configures, builds and runs.
-#   make demo   the main job (for now: the allocator demonstration, per-tier stats)
+#   make demo   the main job: strata-train under the default policy, then --compare
 #   make test   every test that needs no GPU, the layering check and a sanitizer build
 BUILD       ?= build
 ASAN_BUILD  ?= build-asan
@@ -20,8 +20,16 @@ configure: deps
 build: configure
 	cmake --build $(BUILD)
 
+# strata-train under the default policy, then every policy and PyTorch's baselines side by side
+# with a GPU budget smaller than model state (parameters, gradients and Adam states: 13 MiB for the
+# default model), so keep_on_gpu runs out of memory while the other policies train.
+DEMO_DIR    ?= $(BUILD)/demo
 demo: build
-	$(BUILD)/bin/strata-alloc-demo
+	$(BUILD)/bin/strata-train
+	@mkdir -p $(DEMO_DIR)
+	$(BUILD)/bin/strata-train --compare --strata_gpu_budget=12MiB \
+	  --json=$(DEMO_DIR)/compare.json --chart=$(DEMO_DIR)/compare.svg
+	@echo "demo: JSON in $(DEMO_DIR)/compare.json, chart in $(DEMO_DIR)/compare.svg"
 
 # Host-only libraries and their tests under AddressSanitizer + UndefinedBehaviorSanitizer, built
 # without CUDA and LibTorch (which also proves the code builds with CUDA off).

@@ -1,8 +1,9 @@
-// strata-alloc-demo: what `make demo` runs until strata-train exists. It plays one layer-by-layer
-// optimizer step's allocations through the tiered allocator (optimizer states resident in pinned
-// host memory, staged through GPU blocks two layers at a time, activations and temporaries on the
-// GPU, a checkpoint buffer in pageable memory) and prints per-tier stats, the fragmentation figure
-// and the leak report. On a machine without a GPU the GPU tier is the simulated device.
+// strata-alloc-demo: the allocator on its own (strata-train, what `make demo` runs, shows it
+// inside training). It plays one layer-by-layer optimizer step's allocations through the tiered
+// allocator (optimizer states resident in pinned host memory, staged through GPU blocks two layers
+// at a time, activations and temporaries on the GPU, a checkpoint buffer in pageable memory) and
+// prints per-tier stats, the fragmentation figure and the leak report. On a machine without a GPU
+// the GPU tier is the simulated device.
 //
 //   build/bin/strata-alloc-demo [--layers N] [--layer-mib M]
 #include <cstdio>

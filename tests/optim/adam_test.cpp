@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <random>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "allocator/upstream.h"
+#include "base/status.h"
 #include "base/units.h"
 #include "optim/adam.h"
 #include "policies/builtin.h"
@@ -220,6 +222,61 @@ TEST(D2Test, BitwiseEqualUnderEveryPolicy) {
           << name << " under " << r.policy << " differs from keep_on_gpu";
     }
   }
+}
+
+// Note [Bulk over budget]: states larger than the GPU budget. keep_on_gpu cannot hold them; bulk
+// streams them a layer at a time and layer_prefetch through its ring, both within the budget and
+// bitwise equal to an unbudgeted keep_on_gpu run.
+TEST(D2Test, StatesLargerThanTheGpuBudgetTrainUnderBulkAndLayerPrefetch) {
+  constexpr int kBigLayers = 4;
+  constexpr std::size_t kBigNumel = 1 << 20;  // 4 MiB tensors: P + G 32 MiB, states 32 MiB
+  constexpr std::size_t kBudget = 48 * kMiB;
+  auto run = [&](const std::string& policy, rt::PolicyConfig config, std::size_t budget,
+                 std::map<std::string, std::vector<unsigned char>>* out) -> absl::Status {
+    auto [runtime, dev] = make_runtime(policy, config, false, budget);
+    std::vector<std::pair<TensorHandle, TensorHandle>> params;
+    for (int l = 0; l < kBigLayers; ++l) {
+      std::vector<float> init(kBigNumel);
+      for (std::size_t i = 0; i < kBigNumel; ++i) init[i] = std::sin(0.001f * i + l);
+      TensorHandle p = *runtime->register_tensor(
+          spec(str_cat("b", l, ".w"), l, Role::kParameter, kBigNumel), init.data());
+      TensorHandle g = *runtime->register_tensor(
+          spec(str_cat("b", l, ".w.grad"), l, Role::kGradient, kBigNumel));
+      params.push_back({p, g});
+    }
+    AdamOptions o;
+    o.groups.push_back({.params = params, .hyper = {.lr = 1e-2f, .weight_decay = 0.01f}});
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Adam> adam, Adam::create(*runtime, o));
+    for (int step = 1; step <= 3; ++step) {
+      for (int l = 0; l < kBigLayers; ++l) {
+        std::vector<float> g(kBigNumel);
+        for (std::size_t i = 0; i < kBigNumel; ++i) g[i] = std::cos(0.01f * i * step + l) * 0.1f;
+        STRATA_RETURN_IF_ERROR(runtime->write(params[l].second, g.data()));
+      }
+      STRATA_RETURN_IF_ERROR(runtime->begin_step());
+      STRATA_RETURN_IF_ERROR(adam->step());
+      STRATA_RETURN_IF_ERROR(runtime->end_step());
+    }
+    const auto peak = runtime->allocator().stats(Tier::kGpu).allocated_bytes.peak +
+                      runtime->stats().staging_bytes;
+    EXPECT_LE(static_cast<std::size_t>(peak), budget) << policy;
+    for (TensorHandle h : runtime->tensors()) {
+      (*out)[runtime->info(h)->spec.name] = read_all(*runtime, h);
+    }
+    return absl::OkStatus();
+  };
+  std::map<std::string, std::vector<unsigned char>> want, bulk, prefetch, unused;
+  ASSERT_TRUE(run("keep_on_gpu", {}, alloc::kNoBudget, &want).ok());
+  absl::Status keep = run("keep_on_gpu", {}, kBudget, &unused);
+  EXPECT_EQ(keep.code(), absl::StatusCode::kResourceExhausted) << keep;
+  EXPECT_NE(keep.message().find("out of memory in tier gpu"), std::string_view::npos) << keep;
+  absl::Status s = run("bulk", {.roles = RoleSet::optimizer_states(), .offload_after_step = true},
+                       kBudget, &bulk);
+  ASSERT_TRUE(s.ok()) << s;
+  s = run("layer_prefetch", {.prefetch_depth = 1}, kBudget, &prefetch);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(bulk == want) << "bulk over budget differs from keep_on_gpu";
+  EXPECT_TRUE(prefetch == want) << "layer_prefetch over budget differs from keep_on_gpu";
 }
 
 // D2 on a real GPU: the fused kernel, real copies, every policy; bitwise equal to keep_on_gpu.

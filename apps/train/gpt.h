@@ -1,0 +1,77 @@
+// apps/train/gpt.h: the GPT-style decoder strata-train trains, and its synthetic data.
+//
+// Token and position embeddings, `layers` pre-norm transformer blocks (causal self-attention
+// written with matmuls, so forward and backward are deterministic on CPU and GPU alike, and a 4x
+// GELU MLP), a final LayerNorm and an output head. strata's layers are: 0 the embeddings, 1..layers
+// the blocks, layers + 1 the final norm and head; forward() calls a hook before each of them so a
+// residency policy can bring that layer's tensors in.
+//
+// Example:
+//   torch::manual_seed(7);
+//   Gpt model(GptConfig{.vocab = 256, .d_model = 128, .heads = 4, .layers = 4});
+//   torch::Tensor tokens = synthetic_batch(model->config(), /*seed=*/7, /*step=*/0);
+//   torch::Tensor logits = model->forward(tokens.slice(1, 0, -1), [](int layer) {});
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace strata::apps {
+
+struct GptConfig {
+  std::int64_t vocab = 256;
+  std::int64_t d_model = 128;
+  std::int64_t heads = 4;
+  std::int64_t layers = 4;  // transformer blocks
+  std::int64_t seq = 64;    // tokens per sequence
+  std::int64_t batch = 8;   // sequences per step
+};
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(std::int64_t d_model, std::int64_t heads);
+  // x: [batch, seq, d_model]; mask: [seq, seq], true above the diagonal (the future).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask);
+
+ private:
+  std::int64_t heads_;
+  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+};
+TORCH_MODULE(Block);
+
+class GptImpl : public torch::nn::Module {
+ public:
+  explicit GptImpl(const GptConfig& config);
+  // tokens: [batch, seq] int64 -> logits [batch, seq, vocab]. before_layer(l) runs before layer l.
+  torch::Tensor forward(const torch::Tensor& tokens, const std::function<void(int)>& before_layer);
+  // strata layers: layers + 2.
+  int num_layers() const { return static_cast<int>(config_.layers) + 2; }
+  // Every parameter's full name, grouped by strata layer (TorchBinding::register_module).
+  std::vector<std::vector<std::string>> layer_grouping() const;
+  // Whether a parameter (by full name) takes weight decay: matrices do; biases, norms don't.
+  static bool decays(const std::string& name);
+  const GptConfig& config() const { return config_; }
+
+ private:
+  GptConfig config_;
+  torch::nn::Embedding tok_{nullptr}, pos_{nullptr};
+  torch::nn::ModuleList blocks_{nullptr};
+  torch::nn::LayerNorm ln_f_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+// The step's batch, [batch, seq + 1] int64 on the CPU, the same for a given (seed, step) on every
+// machine: sequences that follow a noisy affine rule over the vocabulary, so the loss has something
+// to learn. Inputs are [:, :-1], targets [:, 1:].
+torch::Tensor synthetic_batch(const GptConfig& config, std::uint64_t seed, int step);
+
+// Bytes of float32 parameters in the model.
+std::int64_t parameter_bytes(const GptConfig& config);
+
+}  // namespace strata::apps

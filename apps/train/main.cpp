@@ -1,0 +1,224 @@
+// strata-train: trains a GPT-style decoder in LibTorch under a strata residency policy and shows
+// what the runtime did: one progress line per step, a summary table, the allocator's per-tier
+// statistics and its leak report. With --compare it trains the same model from the same seed under
+// every strata policy and PyTorch's own AdamW baselines and says whether the strata losses agree
+// bitwise. Runs on the GPU when there is one, on the simulated device (model on the CPU) otherwise.
+//
+//   build/bin/strata-train [--strata_policy=layer_prefetch] [--strata_gpu_budget=8GiB]
+//                          [--steps=20] [--layers=4 --d_model=128 --heads=4 --vocab=256
+//                          --seq=64 --batch=8] [--compare] [--json=FILE] [--chart=FILE.svg]
+//
+// Exit codes: 0 trained (with --compare: at least two strata policies trained with bitwise equal
+// losses); 1 a run failed (out of memory, a leak, losses that differ); 2 bad usage (an unknown
+// policy or flag value, a GPU budget too small for one layer).
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "allocator/upstream.h"
+#include "apps/train/report.h"
+#include "apps/train/train.h"
+#include "base/strings.h"
+#include "base/units.h"
+#include "policies/builtin.h"
+#include "runtime/policy.h"
+
+#ifdef STRATA_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+ABSL_FLAG(std::string, strata_gpu_budget, "",
+          "GPU memory strata may use for model state, e.g. 8GiB (default: no limit)");
+ABSL_FLAG(int, steps, 20, "training steps");
+ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
+ABSL_FLAG(int64_t, d_model, 128, "model width");
+ABSL_FLAG(int64_t, heads, 4, "attention heads (must divide d_model)");
+ABSL_FLAG(int64_t, vocab, 256, "vocabulary size");
+ABSL_FLAG(int64_t, seq, 64, "tokens per sequence");
+ABSL_FLAG(int64_t, batch, 8, "sequences per step");
+ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate");
+ABSL_FLAG(int, prefetch_depth, 1, "layer_prefetch: layers fetched ahead (K)");
+ABSL_FLAG(uint64_t, seed, 7, "seed of the initial weights and of the synthetic data");
+ABSL_FLAG(std::string, device, "auto", "auto (the GPU if there is one), cuda, or simulated");
+ABSL_FLAG(bool, compare, false,
+          "train under every strata policy and PyTorch's AdamW baselines, side by side");
+ABSL_FLAG(std::string, json, "", "write everything measured to this JSON file");
+ABSL_FLAG(std::string, chart, "", "draw step time and peak GPU memory to this SVG file");
+
+namespace strata::apps {
+namespace {
+
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+
+int usage_error(const std::string& message) {
+  std::fprintf(stderr, "strata-train: %s\n", message.c_str());
+  return kExitUsage;
+}
+
+bool gpu_present() { return alloc::cuda_device_count() > 0 && torch::cuda::is_available(); }
+
+std::string gpu_name() {
+#ifdef STRATA_HAS_CUDA
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) return prop.name;
+#endif
+  return "a CUDA GPU";
+}
+
+void print_run_end(const RunResult& r) {
+  if (!r.ok) {
+    std::printf("[%s] FAILED: %s\n", r.name.c_str(), r.error.c_str());
+  } else if (r.strata) {
+    std::printf("[%s] allocator, per tier, at the end of training:\n%s", r.name.c_str(),
+                r.allocator_table.c_str());
+    std::printf("[%s] leak report after unregistering everything: %s\n", r.name.c_str(),
+                r.leak_report.c_str());
+  }
+  std::fflush(stdout);
+}
+
+int run(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "trains a GPT-style decoder under a strata residency policy; see apps/train/main.cpp");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) return usage_error(str_cat("unexpected argument '", rest[1], "'"));
+
+  TrainOptions o;
+  o.model = {.vocab = absl::GetFlag(FLAGS_vocab),
+             .d_model = absl::GetFlag(FLAGS_d_model),
+             .heads = absl::GetFlag(FLAGS_heads),
+             .layers = absl::GetFlag(FLAGS_layers),
+             .seq = absl::GetFlag(FLAGS_seq),
+             .batch = absl::GetFlag(FLAGS_batch)};
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.lr = static_cast<float>(absl::GetFlag(FLAGS_lr));
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.prefetch_depth = absl::GetFlag(FLAGS_prefetch_depth);
+  const GptConfig& m = o.model;
+  if (o.steps < 1) return usage_error("--steps must be at least 1");
+  if (m.layers < 1 || m.d_model < 1 || m.heads < 1 || m.vocab < 2 || m.seq < 1 || m.batch < 1) {
+    return usage_error(
+        "--layers, --d_model, --heads, --seq and --batch must be positive and "
+        "--vocab at least 2");
+  }
+  if (m.d_model % m.heads != 0) {
+    return usage_error(str_cat("--heads (", m.heads, ") must divide --d_model (", m.d_model, ")"));
+  }
+  if (!(o.lr > 0)) return usage_error("--lr must be positive");
+  if (o.prefetch_depth < 0) return usage_error("--prefetch_depth must be 0 or more");
+
+  const std::string device_flag = absl::GetFlag(FLAGS_device);
+  if (device_flag == "cuda") {
+    if (!gpu_present()) return usage_error("--device=cuda, but no GPU is visible");
+    o.cuda = true;
+  } else if (device_flag == "auto") {
+    o.cuda = gpu_present();
+  } else if (device_flag != "simulated") {
+    return usage_error(
+        str_cat("--device must be auto, cuda or simulated, not '", device_flag, "'"));
+  }
+
+  const std::string budget_flag = absl::GetFlag(FLAGS_strata_gpu_budget);
+  if (!budget_flag.empty()) {
+    absl::StatusOr<std::size_t> budget = parse_bytes(budget_flag);
+    if (!budget.ok()) {
+      return usage_error(str_cat("--strata_gpu_budget: ", budget.status().message()));
+    }
+    o.gpu_budget = *budget;
+  }
+
+  // The policy: checked here, before any model is built, so a typo costs nothing.
+  const rt::PolicyChoice choice = rt::choose_policy_name(std::nullopt);
+  const std::vector<std::string> policies = policy::builtin_policies().names();
+  if (std::find(policies.begin(), policies.end(), choice.name) == policies.end()) {
+    std::string valid;
+    for (const std::string& p : policies) str_append(&valid, valid.empty() ? "" : ", ", p);
+    return usage_error(str_cat("unknown policy '", choice.name, "' (from ", choice.source,
+                               "); valid policies: ", valid));
+  }
+
+  // A budget below one layer's step working set could train under no policy.
+  const std::vector<std::int64_t> layer_bytes = layer_step_bytes(o);
+  const auto largest = std::max_element(layer_bytes.begin(), layer_bytes.end());
+  if (static_cast<std::size_t>(*largest) > o.gpu_budget) {
+    return usage_error(str_cat(
+        "the GPU budget of ", format_bytes(o.gpu_budget), " is too small for one layer: layer ",
+        largest - layer_bytes.begin(), " needs ", format_bytes(*largest),
+        " on the GPU for its optimizer step (parameters, gradients and two Adam moments)"));
+  }
+
+  Report report;
+  report.options = o;
+  report.compare = absl::GetFlag(FLAGS_compare);
+  report.device = o.cuda ? gpu_name() : "simulated device (model on the CPU)";
+  const std::int64_t params = parameter_bytes(m);
+  std::printf("strata-train on %s\n", report.device.c_str());
+  std::printf(
+      "model: %lld blocks, d_model %lld, %lld heads, vocab %lld, %lld x %lld tokens/step; "
+      "%.2f M parameters (%s), Adam states %s\n",
+      static_cast<long long>(m.layers), static_cast<long long>(m.d_model),
+      static_cast<long long>(m.heads), static_cast<long long>(m.vocab),
+      static_cast<long long>(m.batch), static_cast<long long>(m.seq), params / 4 / 1e6,
+      format_bytes(params).c_str(), format_bytes(2 * params).c_str());
+  std::printf("strata GPU budget: %s\n", o.gpu_budget == static_cast<std::size_t>(-1)
+                                             ? "none"
+                                             : format_bytes(o.gpu_budget).c_str());
+  std::fflush(stdout);
+
+  const StepCallback progress = [&](const RunResult& run, const StepRecord& step) {
+    std::printf("%s\n", progress_line(run, step, o.steps).c_str());
+    std::fflush(stdout);
+  };
+  if (report.compare) {
+    for (const std::string& p : policies) {
+      std::printf("\n== strata, policy %s\n", p.c_str());
+      report.runs.push_back(run_strata(o, p, progress));
+      print_run_end(report.runs.back());
+    }
+    for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
+      std::printf("\n== PyTorch, %s\n", baseline_name(b).c_str());
+      report.runs.push_back(run_torch(o, b, progress));
+      print_run_end(report.runs.back());
+    }
+  } else {
+    std::printf("policy: %s (from %s)\n\n", choice.name.c_str(), choice.source.c_str());
+    report.runs.push_back(run_strata(o, choice.name, progress));
+    print_run_end(report.runs.back());
+  }
+  report.comparison = compare_runs(report.runs);
+
+  std::printf("\nsummary\n%s", summary_table(report).c_str());
+  for (const auto& [flag, text] : {std::pair{absl::GetFlag(FLAGS_json), to_json(report)},
+                                   std::pair{absl::GetFlag(FLAGS_chart), to_svg(report)}}) {
+    if (flag.empty()) continue;
+    if (absl::Status s = write_file(flag, text); !s.ok()) {
+      std::fprintf(stderr, "strata-train: %s\n", std::string(s.message()).c_str());
+      return kExitFailed;
+    }
+    std::printf("wrote %s\n", flag.c_str());
+  }
+
+  bool ok = true;
+  for (const RunResult& r : report.runs) {
+    if (r.strata && r.ok && !r.leak_free) ok = false;
+  }
+  if (report.compare) {
+    ok = ok && report.comparison.losses_identical;
+  } else {
+    ok = ok && report.runs.front().ok;
+  }
+  return ok ? 0 : kExitFailed;
+}
+
+}  // namespace
+}  // namespace strata::apps
+
+int main(int argc, char** argv) { return strata::apps::run(argc, argv); }

@@ -1,0 +1,317 @@
+#include "apps/train/train.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <optional>
+
+#include "bridge/status.h"
+#include "bridge/torch_runtime.h"
+#include "optim/adam.h"
+#include "policies/builtin.h"
+#include "runtime/runtime.h"
+
+#ifdef STRATA_HAS_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace strata::apps {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+torch::Device device_of(const TrainOptions& o) {
+  return o.cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+}
+
+void synchronize(const TrainOptions& o) {
+  if (o.cuda) torch::cuda::synchronize();
+}
+
+// torch's own GPU memory (activations, temporaries; everything for a PyTorch run).
+void reset_torch_peak(const TrainOptions& o) {
+#ifdef STRATA_HAS_CUDA
+  if (o.cuda) c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+#endif
+}
+std::int64_t torch_peak_bytes(const TrainOptions& o) {
+#ifdef STRATA_HAS_CUDA
+  if (o.cuda) {
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(0)
+        .reserved_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+        .peak;
+  }
+#endif
+  return 0;
+}
+void release_torch_cache(const TrainOptions& o) {
+#ifdef STRATA_HAS_CUDA
+  if (o.cuda) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+// The same model, from the same seed, on the run's device.
+Gpt make_model(const TrainOptions& o) {
+  torch::manual_seed(o.seed);
+  Gpt model(o.model);
+  model->to(device_of(o));
+  return model;
+}
+
+struct Batch {
+  torch::Tensor inputs, targets;
+};
+Batch batch_for(const TrainOptions& o, int step) {
+  torch::Tensor tokens = synthetic_batch(o.model, o.seed, step).to(device_of(o));
+  return {tokens.slice(1, 0, -1), tokens.slice(1, 1)};
+}
+
+torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
+// The strata run proper; throws (c10::Error) on failure, which run_strata records.
+void train_strata(const TrainOptions& o, const std::string& policy, const StepCallback& on_step,
+                  RunResult& result) {
+  rt::RuntimeOptions ro;
+  ro.policy = policy;
+  ro.policy_config.prefetch_depth = o.prefetch_depth;
+  ro.policy_config.roles = rt::RoleSet::optimizer_states();
+  // bulk: the states go to host memory after every step and come back before the next one.
+  ro.policy_config.offload_after_step = true;
+  ro.device = o.cuda ? rt::DeviceKind::kCuda : rt::DeviceKind::kSimulated;
+  ro.allocator.track_allocations = true;  // for the leak report
+  ro.allocator.budgets[alloc::tier_index(rt::Tier::kGpu)] = o.gpu_budget;
+  std::unique_ptr<rt::Runtime> runtime =
+      bridge::unwrap(rt::Runtime::create(std::move(ro), policy::builtin_policies()));
+  rt::Runtime& rt = *runtime;
+
+  release_torch_cache(o);
+  reset_torch_peak(o);
+  Gpt model = make_model(o);
+  std::unique_ptr<optim::Adam> adam;
+  {
+    bridge::TorchBinding binding(rt);
+    // The parameters live in strata's GPU tier (on the simulated device too, where the model's
+    // CPU tensors address it directly); the gradients exist from the start so autograd
+    // accumulates into the bound memory.
+    binding.register_module(*model, model->layer_grouping(), rt::Tier::kGpu);
+    for (torch::Tensor& p : model->parameters()) p.mutable_grad() = torch::zeros_like(p);
+    binding.register_gradients(*model, rt::Tier::kGpu);
+
+    optim::AdamOptions ao;
+    ao.groups.resize(2);
+    ao.groups[0].hyper = {.lr = o.lr, .weight_decay = o.weight_decay, .decoupled = true};
+    ao.groups[1].hyper = {.lr = o.lr, .weight_decay = 0.0f, .decoupled = true};
+    for (const auto& p : model->named_parameters(/*recurse=*/true)) {
+      const std::size_t g = GptImpl::decays(p.key()) ? 0 : 1;
+      ao.groups[g].params.push_back({binding.handle(p.value()), binding.handle(p.value().grad())});
+    }
+    adam = bridge::unwrap(optim::Adam::create(rt, std::move(ao)));
+    for (rt::TensorHandle h : rt.tensors()) {
+      rt::TensorInfo info = bridge::unwrap(rt.info(h));
+      if (info.spec.role == rt::Role::kExpAvg || info.spec.role == rt::Role::kExpAvgSq) {
+        result.state_bytes += static_cast<std::int64_t>(info.bytes);
+      }
+    }
+
+    const int layers = model->num_layers();
+    for (int step = 1; step <= o.steps; ++step) {
+      const Batch batch = batch_for(o, step);
+      rt.allocator().reset_peak_stats();
+      reset_torch_peak(o);
+      const rt::RuntimeStats before = rt.stats();
+      const Clock::time_point start = Clock::now();
+
+      bridge::check(rt.begin_step());
+      torch::Tensor logits =
+          model->forward(batch.inputs, [&](int layer) { bridge::check(rt.before_forward(layer)); });
+      torch::Tensor loss = loss_of(logits, batch.targets);
+      loss.backward();
+      for (int layer = layers - 1; layer >= 0; --layer) bridge::check(rt.after_backward(layer));
+      synchronize(o);
+      const Clock::time_point optimizer_start = Clock::now();
+      bridge::check(adam->step());
+      synchronize(o);
+      const double optimizer_ms = ms_since(optimizer_start);
+      bridge::check(rt.end_step());
+      for (torch::Tensor& p : model->parameters()) p.mutable_grad().zero_();
+      const float loss_value = loss.item<float>();
+      synchronize(o);
+      const double step_ms = ms_since(start);
+      bridge::check(rt.poll());
+
+      const rt::RuntimeStats after = rt.stats();
+      StepRecord r;
+      r.step = step;
+      r.loss = loss_value;
+      r.step_ms = step_ms;
+      r.optimizer_ms = optimizer_ms;
+      r.h2d_bytes = after.migrated_bytes_h2d - before.migrated_bytes_h2d;
+      r.d2h_bytes = after.migrated_bytes_d2h - before.migrated_bytes_d2h;
+      const double h2d_ms = after.h2d_busy_ms - before.h2d_busy_ms;
+      const double d2h_ms = after.d2h_busy_ms - before.d2h_busy_ms;
+      if (h2d_ms > 0) r.h2d_gbps = (after.timed_bytes_h2d - before.timed_bytes_h2d) / h2d_ms / 1e6;
+      if (d2h_ms > 0) r.d2h_gbps = (after.timed_bytes_d2h - before.timed_bytes_d2h) / d2h_ms / 1e6;
+      r.waited_ms = (after.prefetch_stall_ns - before.prefetch_stall_ns) / 1e6;
+      r.peak_gpu_bytes = rt.allocator().stats(rt::Tier::kGpu).reserved_bytes.peak +
+                         after.staging_bytes + torch_peak_bytes(o);
+      for (rt::Tier tier : alloc::kAllTiers) {
+        r.fragmentation[alloc::tier_index(tier)] = rt.allocator().stats(tier).fragmentation;
+      }
+      result.steps.push_back(r);
+      if (on_step) on_step(result, r);
+    }
+
+    bridge::check(rt.wait_all());
+    const rt::RuntimeStats end = rt.stats();
+    result.host_syncs = end.host_syncs;
+    result.staged_peak_bytes = end.staged_peak_bytes;
+    result.staging_bytes = end.staging_bytes;
+    result.allocator_table = rt.allocator().format_stats();
+    result.allocator_json = rt.allocator().stats_json();
+
+    // Tear down in order: the optimizer's states, then the bound gradients and parameters; what
+    // the allocator still holds after that is a leak.
+    for (const auto& p : model->named_parameters(/*recurse=*/true)) {
+      for (rt::TensorHandle h : bridge::unwrap(adam->state(binding.handle(p.value())))) {
+        bridge::check(rt.unregister(h));
+      }
+    }
+    adam.reset();
+    for (torch::Tensor& p : model->parameters()) {
+      binding.unregister(p.mutable_grad());
+      binding.unregister(p);
+    }
+  }
+  result.leak_free = rt.allocator().leak_report().empty();
+  result.leak_report = rt.allocator().format_leak_report();
+  result.ok = true;
+}
+
+void move_states(torch::optim::AdamW& optimizer, torch::Device device) {
+  for (auto& [key, state] : optimizer.state()) {
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
+    s.exp_avg(s.exp_avg().to(device, /*non_blocking=*/false));
+    s.exp_avg_sq(s.exp_avg_sq().to(device, /*non_blocking=*/false));
+  }
+}
+
+void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback& on_step,
+                 RunResult& result) {
+  release_torch_cache(o);
+  reset_torch_peak(o);
+  Gpt model = make_model(o);
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : model->named_parameters(/*recurse=*/true)) {
+    (GptImpl::decays(p.key()) ? decay : no_decay).push_back(p.value());
+  }
+  using torch::optim::AdamWOptions;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(
+      decay, std::make_unique<AdamWOptions>(AdamWOptions(o.lr).weight_decay(o.weight_decay)));
+  groups.emplace_back(no_decay,
+                      std::make_unique<AdamWOptions>(AdamWOptions(o.lr).weight_decay(0.0)));
+  torch::optim::AdamW optimizer(std::move(groups), AdamWOptions(o.lr));
+  const torch::Device device = device_of(o);
+  const torch::Device host(torch::kCPU);
+
+  for (int step = 1; step <= o.steps; ++step) {
+    const Batch batch = batch_for(o, step);
+    reset_torch_peak(o);
+    const Clock::time_point start = Clock::now();
+    optimizer.zero_grad();
+    torch::Tensor loss = loss_of(model->forward(batch.inputs, [](int) {}), batch.targets);
+    loss.backward();
+    synchronize(o);
+    const Clock::time_point optimizer_start = Clock::now();
+    if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, device);
+    optimizer.step();
+    if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, host);
+    synchronize(o);
+    const double optimizer_ms = ms_since(optimizer_start);
+    const float loss_value = loss.item<float>();
+    StepRecord r;
+    r.step = step;
+    r.loss = loss_value;
+    r.step_ms = ms_since(start);
+    r.optimizer_ms = optimizer_ms;
+    if (which == TorchBaseline::kMovedWithTo && o.cuda) {
+      // The states' bytes, each way (the first step only moves them out).
+      std::int64_t bytes = 0;
+      for (auto& [key, state] : optimizer.state()) {
+        auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
+        bytes += (s.exp_avg().numel() + s.exp_avg_sq().numel()) * 4;
+      }
+      r.h2d_bytes = step > 1 ? bytes : 0;
+      r.d2h_bytes = bytes;
+    }
+    r.peak_gpu_bytes = torch_peak_bytes(o);
+    result.steps.push_back(r);
+    if (on_step) on_step(result, r);
+  }
+  result.ok = true;
+}
+
+}  // namespace
+
+std::vector<std::int64_t> layer_step_bytes(const TrainOptions& options) {
+  torch::NoGradGuard no_grad;
+  GptImpl model(options.model);  // on the CPU: only the shapes matter
+  std::vector<std::int64_t> out(model.num_layers(), 0);
+  const auto params = model.named_parameters(/*recurse=*/true);
+  const auto grouping = model.layer_grouping();
+  for (std::size_t layer = 0; layer < grouping.size(); ++layer) {
+    for (const std::string& name : grouping[layer]) {
+      out[layer] += 4 * params[name].numel() * 4;  // parameter, gradient, two moments
+    }
+  }
+  return out;
+}
+
+RunResult run_strata(const TrainOptions& options, const std::string& policy,
+                     const StepCallback& on_step) {
+  RunResult result;
+  result.name = policy;
+  result.strata = true;
+  try {
+    train_strata(options, policy, on_step, result);
+  } catch (const std::exception& e) {
+    result.ok = false;
+    result.error = message_of(e);
+  }
+  release_torch_cache(options);
+  return result;
+}
+
+std::string baseline_name(TorchBaseline which) {
+  return which == TorchBaseline::kResident ? "torch_adamw_resident" : "torch_adamw_to";
+}
+
+RunResult run_torch(const TrainOptions& options, TorchBaseline which, const StepCallback& on_step) {
+  RunResult result;
+  result.name = baseline_name(which);
+  result.strata = false;
+  try {
+    train_torch(options, which, on_step, result);
+  } catch (const std::exception& e) {
+    result.ok = false;
+    result.error = message_of(e);
+  }
+  release_torch_cache(options);
+  return result;
+}
+
+}  // namespace strata::apps

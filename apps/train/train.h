@@ -1,0 +1,83 @@
+// apps/train/train.h: one training run of the GPT decoder, under a strata policy or as one of
+// PyTorch's own baselines, with what each step did.
+//
+// A strata run binds the model's parameters and gradients to a runtime (bridge/), registers the
+// Adam states through strata's Adam, and calls the runtime's hooks around forward, backward and the
+// optimizer step; the policy decides where the states live. A PyTorch run trains the same model
+// from the same seed with torch::optim::AdamW, its states resident on the device or moved there and
+// back with .to() around each step. Runs never throw: a failure (out of memory, a bad option) is
+// recorded in the result with its message.
+//
+// Example:
+//   TrainOptions options;
+//   options.steps = 5;
+//   RunResult r = run_strata(options, "layer_prefetch", print_progress);
+//   if (!r.ok) std::fprintf(stderr, "%s\n", r.error.c_str());
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "allocator/tier.h"
+#include "apps/train/gpt.h"
+
+namespace strata::apps {
+
+struct TrainOptions {
+  GptConfig model;
+  int steps = 20;
+  float lr = 3e-3f;
+  float weight_decay = 0.01f;  // matrices only; biases and norms take none
+  std::uint64_t seed = 7;
+  bool cuda = false;  // the GPU; otherwise the simulated device, with the model on the CPU
+  std::size_t gpu_budget = static_cast<std::size_t>(-1);  // strata's GPU tier; unlimited
+  int prefetch_depth = 1;                                 // layer_prefetch's K
+};
+
+struct StepRecord {
+  int step = 0;  // 1-based
+  float loss = 0;
+  double step_ms = 0;       // forward + backward + optimizer, the GPU synchronized at the end
+  double optimizer_ms = 0;  // the optimizer step alone (synchronized before and after)
+  std::int64_t h2d_bytes = 0;
+  std::int64_t d2h_bytes = 0;
+  double h2d_gbps = 0;  // over the time the copy streams were busy (0: nothing timed)
+  double d2h_gbps = 0;
+  double waited_ms = 0;                         // time compute waited on prefetches, on the GPU
+  std::int64_t peak_gpu_bytes = 0;              // strata's GPU tier + staging ring + torch's own
+  double fragmentation[alloc::kNumTiers] = {};  // strata runs: per tier, at the end of the step
+};
+
+struct RunResult {
+  std::string name;  // the policy, or "torch_adamw_resident" / "torch_adamw_to"
+  bool strata = true;
+  bool ok = false;
+  std::string error;  // when !ok
+  std::vector<StepRecord> steps;
+  // strata runs:
+  std::string allocator_table;  // per-tier statistics at the end of training
+  std::string allocator_json;
+  std::string leak_report;  // after every tensor was unregistered
+  bool leak_free = false;
+  std::int64_t host_syncs = 0;  // the runtime's own host waits
+  std::int64_t staged_peak_bytes = 0;
+  std::int64_t staging_bytes = 0;
+  std::int64_t state_bytes = 0;  // Adam moments registered
+};
+
+// Called after each step with the run so far (for progress lines).
+using StepCallback = std::function<void(const RunResult&, const StepRecord&)>;
+
+// The model's layers' step working sets (parameters, gradients, two moments), by strata layer.
+std::vector<std::int64_t> layer_step_bytes(const TrainOptions& options);
+
+RunResult run_strata(const TrainOptions& options, const std::string& policy,
+                     const StepCallback& on_step);
+
+enum class TorchBaseline { kResident, kMovedWithTo };
+std::string baseline_name(TorchBaseline which);
+RunResult run_torch(const TrainOptions& options, TorchBaseline which, const StepCallback& on_step);
+
+}  // namespace strata::apps

@@ -1,0 +1,211 @@
+// strata-train on the simulated device: every policy trains and exits 0, --compare gives bitwise
+// equal losses across strata policies and a JSON with every field, the error cases give their
+// messages and exit codes; and the report's comparison logic on hand-made runs.
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "apps/train/report.h"
+#include "gtest/gtest.h"
+
+namespace strata::apps {
+namespace {
+
+struct Outcome {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+};
+
+// Runs strata-train with `args` in a shell, STRATA_POLICY unset unless `env` ("NAME=value ")
+// sets it.
+Outcome run_train(const std::string& args, const std::string& env = "") {
+  const std::string command = "env -u STRATA_POLICY " + env + std::string(STRATA_TRAIN_BIN) +
+                              " --device=simulated " + args + " 2>&1";
+  Outcome out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return out;
+  char buf[4096];
+  while (std::size_t n = std::fread(buf, 1, sizeof(buf), pipe)) out.output.append(buf, n);
+  const int status = pclose(pipe);
+  out.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(StrataTrainTest, EveryPolicyTrainsAFewStepsAndLeavesNoLeak) {
+  for (const std::string policy : {"keep_on_gpu", "bulk", "layer_prefetch"}) {
+    Outcome o = run_train("--steps=3 --strata_policy=" + policy);
+    EXPECT_EQ(o.exit_code, 0) << o.output;
+    EXPECT_TRUE(contains(o.output, "policy: " + policy + " (from --strata_policy)")) << o.output;
+    EXPECT_TRUE(contains(o.output, "[" + policy + "] step 3/3  loss ")) << o.output;
+    EXPECT_TRUE(contains(o.output, "leak report: no live allocations")) << o.output;
+    EXPECT_TRUE(contains(o.output, "summary\nrun ")) << o.output;
+  }
+}
+
+TEST(StrataTrainTest, ThePolicyCanComeFromTheEnvironment) {
+  Outcome o = run_train("--steps=1", "STRATA_POLICY=bulk ");
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(contains(o.output, "policy: bulk (from STRATA_POLICY)")) << o.output;
+}
+
+TEST(StrataTrainTest, CompareGivesIdenticalLossesAndAJsonWithEveryField) {
+  const std::string json = ::testing::TempDir() + "/compare.json";
+  const std::string svg = ::testing::TempDir() + "/compare.svg";
+  Outcome o = run_train("--compare --steps=5 --json=" + json + " --chart=" + svg);
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(contains(o.output,
+                       "losses identical across strata policies (bulk, keep_on_gpu, "
+                       "layer_prefetch): yes, bitwise"))
+      << o.output;
+  const std::string j = read_file(json);
+  EXPECT_TRUE(contains(j, "\"losses_identical_across_policies\": true")) << j;
+  for (const char* field : {"\"device\"",
+                            "\"config\"",
+                            "\"gpu_budget_bytes\"",
+                            "\"parameter_bytes\"",
+                            "\"runs\"",
+                            "\"name\": \"keep_on_gpu\"",
+                            "\"name\": \"bulk\"",
+                            "\"name\": \"layer_prefetch\"",
+                            "\"name\": \"torch_adamw_resident\"",
+                            "\"name\": \"torch_adamw_to\"",
+                            "\"kind\"",
+                            "\"ok\"",
+                            "\"error\"",
+                            "\"median_step_ms\"",
+                            "\"median_optimizer_ms\"",
+                            "\"peak_gpu_bytes\"",
+                            "\"final_loss\"",
+                            "\"state_bytes\"",
+                            "\"staging_bytes\"",
+                            "\"staged_peak_bytes\"",
+                            "\"host_syncs\"",
+                            "\"leak_free\": true",
+                            "\"leak_report\"",
+                            "\"allocator\"",
+                            "\"steps\"",
+                            "\"loss\"",
+                            "\"step_ms\"",
+                            "\"optimizer_ms\"",
+                            "\"h2d_bytes\"",
+                            "\"d2h_bytes\"",
+                            "\"h2d_gbps\"",
+                            "\"d2h_gbps\"",
+                            "\"waited_ms\"",
+                            "\"fragmentation\"",
+                            "\"pinned_host\"",
+                            "\"policies_compared\"",
+                            "\"max_loss_diff_vs_torch\""}) {
+    EXPECT_TRUE(contains(j, field)) << field;
+  }
+  EXPECT_FALSE(contains(j, "\"leak_free\": false"));
+  const std::string chart = read_file(svg);
+  EXPECT_EQ(chart.rfind("<svg", 0), 0u);
+  EXPECT_TRUE(contains(chart, "</svg>"));
+  EXPECT_TRUE(contains(chart, "Peak GPU memory"));
+}
+
+// Adam states (6.6 MiB) plus parameters and gradients (6.6 MiB) do not fit 12 MiB: keep_on_gpu
+// fails with the allocator's message; bulk and layer_prefetch train, with the same losses.
+TEST(StrataTrainTest, CompareOverBudgetKeepOnGpuFailsOthersTrainIdentically) {
+  Outcome o = run_train("--compare --steps=2 --strata_gpu_budget=12MiB");
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(contains(o.output, "[keep_on_gpu] FAILED: RESOURCE_EXHAUSTED: register_tensor"))
+      << o.output;
+  EXPECT_TRUE(contains(o.output, "out of memory in tier gpu")) << o.output;
+  EXPECT_TRUE(contains(o.output, "(bulk, layer_prefetch): yes, bitwise")) << o.output;
+}
+
+TEST(StrataTrainTest, ErrorsSayWhatIsWrongWithTheirExitCodes) {
+  struct Case {
+    std::string args;
+    int exit_code;
+    std::vector<std::string> messages;
+  };
+  const std::vector<Case> cases = {
+      {"--strata_policy=nope",
+       2,
+       {"strata-train: unknown policy 'nope' (from --strata_policy); valid policies: bulk, "
+        "keep_on_gpu, layer_prefetch"}},
+      {"--strata_gpu_budget=1MiB",
+       2,
+       {"the GPU budget of 1.00 MiB is too small for one layer: layer 1 needs"}},
+      {"--strata_policy=keep_on_gpu --strata_gpu_budget=12MiB --steps=1",
+       1,
+       {"[keep_on_gpu] FAILED: RESOURCE_EXHAUSTED: register_tensor", "out of memory in tier gpu",
+        "budget 12.00 MiB"}},
+      {"--strata_gpu_budget=lots", 2, {"strata-train: --strata_gpu_budget: "}},
+      {"--steps=0", 2, {"--steps must be at least 1"}},
+      {"--heads=3", 2, {"--heads (3) must divide --d_model (128)"}},
+      {"--device=tpu", 2, {"--device must be auto, cuda or simulated, not 'tpu'"}},
+  };
+  for (const Case& c : cases) {
+    Outcome o = run_train(c.args);
+    EXPECT_EQ(o.exit_code, c.exit_code) << c.args << "\n" << o.output;
+    for (const std::string& m : c.messages) {
+      EXPECT_TRUE(contains(o.output, m)) << c.args << ": expected '" << m << "' in\n" << o.output;
+    }
+  }
+}
+
+RunResult made_run(const std::string& name, bool strata, std::vector<float> losses) {
+  RunResult r;
+  r.name = name;
+  r.strata = strata;
+  r.ok = true;
+  for (std::size_t i = 0; i < losses.size(); ++i) {
+    StepRecord s;
+    s.step = static_cast<int>(i) + 1;
+    s.loss = losses[i];
+    s.step_ms = 10.0 * (i + 1);
+    r.steps.push_back(s);
+  }
+  return r;
+}
+
+TEST(ReportTest, LossesAreComparedBitwiseAndOnlyAmongStrataRunsThatTrained) {
+  const float a = 2.5f;
+  const float b = std::nextafter(a, 3.0f);  // one ulp away
+  Comparison c = compare_runs({made_run("x", true, {1.0f, a}), made_run("y", true, {1.0f, a}),
+                               made_run("torch_adamw_resident", false, {1.0f, 2.0f})});
+  EXPECT_TRUE(c.losses_identical);
+  EXPECT_EQ(c.compared, (std::vector<std::string>{"x", "y"}));
+  EXPECT_DOUBLE_EQ(c.max_loss_diff_vs_torch, 0.5);
+
+  c = compare_runs({made_run("x", true, {1.0f, a}), made_run("y", true, {1.0f, b})});
+  EXPECT_FALSE(c.losses_identical);
+  EXPECT_LT(c.max_loss_diff_vs_torch, 0) << "no PyTorch run to compare with";
+
+  RunResult failed = made_run("z", true, {});
+  failed.ok = false;
+  c = compare_runs({made_run("x", true, {1.0f}), failed});
+  EXPECT_FALSE(c.losses_identical) << "one strata run proves nothing";
+  EXPECT_EQ(c.compared, (std::vector<std::string>{"x"}));
+}
+
+TEST(ReportTest, MediansSkipTheFirstStep) {
+  RunResult r = made_run("x", true, {1, 1, 1, 1});  // 10, 20, 30, 40 ms
+  EXPECT_DOUBLE_EQ(median_step_ms(r), 30.0);
+  EXPECT_DOUBLE_EQ(median_step_ms(made_run("y", true, {1})), 10.0);
+}
+
+}  // namespace
+}  // namespace strata::apps
