@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -114,6 +115,11 @@ int run(int argc, char** argv) {
   }
   if (!(o.lr > 0)) return usage_error("--lr must be positive");
   if (o.prefetch_depth < 0) return usage_error("--prefetch_depth must be 0 or more");
+
+  // Every policy must see the same numbers: deterministic kernels where torch has a choice, and a
+  // fixed cuBLAS workspace (read when cuBLAS starts, so before any GPU work).
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
 
   const std::string device_flag = absl::GetFlag(FLAGS_device);
   if (device_flag == "cuda") {

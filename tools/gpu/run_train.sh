@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# strata-train on the GPU: a short run under each policy, then the --compare run of issue 5 on a
+# model whose Adam states are larger than the strata GPU budget (keep_on_gpu must run out of
+# memory, bulk and layer_prefetch train with identical losses). Logs, JSON and chart go to OUT.
+#   tools/gpu/run_train.sh OUT_DIR [extra strata-train flags for the compare run]
+#
+# The compare model: 24 blocks of d_model 2048 (1.3 B parameters, 5.2 GB; Adam states 10.5 GB),
+# budget 14 GiB: parameters and gradients (10.5 GB) fit with room for the staging ring, the states
+# do not.
+set -uo pipefail
+OUT=${1:?usage: tools/gpu/run_train.sh OUT_DIR [flags]}
+shift
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT" /tmp/deps
+for f in .deps/debs/*.deb; do dpkg -x "$f" /tmp/deps; done
+export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+BUILD=/tmp/strata-build
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
+  -DCMAKE_PREFIX_PATH="$(tools/torch-prefix.sh);/tmp/deps/usr" >"$OUT/configure.log" 2>&1 || exit 1
+cmake --build "$BUILD" --target strata-train apps_test >"$OUT/build.log" 2>&1 ||
+  { grep -E "error|FAILED" "$OUT/build.log" | head -20; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+status=0
+for policy in keep_on_gpu bulk layer_prefetch; do
+  echo "== short run, $policy" | tee -a "$OUT/short.log"
+  "$BUILD/bin/strata-train" --strata_policy=$policy --steps=3 >>"$OUT/short.log" 2>&1 ||
+    { echo "  FAILED"; status=1; }
+done
+grep -E "^\[.*\] step 3/3|no live allocations|FAILED" "$OUT/short.log"
+"$BUILD/bin/strata-train" --compare --layers=24 --d_model=2048 --heads=16 --vocab=32000 \
+  --seq=512 --batch=8 --steps=8 --strata_gpu_budget=14GiB \
+  --json="$OUT/compare.json" --chart="$OUT/compare.svg" "$@" >"$OUT/compare.log" 2>&1 || status=1
+sed -n '/^summary/,$p' "$OUT/compare.log"
+grep -E "FAILED" "$OUT/compare.log" | head -5
+exit $status
