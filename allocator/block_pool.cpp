@@ -291,15 +291,22 @@ absl::Status BlockPool::deallocate(void* ptr) {
   // Note [Stream ordering]: other streams may still read or write this block. Hold it back until an
   // event recorded on each of them now has completed.
   block->allocated = false;
-  absl::Status status;
+  bool withheld = false;
   for (StreamHandle stream : block->extra_streams) {
     absl::StatusOr<EventHandle> event = stream_ops_->record(stream);
     if (!event.ok()) {
       // Fail closed: without the event nobody can say when the stream is done, so the block is
-      // never handed out again (it stays pending and is counted in pending_free_bytes).
-      status = absl::InternalError(str_cat(
-          "deallocate in tier ", tier_name(config_.tier), ": could not record an event for ", ptr,
-          "; the block is withheld from reuse: ", event.status().message()));
+      // never handed out again (it stays pending and is counted in pending_free_bytes). The free
+      // itself succeeded: the caller must not free again, so this is not an error to it.
+      if (!withheld) {
+        std::fprintf(stderr,
+                     "strata: deallocate in tier %s: could not record an event for %p (%s); the "
+                     "block is withheld from reuse\n",
+                     std::string(tier_name(config_.tier)).c_str(), ptr,
+                     std::string(event.status().message()).c_str());
+        ++stats_.num_withheld_blocks;
+      }
+      withheld = true;
       ++block->pending_events;
       continue;
     }
@@ -307,7 +314,7 @@ absl::Status BlockPool::deallocate(void* ptr) {
     pending_.push_back({*event, block});
   }
   stats_.pending_free_bytes.add(static_cast<std::int64_t>(block->size));
-  return status;
+  return absl::OkStatus();
 }
 
 absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
@@ -357,8 +364,9 @@ absl::Status BlockPool::wait_all_pending_locked() {
     absl::Status s = stream_ops_->synchronize(entry.event);
     mu_.lock();
     if (!s.ok()) {
-      // Fail closed: the block stays withheld; the event is kept out of the pool.
+      // Fail closed: the block stays withheld for good; the event is kept out of the pool.
       status.Update(s);
+      ++stats_.num_withheld_blocks;
       continue;
     }
     stream_ops_->release(entry.event);

@@ -172,8 +172,19 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   template <typename RolesOf>
   absl::Status refill(rt::Runtime& rt, const std::vector<int>& order, RolesOf roles_of) {
     while (staged_.size() < slots_ && next_ < order.size()) {
-      STRATA_RETURN_IF_ERROR(rt.stage_layer(order[next_], roles_of(next_)));
-      staged_.push_back(order[next_]);
+      const int layer = order[next_];
+      const bool had_slot = rt.is_staged(layer);
+      absl::Status s = rt.stage_layer(layer, roles_of(next_));
+      if (!s.ok()) {
+        // A layer staged part way keeps its slot (the runtime leaves what was queued in place).
+        // Take it back out, so this layer is either staged whole or not at all and the next call
+        // starts it again; its home copy was never touched.
+        if (!had_slot && rt.is_staged(layer)) (void)rt.unstage_layer(layer, RoleSet());
+        return s;
+      }
+      if (std::find(staged_.begin(), staged_.end(), layer) == staged_.end()) {
+        staged_.push_back(layer);
+      }
       ++next_;
     }
     return absl::OkStatus();
@@ -220,11 +231,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Everything queued on the compute stream until this hook (the held layer's forward or backward)
   // may use the data; later moves wait for it.
   absl::Status release_held(rt::Runtime& rt) {
-    const int layer = held_;
+    // All or nothing, so a failure leaves the layer held and this can run again.
+    STRATA_RETURN_IF_ERROR(rt.release(rt.layer_tensors(held_, held_roles_), rt.compute_stream()));
     held_ = -1;
-    for (rt::TensorHandle h : rt.layer_tensors(layer, held_roles_)) {
-      STRATA_RETURN_IF_ERROR(rt.release(h, rt.compute_stream()));
-    }
     return absl::OkStatus();
   }
 

@@ -147,6 +147,8 @@ struct Runtime::Impl {
   void drain_timing_locked(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status release_scratch_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status fence_compute_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status release_locked(const std::vector<Entry*>& members, StreamHandle stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   std::vector<Entry*> layer_entries_locked(int layer, RoleSet roles) const
       ABSL_SHARED_LOCKS_REQUIRED(mu);
   std::vector<std::pair<Entry*, std::size_t>> slot_layout_locked(int layer) const
@@ -445,12 +447,13 @@ absl::Status Runtime::Impl::fence_compute_locked() {
 }
 
 absl::Status Runtime::Impl::release_scratch_locked() {
+  // Each wait is dropped once done, so a failure part way leaves the rest for the next call.
   for (Slot& slot : slots) {
-    for (EventHandle ev : slot.free_events) {
-      STRATA_RETURN_IF_ERROR(device->synchronize(ev));
-      device->release(ev);
+    while (!slot.free_events.empty()) {
+      STRATA_RETURN_IF_ERROR(device->synchronize(slot.free_events.back()));
+      device->release(slot.free_events.back());
+      slot.free_events.pop_back();
     }
-    slot.free_events.clear();
   }
   slots.clear();
   staged_layers.clear();
@@ -465,15 +468,16 @@ absl::Status Runtime::Impl::release_scratch_locked() {
       STRATA_RETURN_IF_ERROR(allocator->set_budget(Tier::kGpu, gpu_budget));
     }
   }
-  for (std::size_t i = 0; i < bounce.size(); ++i) {
-    if (bounce_events[i] != nullptr) {
-      STRATA_RETURN_IF_ERROR(device->synchronize(bounce_events[i]));
-      device->release(bounce_events[i]);
+  while (!bounce.empty()) {
+    if (bounce_events.back() != nullptr) {
+      STRATA_RETURN_IF_ERROR(device->synchronize(bounce_events.back()));
+      device->release(bounce_events.back());
+      bounce_events.back() = nullptr;
     }
-    STRATA_RETURN_IF_ERROR(bounce_pool->deallocate(bounce[i]));
+    STRATA_RETURN_IF_ERROR(bounce_pool->deallocate(bounce.back()));
+    bounce.pop_back();
+    bounce_events.pop_back();
   }
-  bounce.clear();
-  bounce_events.clear();
   drain_timing_locked(/*wait=*/true);
   return absl::OkStatus();
 }
@@ -686,8 +690,14 @@ absl::Status Runtime::unregister(TensorHandle tensor) {
                          [e](const auto& p) { return p.get() == e; });
   impl_->entries.erase(it);
   // With nothing registered the runtime holds no memory of its own either, so a leak report taken
-  // now is empty.
-  if (impl_->entries.empty()) STRATA_RETURN_IF_ERROR(impl_->release_scratch_locked());
+  // now is empty. The tensor is gone either way: if a wait fails, what is left of the scratch
+  // memory goes the next time the registry empties, or with the runtime.
+  if (impl_->entries.empty()) {
+    if (absl::Status s = impl_->release_scratch_locked(); !s.ok()) {
+      std::fprintf(stderr, "strata: keeping the staging ring and bounce buffers for now: %s\n",
+                   std::string(s.message()).c_str());
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -1082,22 +1092,54 @@ absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHan
 absl::Status Runtime::release(TensorHandle tensor, StreamHandle stream) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(tensor));
-  if (e->holds == 0) {
-    return absl::FailedPreconditionError(
-        str_cat("release '", e->spec.name, "': it is not acquired"));
+  return impl_->release_locked({e}, stream);
+}
+
+absl::Status Runtime::release(const std::vector<TensorHandle>& tensors, StreamHandle stream) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<Impl::Entry*> members;
+  for (TensorHandle h : tensors) {
+    STRATA_ASSIGN_OR_RETURN(Impl::Entry * e, impl_->get_locked(h));
+    members.push_back(e);
   }
-  STRATA_ASSIGN_OR_RETURN(EventHandle done, impl_->device->record(stream));
-  // This stream's earlier release is behind the new event; other streams' are not.
-  for (auto it = e->ready.begin(); it != e->ready.end();) {
-    if (it->stream == stream) {
-      impl_->device->release(it->event);
-      it = e->ready.erase(it);
-    } else {
-      ++it;
+  return impl_->release_locked(members, stream);
+}
+
+// All or nothing: every event is recorded before any hold changes, so a failed record leaves every
+// tensor held as it was and the caller can retry.
+absl::Status Runtime::Impl::release_locked(const std::vector<Entry*>& members,
+                                           StreamHandle stream) {
+  for (Entry* e : members) {
+    if (e->holds == 0) {
+      return absl::FailedPreconditionError(
+          str_cat("release '", e->spec.name, "': it is not acquired"));
     }
   }
-  e->ready.push_back({stream, done});
-  --e->holds;
+  std::vector<EventHandle> done;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    absl::StatusOr<EventHandle> event = device->record(stream);
+    if (!event.ok()) {
+      for (EventHandle d : done) device->release(d);
+      return absl::Status(event.status().code(),
+                          str_cat("release '", members[i]->spec.name,
+                                  "' (still held): ", event.status().message()));
+    }
+    done.push_back(*event);
+  }
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    Entry* e = members[i];
+    // This stream's earlier release is behind the new event; other streams' are not.
+    for (auto it = e->ready.begin(); it != e->ready.end();) {
+      if (it->stream == stream) {
+        device->release(it->event);
+        it = e->ready.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    e->ready.push_back({stream, done[i]});
+    --e->holds;
+  }
   return absl::OkStatus();
 }
 
@@ -1108,7 +1150,12 @@ absl::StatusOr<std::vector<void*>> Runtime::acquire_layer(int layer, RoleSet rol
   for (std::size_t i = 0; i < members.size(); ++i) {
     absl::StatusOr<void*> p = acquire(members[i], tier, stream);
     if (!p.ok()) {
-      for (std::size_t j = 0; j < i; ++j) (void)release(members[j], stream);
+      // Undo the holds taken: nothing was queued on `stream` that uses them yet (only waits), so
+      // no release event is needed, and undoing cannot fail.
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      for (std::size_t j = 0; j < i; ++j) {
+        if (absl::StatusOr<Impl::Entry*> e = impl_->get_locked(members[j]); e.ok()) --(*e)->holds;
+      }
       return p.status();
     }
     out.push_back(*p);
@@ -1117,8 +1164,23 @@ absl::StatusOr<std::vector<void*>> Runtime::acquire_layer(int layer, RoleSet rol
 }
 
 absl::Status Runtime::release_layer(int layer, RoleSet roles, StreamHandle stream) {
-  for (TensorHandle h : layer_tensors(layer, roles)) STRATA_RETURN_IF_ERROR(release(h, stream));
-  return impl_->policy->on_layer_released(*this, layer);
+  std::vector<TensorHandle> members;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::vector<Impl::Entry*> entries = impl_->layer_entries_locked(layer, roles);
+    STRATA_RETURN_IF_ERROR(impl_->release_locked(entries, stream));
+    for (Impl::Entry* e : entries) members.push_back(e->handle);
+  }
+  absl::Status s = impl_->policy->on_layer_released(*this, layer);
+  if (!s.ok()) {
+    // Held again, so the caller can repeat the call; the policy resumes where it stopped (its
+    // steps are each retryable), and the release events already recorded only add waits.
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    for (TensorHandle h : members) {
+      if (absl::StatusOr<Impl::Entry*> e = impl_->get_locked(h); e.ok()) ++(*e)->holds;
+    }
+  }
+  return s;
 }
 
 absl::Status Runtime::fence_and_poll() {

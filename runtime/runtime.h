@@ -154,11 +154,16 @@ class Runtime {
   // The tensor's address on `tier` for work on `stream`: the stream waits for any copy bringing it
   // there; a tensor elsewhere is moved first. The tensor does not move until release().
   [[nodiscard]] absl::StatusOr<void*> acquire(TensorHandle tensor, Tier tier, StreamHandle stream);
-  // Work queued on `stream` so far may use the tensor; later moves wait for it.
+  // Work queued on `stream` so far may use the tensor; later moves wait for it. A failure (an
+  // event that cannot be recorded) leaves the tensor held; call again.
   [[nodiscard]] absl::Status release(TensorHandle tensor, StreamHandle stream);
+  // release() for several tensors, all or nothing.
+  [[nodiscard]] absl::Status release(const std::vector<TensorHandle>& tensors, StreamHandle stream);
   // acquire / release for every tensor of a layer with a role in `roles`, in layer_tensors order.
   [[nodiscard]] absl::StatusOr<std::vector<void*>> acquire_layer(int layer, RoleSet roles,
                                                                  Tier tier, StreamHandle stream);
+  // Releases the layer's tensors, then lets the policy act (write-back, next prefetch). If either
+  // fails, the tensors are held as before and the call can be repeated.
   [[nodiscard]] absl::Status release_layer(int layer, RoleSet roles, StreamHandle stream);
 
   // --- hooks ---
