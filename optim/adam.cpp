@@ -1,6 +1,7 @@
 #include "optim/adam.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 #include <string>
@@ -24,6 +25,22 @@ absl::Status check_tensor(const rt::TensorInfo& info, rt::Role role, std::string
     return absl::InvalidArgumentError(str_cat("Adam: ", what, " '", info.spec.name, "' has role ",
                                               rt::role_name(info.spec.role), ", not ",
                                               rt::role_name(role)));
+  }
+  return absl::OkStatus();
+}
+
+// Hyperparameters torch.optim.AdamW would accept; NaN fails every comparison, so it is refused too.
+absl::Status check_hyper(const AdamHyper& h, std::size_t group) {
+  auto bad = [&](std::string_view what, float value, std::string_view want) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: group ", group, ": ", what, " ", value, " is invalid; ", want));
+  };
+  if (!(h.lr >= 0.0f) || std::isinf(h.lr)) return bad("lr", h.lr, "use a finite lr >= 0");
+  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) return bad("beta1", h.beta1, "use 0 <= beta1 < 1");
+  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) return bad("beta2", h.beta2, "use 0 <= beta2 < 1");
+  if (!(h.eps > 0.0f) || std::isinf(h.eps)) return bad("eps", h.eps, "use a finite eps > 0");
+  if (!(h.weight_decay >= 0.0f) || std::isinf(h.weight_decay)) {
+    return bad("weight_decay", h.weight_decay, "use a finite weight_decay >= 0");
   }
   return absl::OkStatus();
 }
@@ -56,8 +73,13 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   std::set<std::uint64_t> seen;
   // Check everything first, so a bad input registers nothing.
   for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
+    STRATA_RETURN_IF_ERROR(check_hyper(adam->groups_[g].hyper, g));
     for (auto [param, grad] : adam->groups_[g].params) {
       STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime.info(param));
+      if (!grad.valid()) {
+        return absl::InvalidArgumentError(
+            str_cat("Adam: parameter '", p.spec.name, "' has no gradient"));
+      }
       STRATA_ASSIGN_OR_RETURN(rt::TensorInfo d, runtime.info(grad));
       STRATA_RETURN_IF_ERROR(check_tensor(p, rt::Role::kParameter, "parameter"));
       STRATA_RETURN_IF_ERROR(check_tensor(d, rt::Role::kGradient, "gradient"));
@@ -104,7 +126,10 @@ absl::Status Adam::set_lr(std::size_t group, float lr) {
   if (group >= groups_.size()) {
     return absl::InvalidArgumentError(str_cat("Adam: no parameter group ", group));
   }
-  if (!(lr >= 0.0f)) return absl::InvalidArgumentError(str_cat("Adam: learning rate ", lr));
+  if (!(lr >= 0.0f) || std::isinf(lr)) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: group ", group, ": lr ", lr, " is invalid; use a finite lr >= 0"));
+  }
   groups_[group].hyper.lr = lr;
   return absl::OkStatus();
 }

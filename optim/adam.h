@@ -48,7 +48,9 @@ class Adam {
  public:
   // Checks every parameter and gradient before registering any state: kInvalidArgument for a
   // dtype other than float32, a shape or layer mismatch, a tensor of the wrong role, a parameter
-  // listed twice; kNotFound for an unregistered handle; kResourceExhausted for a layer whose
+  // listed twice, hyperparameters torch would refuse (lr or weight_decay negative or not finite, a
+  // beta outside [0, 1), eps not positive; NaN anywhere); kNotFound for an unregistered handle;
+  // kResourceExhausted for a layer whose
   // parameters, gradients and moments together exceed the GPU budget (the kernel reads GPU memory
   // only, so such a layer could never be stepped).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Adam>> create(rt::Runtime& runtime,

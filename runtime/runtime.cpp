@@ -893,6 +893,10 @@ std::vector<std::pair<Runtime::Impl::Entry*, std::size_t>> Runtime::Impl::slot_l
 
 absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->slots.empty()) {
+    return absl::FailedPreconditionError(
+        str_cat("stage_layer ", layer, ": no staging ring; call configure_staging first"));
+  }
   const RoleSet want = roles.value_or(impl_->staging_roles);
   std::vector<std::pair<Impl::Entry*, std::size_t>> layout = impl_->slot_layout_locked(layer);
   std::vector<std::pair<Impl::Entry*, std::size_t>> todo;

@@ -154,6 +154,9 @@ INSTANTIATE_TEST_SUITE_P(AllTiers, BadInputTest,
                            return std::string(tier_name(info.param));
                          });
 
+// The BadConfigTest cases below, one each.
+constexpr int kBadConfigCases = 4;
+
 TEST(BadConfigTest, InitialReservationAboveBudget) {
   AllocatorOptions options;
   options.device = DeviceBackend::kSimulated;
@@ -198,10 +201,14 @@ class CountPrinter : public ::testing::Environment {
  public:
   void TearDown() override {
     std::printf("allocator bad inputs tried: %d (per tier where it applies)\n",
-                BadInputTest::cases() + 4);
+                testing::allocator_bad_inputs_tried());
   }
 };
 const auto* const kPrinter = ::testing::AddGlobalTestEnvironment(new CountPrinter);
 
 }  // namespace
+
+// The census of tests/reliability adds these to its own.
+int testing::allocator_bad_inputs_tried() { return BadInputTest::cases() + kBadConfigCases; }
+
 }  // namespace strata::alloc
