@@ -1,14 +1,17 @@
 # strata's two entry points; each installs what is missing, configures, builds and runs.
 #   make demo   the main job: strata-train under the default policy, then --compare
-#   make test   every test that needs no GPU, the layering check and a sanitizer build
+#   make test   every test that needs no GPU, the layering check, the sanitizer builds and the
+#               fuzzer
 BUILD       ?= build
 ASAN_BUILD  ?= build-asan
 TSAN_BUILD  ?= build-tsan
+FUZZ_BUILD  ?= build-fuzz
+FUZZ_SECONDS ?= 60
 CUDACXX     ?= $(wildcard /usr/local/cuda/bin/nvcc)
 export CUDACXX
 CMAKE_FLAGS ?=
 
-.PHONY: demo test deps configure build sanitize sanitize-thread clean
+.PHONY: demo test deps configure build sanitize sanitize-thread fuzz clean
 
 deps:
 	@tools/install-deps.sh
@@ -48,12 +51,28 @@ sanitize-thread: deps
 	cmake --build $(TSAN_BUILD)
 	ctest --test-dir $(TSAN_BUILD) -LE gpu --output-on-failure
 
+# The libFuzzer target over the allocator and registry (clang, ASan + UBSan, libraries instrumented
+# for coverage): the kept regression inputs first, then FUZZ_SECONDS of fuzzing. A crashing input
+# is written to $(FUZZ_BUILD)/; copy it into tests/fuzz/regressions/ once fixed.
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DSTRATA_WITH_CUDA=OFF -DSTRATA_WITH_TORCH=OFF -DSTRATA_BUILD_TESTS=OFF \
+	  -DSTRATA_BUILD_BENCHMARKS=OFF -DSTRATA_BUILD_APPS=OFF -DSTRATA_FUZZ=ON \
+	  -DSTRATA_SANITIZE=address,undefined -DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link
+	cmake --build $(FUZZ_BUILD) --target registry_fuzzer
+	$(FUZZ_BUILD)/bin/registry_fuzzer -runs=0 tests/fuzz/regressions
+	@mkdir -p $(FUZZ_BUILD)/corpus
+	cd $(FUZZ_BUILD) && bin/registry_fuzzer corpus ../tests/fuzz/regressions \
+	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -print_final_stats=1
+
 test: build
 	tools/check_layering.sh --self-test
 	tools/check_layering.sh
 	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
+	@grep -h -E "^(fault sites|bad inputs tried):" $(BUILD)/Testing/Temporary/LastTest.log
 	$(MAKE) --no-print-directory sanitize
 	$(MAKE) --no-print-directory sanitize-thread
+	$(MAKE) --no-print-directory fuzz
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)

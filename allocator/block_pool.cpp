@@ -513,7 +513,8 @@ void BlockPool::compute_derived_locked(TierStats& s) const {
   // Note [Lazy coalescing]: adjacent free blocks may not be merged yet, so free space is measured
   // in runs of free blocks, which is what a merge would make of them.
   std::int64_t total_free = 0, largest = 0, inactive_split = 0;
-  for (const auto& [base, segment] : segments_) {
+  for (const auto& entry : segments_) {
+    const Segment* segment = entry.second;  // a plain variable: lambdas capture it everywhere
     std::int64_t run = 0;
     auto close_run = [&] {
       if (run == 0) return;

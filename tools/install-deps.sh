@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs what strata's build needs and a fresh Debian/Ubuntu machine lacks: compilers and build
-# tools, Abseil, GoogleTest, Google Benchmark (Debian packages, with apt-get), and LibTorch as the
-# torch==2.11.0 Python package (with pip). Does nothing when everything is there already.
+# tools, clang for the fuzzer, Abseil, GoogleTest, Google Benchmark (Debian packages, with
+# apt-get), and LibTorch as the torch==2.11.0 Python package (with pip). Does nothing when
+# everything is there already.
 set -euo pipefail
 
 TORCH_VERSION=2.11.0
-PACKAGES=(cmake ninja-build g++ ccache clang-format python3 python3-pip libabsl-dev libgtest-dev
-          libgmock-dev libbenchmark-dev)
+# clang and its runtime libraries build the libFuzzer target (`make fuzz`).
+PACKAGES=(cmake ninja-build g++ ccache clang-format clang libclang-rt-14-dev python3 python3-pip
+          libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
