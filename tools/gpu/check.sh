@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one call strata makes on a GPU machine (H100/H200, CUDA 13, PyTorch 2.11, no network):
 # unpack the Debian packages that tools/gpu/fetch-debs.sh fetched into .deps/debs, build with
-# python3's LibTorch, run the gpu-labelled tests, compute-sanitizer over them, the benchmarks, and
+# python3's LibTorch, run the gpu-labelled tests (the S1 soak among them), compute-sanitizer memcheck
+# (--leak-check full), racecheck, synccheck and initcheck over them, the benchmarks, and
 # write logs and JSON into OUT_DIR, ending with a short table.
 #   tools/gpu/check.sh OUT_DIR [--quick]
 # Files in OUT_DIR: summary.txt, allocator_bench.json, runtime_bench.json, optim_bench.json,
@@ -47,16 +48,20 @@ tail -3 "$LOGS/ctest-cpu.log"
 
 step "compute-sanitizer memcheck --leak-check full"
 declare -A SAN
-san_run() {  # name, then the command; LEAK_CHECK=no turns the leak check off for one run
+# san_run name command...: compute-sanitizer's TOOL (default memcheck; memcheck checks leaks
+# unless LEAK_CHECK=no) over one suite; the error count goes into the summary.
+san_run() {
   local name=$1; shift
-  compute-sanitizer --tool memcheck --leak-check "${LEAK_CHECK:-full}" --error-exitcode 99 "$@" \
-    >"$LOGS/memcheck-$name.log" 2>&1
+  local tool=${TOOL:-memcheck}
+  local args=(--tool "$tool" --error-exitcode 99)
+  [ "$tool" = memcheck ] && args+=(--leak-check "${LEAK_CHECK:-full}")
+  compute-sanitizer "${args[@]}" "$@" >"$LOGS/$tool-$name.log" 2>&1
   local rc=$?
   local errors
-  errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$LOGS/memcheck-$name.log" | tail -1 | grep -oE "[0-9]+")
-  SAN[$name]="${errors:-?} errors (exit $rc)"
+  errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$LOGS/$tool-$name.log" | tail -1 | grep -oE "[0-9]+")
+  SAN["$tool $name"]="${errors:-?} errors (exit $rc)"
   [ "$rc" = 0 ] || status=1
-  echo "memcheck $name: ${SAN[$name]}"
+  echo "$tool $name: ${SAN["$tool $name"]}"
 }
 # The tests whose point is a failing CUDA call (out of memory on purpose) and the probe that writes
 # out of bounds on purpose run in the plain ctest pass above, not here.
@@ -72,6 +77,18 @@ GTEST_FILTER='*Gpu*:-*TwoToTheThirtyOne*' san_run optim_kernel "$BUILD/bin/optim
 if [ -x "$BUILD/bin/bridge_test" ]; then
   LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run bridge_gpu "$BUILD/bin/bridge_test"
 fi
+LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run optim_adam "$BUILD/bin/optim_adam_test"
+STRATA_SOAK_STEPS=200 GTEST_FILTER='*Gpu*' san_run soak "$BUILD/bin/reliability_soak_test"
+
+step "compute-sanitizer racecheck, synccheck, initcheck (smaller runs: each is slower)"
+for tool in racecheck synccheck initcheck; do
+  TOOL=$tool GTEST_FILTER='*Gpu*:-*TwoToTheThirtyOne*' san_run optim_kernel \
+    "$BUILD/bin/optim_kernel_test"
+  TOOL=$tool STRATA_D1_CYCLES=5 GTEST_FILTER='-*RunAtOnce*' san_run runtime_gpu_test \
+    "$BUILD/bin/runtime_gpu_test"
+  TOOL=$tool STRATA_L2_OPS=100 GTEST_FILTER='-*OutOfMemoryMessage*:*Probe*' \
+    san_run allocator_gpu_test "$BUILD/bin/allocator_gpu_test"
+done
 # The probe must be caught: proof that memcheck sees block bounds inside pool segments.
 GTEST_FILTER='*Probe*' compute-sanitizer --tool memcheck "$BUILD/bin/allocator_gpu_test" \
   >"$LOGS/memcheck-probe.log" 2>&1
@@ -104,9 +121,9 @@ step "summary"
 {
   echo "GPU: $GPU_NAME"
   echo "tests: $(grep -E 'tests passed' "$LOGS/ctest-gpu.log" | tail -1) (gpu); $(grep -E 'tests passed' "$LOGS/ctest-cpu.log" | tail -1) (cpu)"
-  for k in "${!SAN[@]}"; do echo "memcheck $k: ${SAN[$k]}"; done
+  for k in "${!SAN[@]}"; do echo "$k: ${SAN[$k]}"; done
   echo "memcheck probe: $PROBE"
-  grep -hoE "(L2: |GPU D1: |2 GiB H2D |layer_prefetch depth ).*" "$LOGS/ctest-gpu.log" || true
+  grep -hoE "(L2: |GPU D1: |2 GiB H2D |layer_prefetch depth |S1 soak ).*" "$LOGS/ctest-gpu.log" || true
   python3 tools/gpu/summarize_bench.py "$OUT/allocator_bench.json" || true
   python3 tools/gpu/summarize_runtime.py "$OUT/runtime_bench.json" || true
   python3 tools/gpu/summarize_optim.py "$OUT/optim_bench.json" || true
