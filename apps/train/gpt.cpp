@@ -102,16 +102,23 @@ torch::Tensor synthetic_batch(const GptConfig& config, std::uint64_t seed, int s
   return out;
 }
 
-std::int64_t parameter_bytes(const GptConfig& c) {
+std::vector<std::int64_t> layer_parameter_counts(const GptConfig& c) {
   const std::int64_t d = c.d_model;
-  const std::int64_t block = 2 * 2 * d                          // two LayerNorms
-                             + d * 3 * d + 3 * d                // qkv
-                             + d * d + d                        // proj
-                             + d * 4 * d + 4 * d                // fc1
-                             + 4 * d * d + d;                   // fc2
-  const std::int64_t params = c.vocab * d + c.seq * d           // embeddings
-                              + c.layers * block                // blocks
-                              + 2 * d + d * c.vocab + c.vocab;  // ln_f, head
+  const std::int64_t block = 2 * 2 * d            // two LayerNorms
+                             + d * 3 * d + 3 * d  // qkv
+                             + d * d + d          // proj
+                             + d * 4 * d + 4 * d  // fc1
+                             + 4 * d * d + d;     // fc2
+  std::vector<std::int64_t> out;
+  out.push_back(c.vocab * d + c.seq * d);  // embeddings
+  for (std::int64_t i = 0; i < c.layers; ++i) out.push_back(block);
+  out.push_back(2 * d + d * c.vocab + c.vocab);  // ln_f, head
+  return out;
+}
+
+std::int64_t parameter_bytes(const GptConfig& config) {
+  std::int64_t params = 0;
+  for (std::int64_t n : layer_parameter_counts(config)) params += n;
   return params * 4;
 }
 

@@ -71,6 +71,8 @@ TORCH_MODULE(Gpt);
 // to learn. Inputs are [:, :-1], targets [:, 1:].
 torch::Tensor synthetic_batch(const GptConfig& config, std::uint64_t seed, int step);
 
+// Parameters per strata layer, from the sizes alone (no model is built).
+std::vector<std::int64_t> layer_parameter_counts(const GptConfig& config);
 // Bytes of float32 parameters in the model.
 std::int64_t parameter_bytes(const GptConfig& config);
 

@@ -268,16 +268,8 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
 }  // namespace
 
 std::vector<std::int64_t> layer_step_bytes(const TrainOptions& options) {
-  torch::NoGradGuard no_grad;
-  GptImpl model(options.model);  // on the CPU: only the shapes matter
-  std::vector<std::int64_t> out(model.num_layers(), 0);
-  const auto params = model.named_parameters(/*recurse=*/true);
-  const auto grouping = model.layer_grouping();
-  for (std::size_t layer = 0; layer < grouping.size(); ++layer) {
-    for (const std::string& name : grouping[layer]) {
-      out[layer] += 4 * params[name].numel() * 4;  // parameter, gradient, two moments
-    }
-  }
+  std::vector<std::int64_t> out = layer_parameter_counts(options.model);
+  for (std::int64_t& n : out) n *= 4 * 4;  // float32 parameter, gradient and two moments
   return out;
 }
 

@@ -201,6 +201,25 @@ TEST(ReportTest, LossesAreComparedBitwiseAndOnlyAmongStrataRunsThatTrained) {
   EXPECT_EQ(c.compared, (std::vector<std::string>{"x"}));
 }
 
+// The sizes strata-train checks budgets with (computed, so a large model is never built for it)
+// are the model's.
+TEST(GptTest, LayerSizesFromTheConfigMatchTheModel) {
+  const GptConfig config{.vocab = 97, .d_model = 24, .heads = 3, .layers = 3, .seq = 11};
+  GptImpl model(config);
+  const auto params = model.named_parameters(/*recurse=*/true);
+  const auto grouping = model.layer_grouping();
+  const std::vector<std::int64_t> counts = layer_parameter_counts(config);
+  ASSERT_EQ(counts.size(), grouping.size());
+  std::int64_t total = 0;
+  for (std::size_t layer = 0; layer < grouping.size(); ++layer) {
+    std::int64_t n = 0;
+    for (const std::string& name : grouping[layer]) n += params[name].numel();
+    EXPECT_EQ(counts[layer], n) << "layer " << layer;
+    total += n;
+  }
+  EXPECT_EQ(parameter_bytes(config), total * 4);
+}
+
 TEST(ReportTest, MediansSkipTheFirstStep) {
   RunResult r = made_run("x", true, {1, 1, 1, 1});  // 10, 20, 30, 40 ms
   EXPECT_DOUBLE_EQ(median_step_ms(r), 30.0);
