@@ -592,6 +592,10 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
     STRATA_ASSIGN_OR_RETURN(staging_upstream, alloc::make_cuda_device_upstream(a.cuda_device));
     STRATA_ASSIGN_OR_RETURN(bounce_upstream, alloc::make_pinned_host_upstream(a.pinned_method));
   }
+  if (options.wrap_internal_upstream) {
+    staging_upstream = options.wrap_internal_upstream(std::move(staging_upstream));
+    bounce_upstream = options.wrap_internal_upstream(std::move(bounce_upstream));
+  }
   const bool tracking = a.track_allocations;
   STRATA_ASSIGN_OR_RETURN(impl->allocator, alloc::TieredAllocator::create(std::move(a)));
   // The staging pool holds one allocation, the ring, whose size configure_staging checks against

@@ -68,6 +68,10 @@ struct RuntimeOptions {
   alloc::AllocatorOptions allocator;
   // Tests: use this device (e.g. a deferred SimulatedDevice) instead of making one.
   std::unique_ptr<Device> device_override;
+  // Tests: wraps the upstreams of the runtime's own pools (the staging ring's GPU memory, the
+  // pinned bounce buffers), e.g. in an alloc::FaultInjectingUpstream.
+  std::function<std::unique_ptr<alloc::Upstream>(std::unique_ptr<alloc::Upstream>)>
+      wrap_internal_upstream;
 };
 
 struct RuntimeStats {

@@ -37,16 +37,26 @@ constexpr int kLayers = 3;
 constexpr std::size_t kBytes[kLayers] = {600001, 255, 70000};
 const Role kRoles[] = {Role::kParameter, Role::kGradient, Role::kExpAvg, Role::kExpAvgSq};
 
-// A site: an upstream allocation of one tier, or a kind of device call.
+// The upstreams that can fail: one per tier, then the runtime's own staging ring and bounce
+// buffers.
+constexpr int kStagingUpstream = alloc::kNumTiers;
+constexpr int kBounceUpstream = alloc::kNumTiers + 1;
+constexpr int kNumUpstreams = alloc::kNumTiers + 2;
+
+// A site: allocations from one upstream, or a kind of device call.
 struct Site {
   std::string name;
-  std::optional<Tier> tier;
+  std::optional<int> upstream;
   DeviceCall call = DeviceCall::kCopy;
 };
 
 std::vector<Site> all_sites() {
   std::vector<Site> out;
-  for (Tier t : alloc::kAllTiers) out.push_back({str_cat("alloc ", alloc::tier_name(t)), t, {}});
+  for (Tier t : alloc::kAllTiers) {
+    out.push_back({str_cat("alloc ", alloc::tier_name(t)), alloc::tier_index(t), {}});
+  }
+  out.push_back({"alloc staging ring", kStagingUpstream, {}});
+  out.push_back({"alloc bounce buffers", kBounceUpstream, {}});
   for (int c = 0; c < kNumDeviceCalls; ++c) {
     const auto call = static_cast<DeviceCall>(c);
     out.push_back({std::string(device_call_name(call)), std::nullopt, call});
@@ -81,7 +91,7 @@ class ScenarioRun {
 
   // Runs the scenario; what broke a promise goes to problems().
   void execute() {
-    if (planned_ && !site_.tier) device_->fail_call(site_.call, k_);
+    if (planned_ && !site_.upstream) device_->fail_call(site_.call, k_);
     // Runtime creation makes the streams and pools.
     call(
         "create", [&] { return create(); }, Kind::kNoRuntime);
@@ -172,8 +182,7 @@ class ScenarioRun {
   const Snapshot& final_state() const { return final_; }
   const std::vector<std::string>& problems() const { return problems_; }
   std::int64_t calls_of(const Site& site) const {
-    return site.tier ? upstreams_[alloc::tier_index(*site.tier)]->allocate_calls()
-                     : device_->calls(site.call);
+    return site.upstream ? upstreams_[*site.upstream]->allocate_calls() : device_->calls(site.call);
   }
   bool fired() const {
     std::int64_t n = device_->injected();
@@ -193,14 +202,23 @@ class ScenarioRun {
         alloc::make_simulated_device_upstream({.capacity = 256 * kMiB}),
         alloc::make_simulated_pinned_upstream(), alloc::make_pageable_host_upstream()};
     // The upstreams belong to the runtime: kept track of only once it exists.
-    std::array<alloc::FaultInjectingUpstream*, alloc::kNumTiers> made{};
+    std::array<alloc::FaultInjectingUpstream*, kNumUpstreams> made{};
+    auto wrap = [&](std::unique_ptr<alloc::Upstream> upstream, int index) {
+      auto u = std::make_unique<alloc::FaultInjectingUpstream>(std::move(upstream));
+      made[index] = u.get();
+      if (planned_ && !disarmed_ && site_.upstream == index) u->fail_allocate_calls(k_);
+      return u;
+    };
     for (Tier t : alloc::kAllTiers) {
-      auto u =
-          std::make_unique<alloc::FaultInjectingUpstream>(std::move(inner[alloc::tier_index(t)]));
-      made[alloc::tier_index(t)] = u.get();
-      if (planned_ && !disarmed_ && site_.tier == t) u->fail_allocate_calls(k_);
-      options.allocator.upstreams[alloc::tier_index(t)] = std::move(u);
+      const int i = alloc::tier_index(t);
+      options.allocator.upstreams[i] = wrap(std::move(inner[i]), i);
     }
+    // The runtime wraps its staging ring's upstream first, then its bounce buffers'.
+    int internal = 0;
+    options.wrap_internal_upstream = [&](std::unique_ptr<alloc::Upstream> upstream) {
+      return std::unique_ptr<alloc::Upstream>(
+          wrap(std::move(upstream), internal++ == 0 ? kStagingUpstream : kBounceUpstream));
+    };
     // The device outlives a failed creation: it carries the call counts.
     options.device_override = std::make_unique<ForwardingDevice>(*device_);
     absl::StatusOr<std::unique_ptr<Runtime>> rt =
@@ -308,7 +326,7 @@ class ScenarioRun {
   PolicyConfig config_;
   std::unique_ptr<FaultInjectingDevice> device_holder_;
   FaultInjectingDevice* device_ = nullptr;
-  std::array<alloc::FaultInjectingUpstream*, alloc::kNumTiers> upstreams_{};
+  std::array<alloc::FaultInjectingUpstream*, kNumUpstreams> upstreams_{};
   std::unique_ptr<Runtime> rt_;
   bool planned_ = false;
   bool disarmed_ = false;
