@@ -4,12 +4,23 @@
 # python3's LibTorch, run the gpu-labelled tests (the S1 soak among them), compute-sanitizer memcheck
 # (--leak-check full), racecheck, synccheck and initcheck over them, the benchmarks, and
 # write logs and JSON into OUT_DIR, ending with a short table.
-#   tools/gpu/check.sh OUT_DIR [--quick]
+#   tools/gpu/check.sh OUT_DIR [--quick] [--no-sanitizers] [--no-bench]
+# --quick: 3 benchmark repetitions instead of 5. A call of the device tool lasts at most 600 s: the
+# sanitizer and benchmark steps can be left out of one call and run in another.
 # Files in OUT_DIR: summary.txt, allocator_bench.json, runtime_bench.json, optim_bench.json,
 # logs.tar.gz (every log).
 set -uo pipefail
-OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick]}
-QUICK=${2:-}
+OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick] [--no-sanitizers] [--no-bench]}
+shift
+QUICK=; SANITIZERS=1; BENCH=1
+for flag in "$@"; do
+  case "$flag" in
+    --quick) QUICK=--quick ;;
+    --no-sanitizers) SANITIZERS= ;;
+    --no-bench) BENCH= ;;
+    *) echo "unknown flag $flag"; exit 2 ;;
+  esac
+done
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 LOGS=/tmp/strata-logs
 BUILD=/tmp/strata-build
@@ -46,8 +57,10 @@ step "ctest (CPU suites, on this machine too)"
 ctest --test-dir "$BUILD" -LE gpu --output-on-failure >"$LOGS/ctest-cpu.log" 2>&1 || status=1
 tail -3 "$LOGS/ctest-cpu.log"
 
-step "compute-sanitizer memcheck --leak-check full"
 declare -A SAN
+PROBE="not run"
+if [ -n "$SANITIZERS" ]; then
+step "compute-sanitizer memcheck --leak-check full"
 # san_run name command...: compute-sanitizer's TOOL (default memcheck; memcheck checks leaks
 # unless LEAK_CHECK=no) over one suite; the error count goes into the summary.
 san_run() {
@@ -101,6 +114,9 @@ else
 fi
 echo "memcheck probe (write past a block inside its segment): $PROBE"
 
+fi  # SANITIZERS
+
+if [ -n "$BENCH" ]; then
 step "benchmarks"
 REPS=5
 [ "$QUICK" = "--quick" ] && REPS=3
@@ -116,6 +132,8 @@ tail -5 "$LOGS/runtime_bench.txt"
   --benchmark_report_aggregates_only=true --benchmark_out="$OUT/optim_bench.json" \
   --benchmark_out_format=json >"$LOGS/optim_bench.txt" 2>&1 || status=1
 tail -5 "$LOGS/optim_bench.txt"
+
+fi  # BENCH
 
 step "summary"
 {
