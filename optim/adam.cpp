@@ -162,8 +162,58 @@ absl::Status Adam::check_can_step() const {
 absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(check_can_step());
-  STRATA_RETURN_IF_ERROR(rt.begin_optimizer_step());
+  if (absl::Status begin = rt.begin_optimizer_step(); !begin.ok()) {
+    (void)rt.end_optimizer_step();  // what the policy staged goes home
+    return absl::Status(begin.code(), str_cat("Adam step failed before any kernel ran (nothing "
+                                              "changed; it can be retried): ",
+                                              begin.message()));
+  }
   for (std::int64_t& s : steps_) ++s;
+  // Note [A failed step]: layers are stepped one after another, so a step that fails part way has
+  // stepped the layers before the failing one. What it guarantees: no tensor is left held, the
+  // policy's end of step runs (staged states go home), every byte is intact, and the runtime takes
+  // the next step. If no kernel was queued yet, the step counters go back too, so a retry is exact;
+  // otherwise the error says which layers were stepped (restore a checkpoint to redo the step).
+  std::vector<rt::TensorHandle> held;
+  int failed_layer = -1;
+  int stepped_layers = 0;
+  bool launched = false;
+  absl::Status status =
+      step_layers(grad_scale, found_inf, held, failed_layer, stepped_layers, launched);
+  if (status.ok()) {
+    // Every layer is stepped; the policy's end of step is resumable, so one failure is retried.
+    absl::Status end = rt.end_optimizer_step();
+    if (!end.ok()) end = rt.end_optimizer_step();
+    if (!end.ok()) {
+      return absl::Status(end.code(), str_cat("Adam step ", steps_.empty() ? 0 : steps_[0],
+                                              " stepped every layer, but the policy's end of "
+                                              "step failed twice: ",
+                                              end.message()));
+    }
+    return absl::OkStatus();
+  }
+  // Two tries: a device that cannot record one event may record the next.
+  for (int attempt = 0; attempt < 2 && !held.empty(); ++attempt) {
+    if (rt.release(held, rt.compute_stream()).ok()) held.clear();
+  }
+  (void)rt.end_optimizer_step();
+  if (!launched) {
+    for (std::int64_t& s : steps_) --s;
+    return absl::Status(status.code(), str_cat("Adam step failed before any kernel ran (nothing "
+                                               "changed; it can be retried): ",
+                                               status.message()));
+  }
+  return absl::Status(
+      status.code(),
+      str_cat("Adam step ", steps_.empty() ? 0 : steps_[0], " failed at layer ", failed_layer,
+              " after stepping ", stepped_layers,
+              " layer(s); restore a checkpoint to redo the step: ", status.message()));
+}
+
+absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
+                               std::vector<rt::TensorHandle>& held, int& failed_layer,
+                               int& stepped_layers, bool& launched) {
+  rt::Runtime& rt = runtime_;
   std::vector<AdamScalars> scalars;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     scalars.push_back(adam_scalars(groups_[g].hyper, steps_[g]));
@@ -174,6 +224,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   // Queues the kernel for `list` (tensors of one group) on the compute stream.
   auto launch = [&](const std::vector<AdamTensor>& list, std::size_t g) -> absl::Status {
     if (list.empty()) return absl::OkStatus();
+    launched = true;
     if (simulated) {
       const int threads = options_.cpu_threads;
       return rt.device().enqueue_host(
@@ -203,8 +254,8 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
     // write-back can start while the rest of the layer is still arriving. That shortens the time
     // only one copy direction is busy at the start and end of the step. A resident layer gets one
     // multi-tensor launch per group instead.
+    failed_layer = layer;
     const bool pipelined = rt.is_staged(layer);
-    std::vector<rt::TensorHandle> held;
     std::vector<std::vector<AdamTensor>> per_group(groups_.size());
     if (it != by_layer_.end()) {
       for (std::size_t index : it->second) {
@@ -216,10 +267,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
         for (int k = 0; k < 5; ++k) {
           if (!hs[k].valid()) continue;
           absl::StatusOr<void*> p = rt.acquire(hs[k], rt::Tier::kGpu, stream);
-          if (!p.ok()) {
-            for (rt::TensorHandle h : held) (void)rt.release(h, stream);
-            return p.status();
-          }
+          if (!p.ok()) return p.status();  // step() releases what is held
           held.push_back(hs[k]);
           ptrs[k] = *p;
         }
@@ -231,7 +279,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
         t.numel = s->numel;
         if (pipelined) {
           STRATA_RETURN_IF_ERROR(launch({t}, s->group));
-          for (rt::TensorHandle h : held) STRATA_RETURN_IF_ERROR(rt.release(h, stream));
+          STRATA_RETURN_IF_ERROR(rt.release(held, stream));
           held.clear();
         } else {
           per_group[s->group].push_back(t);
@@ -240,11 +288,13 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
     }
     for (std::size_t g = 0; g < groups_.size(); ++g)
       STRATA_RETURN_IF_ERROR(launch(per_group[g], g));
-    for (rt::TensorHandle h : held) STRATA_RETURN_IF_ERROR(rt.release(h, stream));
+    STRATA_RETURN_IF_ERROR(rt.release(held, stream));
+    held.clear();
+    ++stepped_layers;
     // Tell the policy the layer is done (write-back, next prefetch); its tensors are released.
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
   }
-  return rt.end_optimizer_step();
+  return absl::OkStatus();
 }
 
 // Checkpoint format (little-endian, as the machine writes it):

@@ -62,6 +62,8 @@ class Adam {
   // Before any launch (and before the step counters move) it checks that every tensor is still
   // registered and that every layer still fits the GPU budget (which may have been lowered since
   // create), so those failures leave every parameter and moment as it was.
+  // A step that fails part way leaves nothing held and the runtime ready for the next step; see
+  // Note [A failed step] in adam.cpp for what it changed.
   [[nodiscard]] absl::Status step(const float* grad_scale = nullptr,
                                   const float* found_inf = nullptr);
 
@@ -90,6 +92,11 @@ class Adam {
   Adam(rt::Runtime& runtime, AdamOptions options);
   // The checks step() makes before it changes anything.
   absl::Status check_can_step() const;
+  // The layer loop of step(): what it holds when it fails, the layer it was on, how many layers
+  // it finished and whether any kernel was queued (Note [A failed step] in adam.cpp).
+  absl::Status step_layers(const float* grad_scale, const float* found_inf,
+                           std::vector<rt::TensorHandle>& held, int& failed_layer,
+                           int& stepped_layers, bool& launched);
 
   rt::Runtime& runtime_;
   AdamOptions options_;

@@ -18,8 +18,10 @@
 #include <vector>
 
 #include "allocator/upstream.h"
+#include "base/status.h"
 #include "base/units.h"
 #include "gtest/gtest.h"
+#include "optim/adam.h"
 #include "runtime/fault_injection.h"
 #include "tests/runtime/runtime_test_util.h"
 
@@ -385,6 +387,137 @@ TEST(FaultSweepTest, EveryCallOfEverySiteFailsOnceAndNothingIsLost) {
   std::printf("fault sites: %d, injections: %lld, failures: %d%s\n", sites,
               static_cast<long long>(injections), failures,
               stride > 1 ? str_cat(" (every ", stride, "th call)").c_str() : "");
+}
+
+// Note [A failed step] in optim/adam.cpp: an Adam step whose k-th device call fails (every kind,
+// every k of one step, under bulk over budget and layer_prefetch) returns a typed error, leaves no
+// tensor held or staged and every byte readable, rolls its counters back when no kernel ran, and
+// the next steps run; with the counters rolled back, the run ends bitwise equal to a fault-free
+// one.
+TEST(FaultSweepTest, AFailedAdamStepLeavesTheRuntimeReadyForTheNext) {
+  constexpr int kAdamLayers = 3;
+  constexpr std::size_t kNumel = 100000;
+  const std::vector<std::pair<std::string, PolicyConfig>> policies = {
+      {"bulk", {.roles = RoleSet::optimizer_states(), .offload_after_step = true}},
+      {"layer_prefetch", {.prefetch_depth = 1}},
+  };
+  struct Outcome {
+    std::map<std::string, std::vector<unsigned char>> bytes;
+    std::int64_t calls = 0;
+    bool failed = false, rolled_back = false;
+    std::vector<std::string> problems;
+  };
+  // Two steps, the fault armed for the second; then a third step, disarmed.
+  auto run = [&](const std::string& policy, PolicyConfig config, std::optional<DeviceCall> call,
+                 std::int64_t k) {
+    Outcome out;
+    auto device = std::make_unique<FaultInjectingDevice>(std::make_unique<SimulatedDevice>());
+    FaultInjectingDevice* faults = device.get();
+    RuntimeOptions options;
+    options.policy = policy;
+    options.policy_config = config;
+    options.device_override = std::move(device);
+    options.allocator.track_allocations = true;
+    // Bulk over budget (Note [Bulk over budget]): its states stream a layer at a time.
+    if (policy == "bulk") options.allocator.budgets[alloc::tier_index(Tier::kGpu)] = 6 * kMiB;
+    auto rt = *Runtime::create(std::move(options), policy::builtin_policies());
+    std::vector<std::pair<TensorHandle, TensorHandle>> params;
+    std::vector<float> values(kNumel);
+    for (int l = 0; l < kAdamLayers; ++l) {
+      for (std::size_t i = 0; i < kNumel; ++i) values[i] = 0.001f * static_cast<float>(i % 977 + l);
+      TensorHandle p =
+          *rt->register_tensor(spec(str_cat("a", l), l, Role::kParameter, kNumel), values.data());
+      TensorHandle g = *rt->register_tensor(
+          spec(str_cat("a", l, ".grad"), l, Role::kGradient, kNumel), values.data());
+      params.push_back({p, g});
+    }
+    optim::AdamOptions o;
+    o.groups.push_back({.params = params, .hyper = {.lr = 1e-2f, .weight_decay = 0.01f}});
+    std::unique_ptr<optim::Adam> adam = *optim::Adam::create(*rt, o);
+    auto one_step = [&]() -> absl::Status {
+      STRATA_RETURN_IF_ERROR(rt->begin_step());
+      STRATA_RETURN_IF_ERROR(adam->step());
+      return rt->end_step();
+    };
+    if (absl::Status s = one_step(); !s.ok())
+      out.problems.push_back(str_cat("step 1: ", s.ToString()));
+    if (call) faults->fail_call(*call, k);
+    const std::int64_t before = faults->calls(call.value_or(DeviceCall::kCopy));
+    // A hook that fails is repeated once the fault is gone (as in the sweep above).
+    auto hook = [&](const char* what, const std::function<absl::Status()>& fn) {
+      absl::Status h = fn();
+      if (h.ok()) return;
+      if (h.message().find("injected failure") == std::string_view::npos) {
+        out.problems.push_back(str_cat(what, ": error without its cause: ", h.ToString()));
+      }
+      faults->disarm();
+      if (absl::Status r = fn(); !r.ok()) {
+        out.problems.push_back(str_cat(what, " repeated: ", r.ToString()));
+      }
+    };
+    hook("begin_step", [&] { return rt->begin_step(); });
+    absl::Status s = adam->step();
+    hook("end_step", [&] { return rt->end_step(); });
+    out.calls = faults->calls(call.value_or(DeviceCall::kCopy)) - before;
+    faults->disarm();
+    if (!s.ok()) {
+      out.failed = true;
+      out.rolled_back = adam->step_count(0) == 1;
+      if (s.message().find("injected failure") == std::string_view::npos) {
+        out.problems.push_back(str_cat("error without its cause: ", s.ToString()));
+      }
+      if (!out.rolled_back && s.message().find("restore a checkpoint") == std::string_view::npos &&
+          s.message().find("stepped every layer") == std::string_view::npos) {
+        out.problems.push_back(str_cat("error does not say what was stepped: ", s.ToString()));
+      }
+    }
+    for (TensorHandle h : rt->tensors()) {
+      TensorInfo i = *rt->info(h);
+      if (i.holds != 0 || i.staged) {
+        out.problems.push_back(
+            str_cat("'", i.spec.name, "' left ", i.holds, " holds, staged ", i.staged));
+      }
+    }
+    if (out.rolled_back) {
+      // Retry the step that failed, then the third.
+      if (absl::Status r = one_step(); !r.ok())
+        out.problems.push_back(str_cat("retry: ", r.ToString()));
+    }
+    if (absl::Status r = one_step(); !r.ok())
+      out.problems.push_back(str_cat("next: ", r.ToString()));
+    if (absl::Status w = rt->wait_all(); !w.ok()) out.problems.push_back(w.ToString());
+    for (TensorHandle h : rt->tensors()) out.bytes[rt->info(h)->spec.name] = read_all(*rt, h);
+    return out;
+  };
+
+  int injections = 0, failed_steps = 0, exact_retries = 0, failures = 0;
+  for (const auto& [policy, config] : policies) {
+    const Outcome reference = run(policy, config, std::nullopt, 0);
+    ASSERT_TRUE(reference.problems.empty()) << policy << ": " << reference.problems.front();
+    for (int c = 0; c < kNumDeviceCalls; ++c) {
+      const auto call = static_cast<DeviceCall>(c);
+      const std::int64_t n = run(policy, config, call, 0).calls;
+      for (std::int64_t k = 1; k <= n; ++k) {
+        Outcome o = run(policy, config, call, k);
+        ++injections;
+        failed_steps += o.failed;
+        std::vector<std::string> problems = o.problems;
+        if (o.rolled_back) {
+          ++exact_retries;
+          if (o.bytes != reference.bytes) problems.push_back("bytes differ after an exact retry");
+        }
+        if (!problems.empty()) {
+          ++failures;
+          ADD_FAILURE() << policy << ", " << device_call_name(call) << " call " << k << " of " << n
+                        << ": " << problems.front();
+        }
+      }
+    }
+  }
+  std::printf(
+      "Adam step faults: %d injections, %d failed steps (%d rolled back and retried "
+      "exactly), failures: %d\n",
+      injections, failed_steps, exact_retries, failures);
 }
 
 }  // namespace
