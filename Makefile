@@ -69,7 +69,7 @@ test: build
 	tools/check_layering.sh --self-test
 	tools/check_layering.sh
 	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
-	@grep -h -E "^(fault sites|bad inputs tried):" $(BUILD)/Testing/Temporary/LastTest.log
+	@grep -h -E "^(fault sites|Adam step faults|bad inputs tried):" $(BUILD)/Testing/Temporary/LastTest.log
 	$(MAKE) --no-print-directory sanitize
 	$(MAKE) --no-print-directory sanitize-thread
 	$(MAKE) --no-print-directory fuzz
