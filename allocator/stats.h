@@ -38,7 +38,7 @@ namespace strata::alloc {
   X(num_alloc_retries, kCounter, "allocations that freed cached segments or waited, then retried") \
   X(num_ooms, kCounter, "allocations that ended in out of memory")                                 \
   X(num_event_waits, kCounter, "host waits on stream events to reclaim blocks")                    \
-  X(num_withheld_blocks, kCounter, "freed blocks kept from reuse for good (no event to wait on)")   \
+  X(num_withheld_blocks, kCounter, "freed blocks kept from reuse for good (no event to wait on)")  \
   X(inactive_split_bytes, kDerived, "free bytes in segments that also hold live blocks")           \
   X(free_bytes, kDerived, "free bytes in all segments")                                            \
   X(largest_free_block, kDerived, "largest free block")
