@@ -670,6 +670,41 @@ void report_runtime(benchmark::State& state, const Snapshot& before, const Snaps
   }
 }
 
+// The strata benchmarks' timing: warm-up steps, then one step per iteration, with the runtime's
+// counters read around the timed steps. after_each (if given) runs after each timed step, for
+// figures a step leaves behind. std::nullopt, with the benchmark skipped, on an error.
+struct StrataTimed {
+  double step_ms = 0;
+  Snapshot before, after;
+};
+std::optional<StrataTimed> time_strata_steps(benchmark::State& state, rt::Runtime& runtime,
+                                             const std::function<absl::StatusOr<double>()>& step,
+                                             const std::function<void()>& after_each = {}) {
+  for (int i = 0; i < kWarmupSteps; ++i) {
+    if (absl::StatusOr<double> w = step(); !w.ok()) {
+      skip(state, "warm-up step", w.status());
+      return std::nullopt;
+    }
+  }
+  StrataTimed out;
+  out.before = snapshot(runtime);
+  double total_ms = 0;
+  for (auto _ : state) {
+    absl::StatusOr<double> ms = step();
+    if (!ms.ok()) {
+      skip(state, "step", ms.status());
+      break;
+    }
+    total_ms += *ms;
+    if (after_each) after_each();
+    state.SetIterationTime(*ms / 1e3);
+  }
+  if (state.error_occurred() || state.iterations() == 0) return std::nullopt;
+  out.after = snapshot(runtime);
+  out.step_ms = total_ms / static_cast<double>(state.iterations());
+  return out;
+}
+
 // The largest layer's bytes of optimizer states, from the runtime's registry.
 double largest_layer_moment_bytes(rt::Runtime& runtime) {
   std::size_t largest = 0;
@@ -691,26 +726,14 @@ void BM_StrataResident(benchmark::State& state) {
   const auto stream = static_cast<cudaStream_t>(runtime.compute_stream());
   EventPair ev;
   auto step = [&] { return time_on_stream(ev, stream, [&] { return r.adam->step(); }); };
-  for (int i = 0; i < kWarmupSteps; ++i) {
-    if (absl::StatusOr<double> w = step(); !w.ok()) return skip(state, "warm-up step", w.status());
-  }
-  const Snapshot before = snapshot(runtime);
-  double total_ms = 0;
-  for (auto _ : state) {
-    absl::StatusOr<double> ms = step();
-    if (!ms.ok()) {
-      skip(state, "step", ms.status());
-      break;
-    }
-    total_ms += *ms;
-    state.SetIterationTime(*ms / 1e3);
-  }
-  if (state.error_occurred() || state.iterations() == 0) return;
-  const Snapshot after = snapshot(runtime);
+  const std::optional<StrataTimed> timed = time_strata_steps(state, runtime, step);
+  if (!timed) return;
+  const Snapshot& before = timed->before;
+  const Snapshot& after = timed->after;
   if (absl::Status s = check_strata("strata resident", r); !s.ok()) {
     return skip(state, "result check", s);
   }
-  const double step_ms = total_ms / static_cast<double>(state.iterations());
+  const double step_ms = timed->step_ms;
   const double bytes = kResidentBytesPerParam * static_cast<double>(model.params());
   const double floor_ms = ms_at(bytes, g_bw.hbm_gbps);
   state.counters["step_ms"] = step_ms;
@@ -766,29 +789,17 @@ void BM_StrataBulk(benchmark::State& state) {
     if (s.ok()) s = runtime.wait_all();
     if (!s.ok()) return skip(state, "reload_all / offload_all before the steps", s);
   }
-  for (int i = 0; i < kWarmupSteps; ++i) {
-    if (absl::StatusOr<double> w = step(); !w.ok()) return skip(state, "warm-up step", w.status());
-  }
-  const Snapshot before = snapshot(runtime);
-  double total_ms = 0;
   double total_reload_ms = 0;
-  for (auto _ : state) {
-    absl::StatusOr<double> ms = step();
-    if (!ms.ok()) {
-      skip(state, "step", ms.status());
-      break;
-    }
-    total_ms += *ms;
-    total_reload_ms += reload_ms;
-    state.SetIterationTime(*ms / 1e3);
-  }
-  if (state.error_occurred() || state.iterations() == 0) return;
-  const Snapshot after = snapshot(runtime);
+  const std::optional<StrataTimed> timed =
+      time_strata_steps(state, runtime, step, [&] { total_reload_ms += reload_ms; });
+  if (!timed) return;
+  const Snapshot& before = timed->before;
+  const Snapshot& after = timed->after;
   if (absl::Status s = check_strata("strata bulk", r); !s.ok()) {
     return skip(state, "result check", s);
   }
   const double steps = static_cast<double>(state.iterations());
-  const double step_ms = total_ms / steps;
+  const double step_ms = timed->step_ms;
   const double moments = model.moment_bytes();
   // Out and back are two phases one after the other, each over one direction of the link.
   const double floor_ms = ms_at(moments, g_bw.h2d_gbps) + ms_at(moments, g_bw.d2h_gbps);
@@ -823,28 +834,16 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   StrataRig& r = **made;
   rt::Runtime& runtime = *r.runtime;
   auto step = [&] { return time_to_idle([&] { return r.adam->step(); }); };
-  for (int i = 0; i < kWarmupSteps; ++i) {
-    if (absl::StatusOr<double> w = step(); !w.ok()) return skip(state, "warm-up step", w.status());
-  }
-  const Snapshot before = snapshot(runtime);
-  double total_ms = 0;
-  for (auto _ : state) {
-    absl::StatusOr<double> ms = step();
-    if (!ms.ok()) {
-      skip(state, "step", ms.status());
-      break;
-    }
-    total_ms += *ms;
-    state.SetIterationTime(*ms / 1e3);
-  }
-  if (state.error_occurred() || state.iterations() == 0) return;
-  const Snapshot after = snapshot(runtime);
+  const std::optional<StrataTimed> timed = time_strata_steps(state, runtime, step);
+  if (!timed) return;
+  const Snapshot& before = timed->before;
+  const Snapshot& after = timed->after;
   const std::int64_t used_after = device_used_bytes();
   if (absl::Status s = check_strata(str_cat("strata layer_prefetch K=", depth), r); !s.ok()) {
     return skip(state, "result check", s);
   }
   const double steps = static_cast<double>(state.iterations());
-  const double step_ms = total_ms / steps;
+  const double step_ms = timed->step_ms;
   const double moments = model.moment_bytes();
   const double floor_ms = ms_at(moments, g_bw.both_per_direction_gbps);
   const double largest = largest_layer_moment_bytes(runtime);
@@ -1378,29 +1377,17 @@ void BM_SimulatedLayerPrefetch(benchmark::State& state) {
     STRATA_RETURN_IF_ERROR(r.adam->step());
     return seconds_between(t0, Clock::now()) * 1e3;
   };
-  for (int i = 0; i < kWarmupSteps; ++i) {
-    if (absl::StatusOr<double> w = step(); !w.ok()) return skip(state, "warm-up step", w.status());
-  }
-  const Snapshot before = snapshot(runtime);
-  double total_ms = 0;
-  for (auto _ : state) {
-    absl::StatusOr<double> ms = step();
-    if (!ms.ok()) {
-      skip(state, "step", ms.status());
-      break;
-    }
-    total_ms += *ms;
-    state.SetIterationTime(*ms / 1e3);
-  }
-  if (state.error_occurred() || state.iterations() == 0) return;
-  const Snapshot after = snapshot(runtime);
+  const std::optional<StrataTimed> timed = time_strata_steps(state, runtime, step);
+  if (!timed) return;
+  const Snapshot& before = timed->before;
+  const Snapshot& after = timed->after;
   if (absl::Status s = runtime.wait_all(); !s.ok()) return skip(state, "wait_all", s);
   if (absl::Status s = check_strata("simulated layer_prefetch", r); !s.ok()) {
     return skip(state, "result check", s);
   }
   const double largest = largest_layer_moment_bytes(runtime);
   const double peak_extra = static_cast<double>(after.runtime.staging_bytes);
-  state.counters["step_ms"] = total_ms / static_cast<double>(state.iterations());
+  state.counters["step_ms"] = timed->step_ms;
   state.counters["peak_extra_gpu_bytes"] = bytes_counter(peak_extra);
   state.counters["staged_peak_bytes"] =
       bytes_counter(static_cast<double>(after.runtime.staged_peak_bytes));
