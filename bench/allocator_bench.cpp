@@ -83,15 +83,6 @@ void pooled_sizes(benchmark::internal::Benchmark* b) {
   for (std::int64_t bytes : kPooledSizes) b->Arg(bytes);
 }
 
-double seconds_between(Clock::time_point start, Clock::time_point end) {
-  return std::chrono::duration<double>(end - start).count();
-}
-
-// Byte counts print as Ki/Mi/Gi in the console table; the JSON keeps the exact value.
-benchmark::Counter bytes_counter(double bytes) {
-  return benchmark::Counter(bytes, benchmark::Counter::kDefaults, benchmark::Counter::kIs1024);
-}
-
 // Runs a callable when the scope ends, so the early returns of a skipped benchmark still free
 // what it holds (GPU memory left behind would shrink the benchmarks after it).
 template <typename F>
@@ -106,8 +97,11 @@ class ScopeExit {
   F f_;
 };
 
+using strata::bench::bytes_counter;
+using strata::bench::gb_per_s;
 using strata::bench::have_gpu;
 using strata::bench::require_gpu;
+using strata::bench::seconds_between;
 using strata::bench::skip;
 
 #ifdef STRATA_HAS_CUDA
@@ -117,9 +111,6 @@ bool cuda_ok(benchmark::State& state, cudaError_t err, const char* what) {
   skip(state, str_cat(what, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
   return false;
 }
-
-// Decimal GB/s, the unit PCIe figures and PERF.md use.
-double gb_per_s(double bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
 #endif
 
 absl::StatusOr<std::unique_ptr<TieredAllocator>> make_allocator(DeviceBackend backend) {

@@ -1,6 +1,7 @@
 // bench/bench_util.h: helpers shared by strata's benchmark binaries.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -10,6 +11,21 @@
 #include "benchmark/benchmark.h"
 
 namespace strata::bench {
+
+inline double seconds_between(std::chrono::steady_clock::time_point start,
+                              std::chrono::steady_clock::time_point end) {
+  return std::chrono::duration<double>(end - start).count();
+}
+
+// Decimal GB/s, the unit PCIe figures and PERF.md use.
+inline double gb_per_s(double bytes, double seconds) {
+  return seconds > 0 ? bytes / seconds / 1e9 : 0;
+}
+
+// Byte counts print as Ki/Mi/Gi in the console table; the JSON keeps the exact value.
+inline benchmark::Counter bytes_counter(double bytes) {
+  return benchmark::Counter(bytes, benchmark::Counter::kDefaults, benchmark::Counter::kIs1024);
+}
 
 // SplitMix64: a fixed sequence on every platform, unlike the <random> distributions.
 class SplitMix64 {

@@ -97,23 +97,14 @@ constexpr std::uint64_t kTagBase = 0x7461'6700'0000'0000;      // "tag"
 
 enum class Direction { kH2D, kD2H, kBoth };
 
-double seconds_between(Clock::time_point start, Clock::time_point end) {
-  return std::chrono::duration<double>(end - start).count();
-}
-
-// Decimal GB/s, the unit PCIe figures and PERF.md use.
-double gb_per_s(double bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0; }
-
-// Byte counts print as Ki/Mi/Gi in the console table; the JSON keeps the exact value.
-benchmark::Counter bytes_counter(double bytes) {
-  return benchmark::Counter(bytes, benchmark::Counter::kDefaults, benchmark::Counter::kIs1024);
-}
-
+using strata::bench::bytes_counter;
+using strata::bench::gb_per_s;
 using strata::bench::have_gpu;
 using strata::bench::kBytesPerDirection;
 using strata::bench::kPieceBytes;
 using strata::bench::kPieces;
 using strata::bench::require_gpu;
+using strata::bench::seconds_between;
 using strata::bench::skip;
 #ifdef STRATA_HAS_CUDA
 using strata::bench::cuda_status;
