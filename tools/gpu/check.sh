@@ -23,30 +23,18 @@ for flag in "$@"; do
 done
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 LOGS=/tmp/strata-logs
-BUILD=/tmp/strata-build
 mkdir -p "$OUT" "$LOGS"
 cd "$ROOT"
+source tools/gpu/build.sh
 status=0
 step() { echo "== $*"; }
 
-step "unpack .deps/debs"
-if ! ls .deps/debs/*.deb >/dev/null 2>&1; then
-  echo "no .deps/debs: run tools/gpu/fetch-debs.sh where a registry is reachable, and carry .deps"
-  exit 2
-fi
-for f in .deps/debs/*.deb; do dpkg -x "$f" /tmp/deps; done
-export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-TORCH_PREFIX=$(tools/torch-prefix.sh)
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
   | tee "$LOGS/gpu.txt"
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 
-step "configure and build ($(nproc) cores)"
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
-  -DCMAKE_PREFIX_PATH="$TORCH_PREFIX;/tmp/deps/usr" >"$LOGS/configure.log" 2>&1 \
-  || { tail -40 "$LOGS/configure.log"; exit 1; }
-cmake --build "$BUILD" >"$LOGS/build.log" 2>&1 || { grep -E "error|FAILED" "$LOGS/build.log" | head -40; exit 1; }
+step "unpack .deps/debs, configure and build ($(nproc) cores)"
+gpu_build "$LOGS" || exit $?
 echo "built"
 
 step "ctest -L gpu"

@@ -11,15 +11,9 @@ set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_train.sh OUT_DIR [flags]}
 shift
 cd "$(dirname "$0")/../.."
-mkdir -p "$OUT" /tmp/deps
-for f in .deps/debs/*.deb; do dpkg -x "$f" /tmp/deps; done
-export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-BUILD=/tmp/strata-build
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
-  -DCMAKE_PREFIX_PATH="$(tools/torch-prefix.sh);/tmp/deps/usr" >"$OUT/configure.log" 2>&1 || exit 1
-cmake --build "$BUILD" --target strata-train apps_test >"$OUT/build.log" 2>&1 ||
-  { grep -E "error|FAILED" "$OUT/build.log" | head -20; exit 1; }
+mkdir -p "$OUT"
+source tools/gpu/build.sh
+gpu_build "$OUT" strata-train apps_test || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
 for policy in keep_on_gpu bulk layer_prefetch; do

@@ -1,0 +1,24 @@
+# Sourced by the tools/gpu scripts: `gpu_build LOG_DIR [TARGET...]` unpacks the Debian packages
+# that tools/gpu/fetch-debs.sh put in .deps/debs, configures a Release build in $BUILD with CUDA
+# (arch 90) and python3's LibTorch, and builds the targets (everything without any). Run from the
+# repository root. Returns non-zero, with the first errors printed, if any step fails.
+BUILD=/tmp/strata-build
+
+gpu_build() {
+  local logs=$1; shift
+  if ! ls .deps/debs/*.deb >/dev/null 2>&1; then
+    echo "no .deps/debs: run tools/gpu/fetch-debs.sh where a registry is reachable, and carry .deps"
+    return 2
+  fi
+  mkdir -p /tmp/deps "$logs"
+  for f in .deps/debs/*.deb; do dpkg -x "$f" /tmp/deps; done
+  export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
+    -DCMAKE_PREFIX_PATH="$(tools/torch-prefix.sh);/tmp/deps/usr" >"$logs/configure.log" 2>&1 \
+    || { tail -40 "$logs/configure.log"; return 1; }
+  local targets=()
+  (($#)) && targets=(--target "$@")
+  cmake --build "$BUILD" "${targets[@]}" >"$logs/build.log" 2>&1 \
+    || { grep -E "error|FAILED" "$logs/build.log" | head -40; return 1; }
+}
