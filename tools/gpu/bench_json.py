@@ -61,3 +61,32 @@ def find(groups, family):
 
 def fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
+
+
+class Verdicts:
+    """The PASS / FAIL / MISSING lines of a summary; all_pass() when every target passed."""
+
+    def __init__(self):
+        self.results = []
+
+    def add(self, label, ok, missing_reason=None):
+        if ok is None:
+            self.results.append(False)
+            text = "MISSING" + (f" ({missing_reason})" if missing_reason else "")
+        else:
+            self.results.append(ok)
+            text = "PASS" if ok else "FAIL"
+        print(f"  {label}: {text}")
+
+    def all_pass(self):
+        return all(self.results)
+
+
+def why_missing(*groups):
+    """Why a figure is missing: the first (family, group) not in the JSON or skipped; else None."""
+    for fam, g in groups:
+        if g is None:
+            return f"{fam} not in the JSON"
+        if not g.usable():
+            return f"{fam} skipped: {g.errors[0] if g.errors else 'no data'}"
+    return None

@@ -30,7 +30,7 @@ APPROACHES = [
 ]
 
 
-from bench_json import find, fmt, load  # noqa: E402  (beside this script)
+from bench_json import Verdicts, find, fmt, load, why_missing  # noqa: E402  (beside this script)
 
 
 def fmt_bytes(v):
@@ -71,24 +71,8 @@ def main(path):
               f"{ctx_gbps('pinned_both_per_direction_gbps')} per direction (h2d "
               f"{ctx_gbps('pinned_both_h2d_gbps')}, d2h {ctx_gbps('pinned_both_d2h_gbps')})")
     print(f"timing: {ctx.get('timing')}")
-    verdicts = []
-
-    def verdict(label, ok, missing_reason=None):
-        if ok is None:
-            verdicts.append(False)
-            text = "MISSING" + (f" ({missing_reason})" if missing_reason else "")
-        else:
-            verdicts.append(ok)
-            text = "PASS" if ok else "FAIL"
-        print(f"  {label}: {text}")
-
-    def why_missing(*gs):
-        for fam, g in gs:
-            if g is None:
-                return f"{fam} not in the JSON"
-            if not g.usable():
-                return f"{fam} skipped: {g.errors[0] if g.errors else 'no data'}"
-        return None
+    verdicts = Verdicts()
+    verdict = verdicts.add
 
     print("\noptimizer step, median over repetitions")
     print(f"  {'approach':<34}{'step ms':>10}{'floor ms':>10}{'ratio_to_floor':>16}"
@@ -186,7 +170,7 @@ def main(path):
     else:
         print(f"  {why_missing((fam, g))}")
 
-    ok = all(verdicts)
+    ok = verdicts.all_pass()
     print(f"\noptimizer targets: {'ALL PASS' if ok else 'SOME FAIL OR MISSING'}")
     return 0 if ok else 1
 

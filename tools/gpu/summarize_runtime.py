@@ -16,7 +16,7 @@ MAX_RATIO_TO_FLOOR = 1.03
 MAX_RESERVED_OVER_HELD = 1.02
 
 
-from bench_json import find, fmt, load  # noqa: E402  (beside this script)
+from bench_json import Verdicts, find, fmt, load, why_missing  # noqa: E402  (beside this script)
 
 
 def main(path):
@@ -24,24 +24,8 @@ def main(path):
     print(f"gpu: {ctx.get('gpu')}  runtime pinned method: {ctx.get('pinned_method')}")
     print(f"raw: {ctx.get('raw_method')}")
     print(f"runtime: {ctx.get('runtime_timing')}")
-    verdicts = []
-
-    def verdict(label, ok, missing_reason=None):
-        if ok is None:
-            verdicts.append(False)
-            text = "MISSING" + (f" ({missing_reason})" if missing_reason else "")
-        else:
-            verdicts.append(ok)
-            text = "PASS" if ok else "FAIL"
-        print(f"  {label}: {text}")
-
-    def why_missing(*gs):
-        for fam, g in gs:
-            if g is None:
-                return f"{fam} not in the JSON"
-            if not g.usable():
-                return f"{fam} skipped: {g.errors[0] if g.errors else 'no data'}"
-        return None
+    verdicts = Verdicts()
+    verdict = verdicts.add
 
     print("\nmigration through the runtime vs raw pinned copies (decimal GB/s)")
     print(f"  {'direction':<10}{'raw':>10}{'runtime':>10}{'ratio_to_raw':>14}"
@@ -119,7 +103,7 @@ def main(path):
     else:
         print(f"  {why_missing((fam, g))}")
 
-    ok = all(verdicts)
+    ok = verdicts.all_pass()
     print(f"\nruntime targets: {'ALL PASS' if ok else 'SOME FAIL OR MISSING'}")
     return 0 if ok else 1
 
