@@ -145,7 +145,10 @@ absl::StatusOr<std::vector<rt::TensorHandle>> Adam::state(rt::TensorHandle param
   return absl::NotFoundError("Adam: no state for that parameter");
 }
 
-absl::Status Adam::check_can_step() const {
+absl::Status Adam::check_can_step() {
+  // The handles were checked, and nothing was unregistered since: all still there.
+  const std::uint64_t unregistrations = runtime_.unregistrations();
+  if (unregistrations == checked_unregistrations_) return check_fits_gpu(runtime_, step_bytes_);
   for (const Slot& s : slots_) {
     for (rt::TensorHandle h : {s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq}) {
       if (!h.valid()) continue;
@@ -156,6 +159,7 @@ absl::Status Adam::check_can_step() const {
       }
     }
   }
+  checked_unregistrations_ = unregistrations;
   return check_fits_gpu(runtime_, step_bytes_);
 }
 

@@ -91,7 +91,7 @@ class Adam {
   };
   Adam(rt::Runtime& runtime, AdamOptions options);
   // The checks step() makes before it changes anything.
-  absl::Status check_can_step() const;
+  absl::Status check_can_step();
   // The layer loop of step(): what it holds when it fails, the layer it was on, how many layers
   // it finished and whether any kernel was queued (Note [A failed step] in adam.cpp).
   absl::Status step_layers(const float* grad_scale, const float* found_inf,
@@ -107,6 +107,8 @@ class Adam {
   std::map<int, std::vector<std::size_t>> by_layer_;
   // Bytes each layer needs on the GPU during its step: parameters, gradients and moments.
   std::map<int, std::size_t> step_bytes_;
+  // Runtime::unregistrations() when every handle was last found registered.
+  std::uint64_t checked_unregistrations_ = ~std::uint64_t{0};
 };
 
 }  // namespace strata::optim

@@ -8,6 +8,7 @@
 
 #include <mutex>
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
@@ -97,6 +98,7 @@ struct Runtime::Impl {
   std::vector<TimedCopy> timed;  // copies whose timing is still to be read
   std::vector<Stall> stalls;
   RuntimeStats stats;
+  std::uint64_t unregistrations = 0;  // Runtime::unregistrations()
   std::int64_t staged_now = 0;
   std::map<int, std::function<void(TensorHandle, Tier, void*)>> on_moved;
   int next_callback = 1;
@@ -690,6 +692,7 @@ absl::Status Runtime::unregister(TensorHandle tensor) {
   }
   impl_->by_id.erase(tensor.id);
   impl_->by_name.erase(e->spec.name);
+  ++impl_->unregistrations;
   auto it = std::find_if(impl_->entries.begin(), impl_->entries.end(),
                          [e](const auto& p) { return p.get() == e; });
   impl_->entries.erase(it);
@@ -720,6 +723,11 @@ absl::StatusOr<TensorInfo> Runtime::info(TensorHandle tensor) const {
   out.destination_staged = e->in_flight && e->dst.slot >= 0;
   out.version = e->version;
   return out;
+}
+
+std::uint64_t Runtime::unregistrations() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->unregistrations;
 }
 
 bool Runtime::is_registered(TensorHandle tensor) const {
@@ -1123,7 +1131,8 @@ absl::Status Runtime::Impl::release_locked(const std::vector<Entry*>& members,
           str_cat("release '", e->spec.name, "': it is not acquired"));
     }
   }
-  std::vector<EventHandle> done;
+  // Inline for the usual few tensors: a release runs per tensor per step.
+  absl::InlinedVector<EventHandle, 8> done;
   for (std::size_t i = 0; i < members.size(); ++i) {
     absl::StatusOr<EventHandle> event = device->record(stream);
     if (!event.ok()) {

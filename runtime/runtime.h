@@ -112,8 +112,11 @@ class Runtime {
   // kFailedPrecondition while held.
   [[nodiscard]] absl::Status unregister(TensorHandle tensor);
   [[nodiscard]] absl::StatusOr<TensorInfo> info(TensorHandle tensor) const;
-  // Cheaper than info() where only registration matters (a check per tensor per step).
+  // Cheaper than info() where only registration matters.
   bool is_registered(TensorHandle tensor) const;
+  // Tensors unregistered so far: a client that checked its handles need not check them again
+  // until this changes (Adam does so before every step).
+  std::uint64_t unregistrations() const;
   [[nodiscard]] absl::StatusOr<TensorHandle> find(std::string_view name) const;
   // Registration order.
   std::vector<TensorHandle> tensors() const;

@@ -117,7 +117,9 @@ void soak(DeviceKind device, int steps, std::size_t numel) {
   EXPECT_EQ(end.staging, warm.staging);
   // AddressSanitizer keeps freed memory in quarantine (up to 256 MiB), so the RSS of a sanitized
   // build grows whatever the code does; the plain build checks it.
-  if (!kSanitized) EXPECT_LT(end.rss - warm.rss, std::int64_t{16} << 20) << "host RSS grew";
+  if (!kSanitized) {
+    EXPECT_LT(end.rss - warm.rss, std::int64_t{16} << 20) << "host RSS grew";
+  }
   std::printf(
       "S1 soak (%s): %d steps of %d layers x %zu floats; after warm-up: reserved gpu %lld -> %lld, "
       "pinned %lld -> %lld, pageable %lld -> %lld; upstream segment allocations %lld / %lld / "
