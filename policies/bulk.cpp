@@ -29,7 +29,7 @@ class Bulk final : public rt::ResidencyPolicy {
 
   absl::Status on_offload_all(rt::Runtime& rt) override {
     for (rt::TensorHandle h : rt.tensors()) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
       if (!config().roles.contains(info.spec.role) || info.tier != rt::Tier::kGpu) continue;
       STRATA_RETURN_IF_ERROR(to_host(rt, h));
     }
@@ -38,7 +38,7 @@ class Bulk final : public rt::ResidencyPolicy {
 
   absl::Status on_reload_all(rt::Runtime& rt) override {
     for (rt::TensorHandle h : rt.tensors()) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
       if (!config().roles.contains(info.spec.role) || info.tier == info.spec.home) continue;
       STRATA_RETURN_IF_ERROR(rt.migrate(h, info.spec.home));
     }
@@ -52,7 +52,7 @@ class Bulk final : public rt::ResidencyPolicy {
     // wait at the end, as reload_all makes, so the data is in place when the step starts.
     std::size_t state_bytes = 0;
     for (rt::TensorHandle h : rt.tensors()) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
       if (!config().roles.contains(info.spec.role) || info.tier == info.spec.home) continue;
       if (lives_on_host(info.spec.role)) {
         if (info.tier != rt::Tier::kGpu) state_bytes += info.bytes;
@@ -85,7 +85,9 @@ class Bulk final : public rt::ResidencyPolicy {
   absl::Status on_layer_released(rt::Runtime& rt, int layer) override {
     if (!streaming_) return absl::OkStatus();
     for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+      // The optimizer's acquire brought the states in; on a GPU their copies are usually still
+      // under way here, and a tensor in flight cannot move again until it has landed.
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
       if (!lives_on_host(info.spec.role) || info.tier != rt::Tier::kGpu) continue;
       STRATA_RETURN_IF_ERROR(to_host(rt, h));
     }
@@ -101,6 +103,16 @@ class Bulk final : public rt::ResidencyPolicy {
   bool lives_on_host(rt::Role role) const {
     return config().offload_after_step && config().roles.contains(role) &&
            (role == rt::Role::kExpAvg || role == rt::Role::kExpAvgSq || role == rt::Role::kOther);
+  }
+
+  // The tensor's info once a migration under way has landed: the runtime moves no tensor that is
+  // in flight, and a check of `tier` alone would take a tensor arriving on the GPU for one that is
+  // elsewhere. Waits on the host only when the tensor is in flight.
+  static absl::StatusOr<rt::TensorInfo> settled_info(rt::Runtime& rt, rt::TensorHandle h) {
+    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+    if (!info.in_flight) return info;
+    STRATA_RETURN_IF_ERROR(rt.wait_all());
+    return rt.info(h);
   }
 
   static absl::Status to_host(rt::Runtime& rt, rt::TensorHandle h) {

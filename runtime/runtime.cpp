@@ -65,6 +65,9 @@ struct Runtime::Impl {
     // Complete when everything that used the slot's last contents is done (copies out of it, the
     // fetch into it, compute that read it); the next fetch into the slot waits for them on the GPU.
     std::vector<EventHandle> free_events;
+    // Write-backs out of the slot were queued but the event that marks them read out could not be
+    // recorded yet: the slot stays taken until a retried unstage records it.
+    bool read_out_pending = false;
   };
 
   struct TimedCopy {
@@ -1002,12 +1005,16 @@ absl::Status Runtime::unstage_layer(int layer, std::optional<RoleSet> write_back
           str_cat("unstage_layer ", layer, ": tensor '", e->spec.name, "' is still held"));
     }
   }
-  // Each occupant leaves the slot's books only once handled, so a call that fails half-way can be
-  // retried and handles the rest.
+  // Write-backs go in arrival order: the first tensor in is the first whose compute is done, so
+  // the D2H stream starts while the rest of the layer is still arriving and computing (Note
+  // [Per-parameter pipelining] in optim/adam.cpp); in reverse order it would idle until the whole
+  // layer is in. Each occupant leaves the slot's books only once handled, so a call that fails
+  // half-way can be retried and handles the rest.
   bool copied = false;
   absl::Status status;
-  while (!slot.occupants.empty()) {
-    Impl::Entry* e = slot.occupants.back();
+  std::size_t handled = 0;
+  for (; handled < slot.occupants.size(); ++handled) {
+    Impl::Entry* e = slot.occupants[handled];
     if (copy_home.contains(e->spec.role)) {
       if (e->in_flight) impl_->finish_locked(*e, /*early=*/true);  // still arriving: chain on GPU
       status = impl_->migrate_locked(*e, e->rest.tier, e->rest.ptr, -1, {});
@@ -1040,12 +1047,15 @@ absl::Status Runtime::unstage_layer(int layer, std::optional<RoleSet> write_back
       impl_->notify_locked(*e, e->loc.tier, e->loc.ptr);
     }
     impl_->staged_now -= static_cast<std::int64_t>(align_up(e->bytes, kStagingAlignment));
-    slot.occupants.pop_back();
   }
-  if (copied) {
+  slot.occupants.erase(slot.occupants.begin(),
+                       slot.occupants.begin() + static_cast<std::ptrdiff_t>(handled));
+  if (copied || slot.read_out_pending) {
     // The slot may be refilled once the write-backs just queued have read it.
+    slot.read_out_pending = true;
     STRATA_ASSIGN_OR_RETURN(EventHandle read_out, dev.record(impl_->d2h));
     slot.free_events.push_back(read_out);
+    slot.read_out_pending = false;
   }
   if (!status.ok()) return status;  // still staged with the occupants not yet handled
   slot.layer = -1;

@@ -23,6 +23,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "allocator/upstream.h"
 #include "apps/train/report.h"
 #include "apps/train/train.h"
@@ -89,6 +91,14 @@ void print_run_end(const RunResult& r) {
 int run(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "trains a GPT-style decoder under a strata residency policy; see apps/train/main.cpp");
+  // --help lists the flags of the file named like the program by default; strata-train's live in
+  // this file (main.cpp), and the policy flag in runtime/.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "apps/train/") || absl::StrContains(file, "runtime/");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) return usage_error(str_cat("unexpected argument '", rest[1], "'"));
 

@@ -34,8 +34,19 @@ void synchronize(const TrainOptions& o) {
   if (o.cuda) torch::cuda::synchronize();
 }
 
+// torch sets up its CUDA allocator lazily, on the first CUDA tensor; its statistics calls fail
+// ("Invalid device argument") before that, so the first of them sets it up.
+void init_torch_cuda(const TrainOptions& o) {
+#ifdef STRATA_HAS_CUDA
+  if (o.cuda) at::globalContext().lazyInitDevice(at::kCUDA);
+#else
+  (void)o;
+#endif
+}
+
 // torch's own GPU memory (activations, temporaries; everything for a PyTorch run).
 void reset_torch_peak(const TrainOptions& o) {
+  init_torch_cuda(o);
 #ifdef STRATA_HAS_CUDA
   if (o.cuda) c10::cuda::CUDACachingAllocator::resetPeakStats(0);
 #endif
@@ -51,6 +62,7 @@ std::int64_t torch_peak_bytes(const TrainOptions& o) {
   return 0;
 }
 void release_torch_cache(const TrainOptions& o) {
+  init_torch_cuda(o);
 #ifdef STRATA_HAS_CUDA
   if (o.cuda) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif

@@ -226,14 +226,16 @@ TEST(D2Test, BitwiseEqualUnderEveryPolicy) {
 
 // Note [Bulk over budget]: states larger than the GPU budget. keep_on_gpu cannot hold them; bulk
 // streams them a layer at a time and layer_prefetch through its ring, both within the budget and
-// bitwise equal to an unbudgeted keep_on_gpu run.
+// bitwise equal to an unbudgeted keep_on_gpu run; also with the device deferring its copies until
+// the host waits, as a GPU does (states still arriving when the optimizer releases their layer).
 TEST(D2Test, StatesLargerThanTheGpuBudgetTrainUnderBulkAndLayerPrefetch) {
   constexpr int kBigLayers = 4;
   constexpr std::size_t kBigNumel = 1 << 20;  // 4 MiB tensors: P + G 32 MiB, states 32 MiB
   constexpr std::size_t kBudget = 48 * kMiB;
   auto run = [&](const std::string& policy, rt::PolicyConfig config, std::size_t budget,
-                 std::map<std::string, std::vector<unsigned char>>* out) -> absl::Status {
-    auto [runtime, dev] = make_runtime(policy, config, false, budget);
+                 std::map<std::string, std::vector<unsigned char>>* out,
+                 bool deferred = false) -> absl::Status {
+    auto [runtime, dev] = make_runtime(policy, config, deferred, budget);
     std::vector<std::pair<TensorHandle, TensorHandle>> params;
     for (int l = 0; l < kBigLayers; ++l) {
       std::vector<float> init(kBigNumel);
@@ -265,18 +267,22 @@ TEST(D2Test, StatesLargerThanTheGpuBudgetTrainUnderBulkAndLayerPrefetch) {
     }
     return absl::OkStatus();
   };
-  std::map<std::string, std::vector<unsigned char>> want, bulk, prefetch, unused;
+  std::map<std::string, std::vector<unsigned char>> want, unused;
   ASSERT_TRUE(run("keep_on_gpu", {}, alloc::kNoBudget, &want).ok());
   absl::Status keep = run("keep_on_gpu", {}, kBudget, &unused);
   EXPECT_EQ(keep.code(), absl::StatusCode::kResourceExhausted) << keep;
   EXPECT_NE(keep.message().find("out of memory in tier gpu"), std::string_view::npos) << keep;
-  absl::Status s = run("bulk", {.roles = RoleSet::optimizer_states(), .offload_after_step = true},
-                       kBudget, &bulk);
-  ASSERT_TRUE(s.ok()) << s;
-  s = run("layer_prefetch", {.prefetch_depth = 1}, kBudget, &prefetch);
-  ASSERT_TRUE(s.ok()) << s;
-  EXPECT_TRUE(bulk == want) << "bulk over budget differs from keep_on_gpu";
-  EXPECT_TRUE(prefetch == want) << "layer_prefetch over budget differs from keep_on_gpu";
+  for (bool deferred : {false, true}) {
+    std::map<std::string, std::vector<unsigned char>> bulk, prefetch;
+    absl::Status s = run("bulk", {.roles = RoleSet::optimizer_states(), .offload_after_step = true},
+                         kBudget, &bulk, deferred);
+    ASSERT_TRUE(s.ok()) << s << (deferred ? " (deferred)" : "");
+    s = run("layer_prefetch", {.prefetch_depth = 1}, kBudget, &prefetch, deferred);
+    ASSERT_TRUE(s.ok()) << s << (deferred ? " (deferred)" : "");
+    EXPECT_TRUE(bulk == want) << "bulk over budget differs from keep_on_gpu, deferred " << deferred;
+    EXPECT_TRUE(prefetch == want)
+        << "layer_prefetch over budget differs from keep_on_gpu, deferred " << deferred;
+  }
 }
 
 // D2 on a real GPU: the fused kernel, real copies, every policy; bitwise equal to keep_on_gpu.

@@ -6,6 +6,7 @@
 #include <random>
 #include <string>
 
+#include "runtime/fault_injection.h"
 #include "tests/runtime/runtime_test_util.h"
 
 namespace strata::rt {
@@ -265,6 +266,58 @@ TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
   for (int l = 0; l < 4; ++l) {
     EXPECT_EQ(rt->info(*rt->find(str_cat("m", l)))->tier, Tier::kPinnedHost);
   }
+}
+
+// A slot's next fetch must wait until the write-backs out of it have read it, also when the event
+// that marks that could not be recorded at first and unstage_layer was retried. Each case fails the
+// k-th event record of unstage_layer, retries it, refills the one slot, and then runs the H2D
+// stream ahead of everything it is not made to wait for: the write-back must still carry layer 0's
+// bytes.
+TEST(StagingTest, ARetriedUnstageStillGuardsTheSlotAgainstTheNextFetch) {
+  constexpr std::size_t kN = 1000;
+  const std::vector<unsigned char> first = special_payload(kN * 4, 1);
+  const std::vector<unsigned char> second = special_payload(kN * 4, 2);
+  int failed_records = 0;
+  for (std::int64_t k = 1; k <= 8; ++k) {
+    RuntimeOptions options;
+    options.policy = "bulk";
+    options.policy_config = {.roles = RoleSet::optimizer_states()};
+    auto simulated = std::make_unique<SimulatedDevice>();
+    SimulatedDevice* sim = simulated.get();
+    sim->set_deferred(true);
+    auto faulty = std::make_unique<FaultInjectingDevice>(std::move(simulated));
+    FaultInjectingDevice* dev = faulty.get();
+    options.device_override = std::move(faulty);
+    auto rt = Runtime::create(std::move(options), policy::builtin_policies());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    Runtime& r = **rt;
+    for (int l = 0; l < 2; ++l) {
+      ASSERT_TRUE(r.register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, kN, DType::kFloat32,
+                                         Tier::kPinnedHost),
+                                    (l == 0 ? first : second).data())
+                      .ok());
+    }
+    ASSERT_TRUE(r.configure_staging(1, RoleSet::optimizer_states()).ok());
+    ASSERT_TRUE(r.stage_layer(0).ok());
+    ASSERT_TRUE(r.wait_all().ok());
+
+    dev->fail_call(DeviceCall::kRecord, k);
+    absl::Status unstaged = r.unstage_layer(0);
+    dev->disarm();
+    if (!unstaged.ok()) {
+      ++failed_records;
+      ASSERT_TRUE(r.unstage_layer(0).ok()) << "k " << k;
+    }
+    ASSERT_TRUE(r.stage_layer(1).ok()) << "k " << k;
+    while (sim->run_one(r.h2d_stream())) {
+    }
+    ASSERT_TRUE(r.wait_all().ok());
+    ASSERT_TRUE(r.unstage_layer(1).ok());
+    ASSERT_TRUE(r.wait_all().ok());
+    EXPECT_EQ(read_all(r, *r.find("m0")), first) << "k " << k;
+    EXPECT_EQ(read_all(r, *r.find("m1")), second) << "k " << k;
+  }
+  EXPECT_GT(failed_records, 0);  // the faults reached unstage_layer's records
 }
 
 // A small "model" trained through every hook with host functions on the compute stream standing in

@@ -4,18 +4,21 @@
 # python3's LibTorch, run the gpu-labelled tests (the S1 soak among them), compute-sanitizer memcheck
 # (--leak-check full), racecheck, synccheck and initcheck over them, the benchmarks, and
 # write logs and JSON into OUT_DIR, ending with a short table.
-#   tools/gpu/check.sh OUT_DIR [--quick] [--no-sanitizers] [--no-bench]
+#   tools/gpu/check.sh OUT_DIR [--quick] [--no-tests] [--no-cpu-tests] [--no-sanitizers] [--no-bench]
 # --quick: 3 benchmark repetitions instead of 5. A call of the device tool lasts at most 600 s: the
-# sanitizer and benchmark steps can be left out of one call and run in another.
+# test, sanitizer and benchmark steps can be left out of one call and run in another
+# (--no-cpu-tests skips only the suites that CI runs anyway).
 # Files in OUT_DIR: summary.txt, allocator_bench.json, runtime_bench.json, optim_bench.json,
 # logs.tar.gz (every log).
 set -uo pipefail
-OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick] [--no-sanitizers] [--no-bench]}
+OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick] [--no-tests] [--no-cpu-tests] [--no-sanitizers] [--no-bench]}
 shift
-QUICK=; SANITIZERS=1; BENCH=1
+QUICK=; GPU_TESTS=1; CPU_TESTS=1; SANITIZERS=1; BENCH=1
 for flag in "$@"; do
   case "$flag" in
     --quick) QUICK=--quick ;;
+    --no-tests) GPU_TESTS=; CPU_TESTS= ;;
+    --no-cpu-tests) CPU_TESTS= ;;
     --no-sanitizers) SANITIZERS= ;;
     --no-bench) BENCH= ;;
     *) echo "unknown flag $flag"; exit 2 ;;
@@ -37,13 +40,18 @@ step "unpack .deps/debs, configure and build ($(nproc) cores)"
 gpu_build "$LOGS" || exit $?
 echo "built"
 
-step "ctest -L gpu"
-ctest --test-dir "$BUILD" -L gpu -V >"$LOGS/ctest-gpu.log" 2>&1 || status=1
-tail -8 "$LOGS/ctest-gpu.log"
-grep -hoE "L2: .*" "$LOGS/ctest-gpu.log" || true
-step "ctest (CPU suites, on this machine too)"
-ctest --test-dir "$BUILD" -LE gpu --output-on-failure >"$LOGS/ctest-cpu.log" 2>&1 || status=1
-tail -3 "$LOGS/ctest-cpu.log"
+touch "$LOGS/ctest-gpu.log" "$LOGS/ctest-cpu.log"
+if [ -n "$GPU_TESTS" ]; then
+  step "ctest -L gpu"
+  ctest --test-dir "$BUILD" -L gpu -V >"$LOGS/ctest-gpu.log" 2>&1 || status=1
+  tail -8 "$LOGS/ctest-gpu.log"
+  grep -hoE "L2: .*" "$LOGS/ctest-gpu.log" || true
+fi
+if [ -n "$CPU_TESTS" ]; then
+  step "ctest (CPU suites, on this machine too)"
+  ctest --test-dir "$BUILD" -LE gpu --output-on-failure >"$LOGS/ctest-cpu.log" 2>&1 || status=1
+  tail -3 "$LOGS/ctest-cpu.log"
+fi
 
 declare -A SAN
 PROBE="not run"
@@ -59,7 +67,10 @@ san_run() {
   compute-sanitizer "${args[@]}" "$@" >"$LOGS/$tool-$name.log" 2>&1
   local rc=$?
   local errors
-  errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$LOGS/$tool-$name.log" | tail -1 | grep -oE "[0-9]+")
+  # memcheck, synccheck and initcheck end with "ERROR SUMMARY: N errors", racecheck with
+  # "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)".
+  errors=$(grep -oE "ERROR SUMMARY: [0-9]+|\([0-9]+ errors" "$LOGS/$tool-$name.log" | tail -1 |
+    grep -oE "[0-9]+")
   SAN["$tool $name"]="${errors:-?} errors (exit $rc)"
   [ "$rc" = 0 ] || status=1
   echo "$tool $name: ${SAN["$tool $name"]}"
@@ -87,7 +98,12 @@ for tool in racecheck synccheck initcheck; do
     "$BUILD/bin/optim_kernel_test"
   TOOL=$tool STRATA_D1_CYCLES=5 GTEST_FILTER='-*RunAtOnce*' san_run runtime_gpu_test \
     "$BUILD/bin/runtime_gpu_test"
-  TOOL=$tool STRATA_L2_OPS=100 GTEST_FILTER='-*OutOfMemoryMessage*:*Probe*' \
+  # Under initcheck a copy queued behind a host function that waits for the test's own thread
+  # never returns (the tool waits for the copy when it is queued), so the test that holds a copy
+  # stream that way runs under the other tools only.
+  skip='-*OutOfMemoryMessage*:*Probe*'
+  [ "$tool" = initcheck ] && skip+=':*NotReusedEarly*'
+  TOOL=$tool STRATA_L2_OPS=100 GTEST_FILTER="$skip" \
     san_run allocator_gpu_test "$BUILD/bin/allocator_gpu_test"
 done
 # The probe must be caught: proof that memcheck sees block bounds inside pool segments.
@@ -108,6 +124,11 @@ if [ -n "$BENCH" ]; then
 step "benchmarks"
 REPS=5
 [ "$QUICK" = "--quick" ] && REPS=3
+# The optimizer's first: should a device call run out of time, issue 4's figures are in.
+"$BUILD/bin/strata_optim_bench" --benchmark_repetitions=$REPS \
+  --benchmark_report_aggregates_only=true --benchmark_out="$OUT/optim_bench.json" \
+  --benchmark_out_format=json >"$LOGS/optim_bench.txt" 2>&1 || status=1
+tail -5 "$LOGS/optim_bench.txt"
 "$BUILD/bin/strata_allocator_bench" --benchmark_repetitions=$REPS \
   --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true --benchmark_out="$OUT/allocator_bench.json" \
   --benchmark_out_format=json >"$LOGS/allocator_bench.txt" 2>&1 || status=1
@@ -116,17 +137,14 @@ tail -5 "$LOGS/allocator_bench.txt"
   --benchmark_report_aggregates_only=true --benchmark_out="$OUT/runtime_bench.json" \
   --benchmark_out_format=json >"$LOGS/runtime_bench.txt" 2>&1 || status=1
 tail -5 "$LOGS/runtime_bench.txt"
-"$BUILD/bin/strata_optim_bench" --benchmark_repetitions=$REPS \
-  --benchmark_report_aggregates_only=true --benchmark_out="$OUT/optim_bench.json" \
-  --benchmark_out_format=json >"$LOGS/optim_bench.txt" 2>&1 || status=1
-tail -5 "$LOGS/optim_bench.txt"
 
 fi  # BENCH
 
 step "summary"
 {
   echo "GPU: $GPU_NAME"
-  echo "tests: $(grep -E 'tests passed' "$LOGS/ctest-gpu.log" | tail -1) (gpu); $(grep -E 'tests passed' "$LOGS/ctest-cpu.log" | tail -1) (cpu)"
+  passed() { grep -E 'tests passed' "$1" | tail -1 | grep . || echo "not run"; }
+  echo "tests: $(passed "$LOGS/ctest-gpu.log") (gpu); $(passed "$LOGS/ctest-cpu.log") (cpu)"
   for k in "${!SAN[@]}"; do echo "$k: ${SAN[$k]}"; done
   echo "memcheck probe: $PROBE"
   grep -hoE "(L2: |GPU D1: |2 GiB H2D |layer_prefetch depth |S1 soak ).*" "$LOGS/ctest-gpu.log" || true

@@ -23,7 +23,7 @@ for policy in keep_on_gpu bulk layer_prefetch; do
 done
 grep -E "^\[.*\] step 3/3|no live allocations|FAILED" "$OUT/short.log"
 "$BUILD/bin/strata-train" --compare --layers=24 --d_model=2048 --heads=16 --vocab=32000 \
-  --seq=512 --batch=8 --steps=8 --strata_gpu_budget=14GiB \
+  --seq=512 --batch=8 --steps=8 --lr=1e-4 --strata_gpu_budget=14GiB \
   --json="$OUT/compare.json" --chart="$OUT/compare.svg" "$@" >"$OUT/compare.log" 2>&1 || status=1
 sed -n '/^summary/,$p' "$OUT/compare.log"
 grep -E "FAILED" "$OUT/compare.log" | head -5
