@@ -154,6 +154,49 @@ inline absl::StatusOr<LinkTiming> run_link(LinkRig& rig, bool h2d, bool d2h) {
   return t;
 }
 
+// Note [Adjacent floor]: raw passes taken next to the runs a benchmark times, one before each run
+// and outside its clock, so that a ratio to the link compares a run with the link as it was then.
+// The PCIe link of some hosts drifts by 10% within minutes (an H100 host, 2026-11-23: 41.6 GB/s
+// per direction both at once at the start of a run, 37.8 GB/s two minutes later), and a figure
+// taken once per process misjudges every run timed after it.
+//
+//   AdjacentLink both(rig, /*h2d=*/true, /*d2h=*/true);
+//   for (auto _ : state) { STRATA_RETURN_IF_ERROR(both.sample()); ...timed run... }
+//   double floor_ms = bytes_each_way / (both.span_gbps() * 1e9) * 1e3;
+class AdjacentLink {
+ public:
+  AdjacentLink(LinkRig& rig, bool h2d, bool d2h) : rig_(rig), h2d_(h2d), d2h_(d2h) {}
+
+  absl::Status sample() {
+    STRATA_ASSIGN_OR_RETURN(LinkTiming t, run_link(rig_, h2d_, d2h_));
+    h2d_ms_ += t.h2d_ms;
+    d2h_ms_ += t.d2h_ms;
+    span_ms_ += t.span_ms;
+    ++passes_;
+    return absl::OkStatus();
+  }
+
+  // Decimal GB/s over every pass so far (0 before the first): each direction's own rate, and
+  // bytes each way over the span of the directions asked for (the floor's denominator).
+  double h2d_gbps() const { return gbps(h2d_ms_); }
+  double d2h_gbps() const { return gbps(d2h_ms_); }
+  double span_gbps() const { return gbps(span_ms_); }
+  int passes() const { return passes_; }
+
+ private:
+  double gbps(double ms) const {
+    return ms > 0 ? static_cast<double>(kBytesPerDirection) * passes_ / (ms * 1e6) : 0;
+  }
+
+  LinkRig& rig_;
+  bool h2d_;
+  bool d2h_;
+  double h2d_ms_ = 0;
+  double d2h_ms_ = 0;
+  double span_ms_ = 0;
+  int passes_ = 0;
+};
+
 }  // namespace strata::bench
 
 #endif  // STRATA_HAS_CUDA

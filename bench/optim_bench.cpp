@@ -34,6 +34,10 @@
 //                              ms_scaled = time x 8; transfers not counted.
 //   BM_SimulatedLayerPrefetch  layer_prefetch K=1 on the simulated device, 2 layers x 64K params:
 //                              the one benchmark that runs without a GPU.
+// Floors of the offloaded approaches: the raw pinned bandwidth comes from passes of the link rig
+// (16 x 256 MiB each way) right before each step, outside its clock, warm-up steps included, so
+// each step is judged against the link as it was then (Note [Adjacent floor] in link_rig.h);
+// main's start-of-run figures stay in the JSON context for reference.
 // Timing: the resident approaches with CUDA events around the step on the stream that computes;
 // the offloaded ones with host wall time from an idle device to cudaDeviceSynchronize() after the
 // step (the write-back of the last layer is part of the step). Warm-up: 2 steps per repetition.
@@ -43,9 +47,9 @@
 //
 // Memory: one approach's state at a time (a rig, kept across the repetitions of a benchmark and
 // freed before the next approach starts, LibTorch's caches emptied): at most ~25 GB of GPU memory
-// (resident: parameters, gradients and both moments) and ~14 GB of pinned host memory. The link
-// and HBM bandwidths are measured once in main, before any rig exists (8 GiB GPU, 8 GiB pinned,
-// freed before the benchmarks).
+// (resident: parameters, gradients and both moments) and ~14 GB of pinned host memory, plus the
+// link rig's 8 GiB of GPU and 8 GiB of pinned memory, made in main before any rig (where the HBM
+// and start-of-run link bandwidths are measured) and kept to the end.
 //
 // Run (on a machine without a GPU everything but the simulated benchmark reports "no GPU"):
 //   build/bin/strata_optim_bench --benchmark_repetitions=5
@@ -133,6 +137,7 @@ using strata::bench::require_gpu;
 using strata::bench::seconds_between;
 using strata::bench::skip;
 #ifdef STRATA_HAS_CUDA
+using strata::bench::AdjacentLink;
 using strata::bench::cuda_status;
 using strata::bench::init_link_rig;
 using strata::bench::LinkRig;
@@ -316,7 +321,8 @@ absl::Status check_ends(std::string_view what, const Model& model, std::int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bandwidths measured once in main: the floors' denominators.
+// Bandwidths measured once in main: HBM for the resident floor, and the link for reference; the
+// offloaded floors divide by the link measured next to each step (LinkFloor below).
 
 struct Bandwidths {
   bool measured = false;
@@ -336,6 +342,10 @@ constexpr int kHbmPasses = 5;
 
 #ifdef STRATA_HAS_CUDA
 
+// The raw copy buffers: made in main before any rig, kept for the passes next to each offloaded
+// step, freed at the end of main (no CUDA call in static destructors).
+LinkRig* g_link = nullptr;
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -344,8 +354,10 @@ double median(std::vector<double> v) {
 // HBM: a 2 GiB device-to-device cudaMemcpyAsync (read + write = 2 x bytes), median of 5 after a
 // warm-up. Pinned: each direction alone and both at once, median of 3 passes after a warm-up.
 absl::StatusOr<Bandwidths> measure_bandwidths() {
-  LinkRig rig;
-  STRATA_RETURN_IF_ERROR(init_link_rig(rig, kParamSeed ^ kGradSeed));
+  auto made = std::make_unique<LinkRig>();
+  STRATA_RETURN_IF_ERROR(init_link_rig(*made, kParamSeed ^ kGradSeed));
+  g_link = made.release();
+  LinkRig& rig = *g_link;
   Bandwidths out;
 
   std::vector<double> hbm;
@@ -390,6 +402,55 @@ absl::StatusOr<Bandwidths> measure_bandwidths() {
   out.measured = true;
   out.error.clear();
   return out;
+}
+
+// An offloaded approach's floor from raw passes right before each of its steps, outside the
+// step's clock (Note [Adjacent floor] in bench/link_rig.h). kConcurrent: both directions at once,
+// as layer_prefetch and the per-layer pipeline move their bytes (floor = bytes each way over the
+// span); kSequential: each direction alone, as bulk moves everything in and then everything out
+// (floor = bytes over the H2D rate + bytes over the D2H rate).
+class LinkFloor {
+ public:
+  enum Kind { kConcurrent, kSequential };
+  explicit LinkFloor(Kind kind)
+      : kind_(kind),
+        both_(*g_link, true, true),
+        h2d_(*g_link, true, false),
+        d2h_(*g_link, false, true) {}
+
+  absl::Status sample() {
+    if (kind_ == kConcurrent) return both_.sample();
+    STRATA_RETURN_IF_ERROR(h2d_.sample());
+    return d2h_.sample();
+  }
+  double floor_ms(double bytes_each_way) const {
+    if (kind_ == kConcurrent) return ms_at(bytes_each_way, both_.span_gbps());
+    return ms_at(bytes_each_way, h2d_.h2d_gbps()) + ms_at(bytes_each_way, d2h_.d2h_gbps());
+  }
+  // The floor's denominator(s), as counters.
+  void report(benchmark::State& state) const {
+    if (kind_ == kConcurrent) {
+      state.counters["link_per_direction_gbps"] = both_.span_gbps();
+    } else {
+      state.counters["link_h2d_gbps"] = h2d_.h2d_gbps();
+      state.counters["link_d2h_gbps"] = d2h_.d2h_gbps();
+    }
+  }
+
+ private:
+  Kind kind_;
+  AdjacentLink both_;
+  AdjacentLink h2d_;
+  AdjacentLink d2h_;
+};
+
+// `step` with a link sample before it: what the offloaded benchmarks time.
+template <typename Step>
+auto sampled(LinkFloor& floor, Step step) {
+  return [&floor, step]() -> absl::StatusOr<double> {
+    STRATA_RETURN_IF_ERROR(floor.sample());
+    return step();
+  };
 }
 #endif  // STRATA_HAS_CUDA
 
@@ -755,7 +816,8 @@ void BM_StrataBulk(benchmark::State& state) {
 
   // Steps start with the moments offloaded, as after the previous step of a bulk loop.
   double reload_ms = 0;
-  auto step = [&]() -> absl::StatusOr<double> {
+  LinkFloor link(LinkFloor::kSequential);
+  auto step = sampled(link, [&]() -> absl::StatusOr<double> {
     return time_to_idle([&]() -> absl::Status {
       const Clock::time_point t0 = Clock::now();
       STRATA_RETURN_IF_ERROR(runtime.reload_all());
@@ -763,7 +825,7 @@ void BM_StrataBulk(benchmark::State& state) {
       STRATA_RETURN_IF_ERROR(r.adam->step());
       return runtime.offload_all();
     });
-  };
+  });
   if (absl::Status s = runtime.offload_all(); !s.ok()) return skip(state, "first offload_all", s);
   // Extra GPU memory during the step: the allocator's GPU bytes with the moments reloaded, less
   // with them offloaded (measured in the warm-up, outside the clock).
@@ -793,7 +855,7 @@ void BM_StrataBulk(benchmark::State& state) {
   const double step_ms = timed->step_ms;
   const double moments = model.moment_bytes();
   // Out and back are two phases one after the other, each over one direction of the link.
-  const double floor_ms = ms_at(moments, g_bw.h2d_gbps) + ms_at(moments, g_bw.d2h_gbps);
+  const double floor_ms = link.floor_ms(moments);
   state.counters["step_ms"] = step_ms;
   state.counters["reload_ms"] = total_reload_ms / steps;
   state.counters["step_and_offload_ms"] = step_ms - total_reload_ms / steps;
@@ -801,15 +863,14 @@ void BM_StrataBulk(benchmark::State& state) {
   state.counters["ratio_to_floor"] = floor_ms > 0 ? step_ms / floor_ms : 0;
   state.counters["moment_bytes"] = bytes_counter(moments);
   state.counters["peak_extra_gpu_bytes"] = bytes_counter(peak_extra);
-  state.counters["pinned_h2d_gbps"] = g_bw.h2d_gbps;
-  state.counters["pinned_d2h_gbps"] = g_bw.d2h_gbps;
+  link.report(state);
   report_runtime(state, before, after);
   state.SetLabel(
       str_cat("reload_all + optim::Adam step + offload_all, policy bulk, roles "
               "optimizer states, ",
               model.describe(),
-              ", host wall to device idle; floor 2 x moments over raw pinned "
-              "H2D / D2H (each alone)"));
+              ", host wall to device idle; floor: moments over raw pinned H2D + over raw "
+              "pinned D2H, each alone, passes before each step"));
 #endif
 }
 
@@ -824,7 +885,8 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   if (!made.ok()) return skip(state, "layer_prefetch runtime with the model", made.status());
   StrataRig& r = **made;
   rt::Runtime& runtime = *r.runtime;
-  auto step = [&] { return time_to_idle([&] { return r.adam->step(); }); };
+  LinkFloor link(LinkFloor::kConcurrent);
+  auto step = sampled(link, [&] { return time_to_idle([&] { return r.adam->step(); }); });
   const std::optional<StrataTimed> timed = time_strata_steps(state, runtime, step);
   if (!timed) return;
   const Snapshot& before = timed->before;
@@ -836,7 +898,7 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   const double steps = static_cast<double>(state.iterations());
   const double step_ms = timed->step_ms;
   const double moments = model.moment_bytes();
-  const double floor_ms = ms_at(moments, g_bw.both_per_direction_gbps);
+  const double floor_ms = link.floor_ms(moments);
   const double largest = largest_layer_moment_bytes(runtime);
   const double peak_extra = static_cast<double>(after.runtime.staging_bytes);
   const double bound = (depth + 1) * largest;
@@ -845,7 +907,7 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   state.counters["ratio_to_floor"] = floor_ms > 0 ? step_ms / floor_ms : 0;
   state.counters["prefetch_depth"] = depth;
   state.counters["moment_bytes"] = bytes_counter(moments);
-  state.counters["pinned_both_per_direction_gbps"] = g_bw.both_per_direction_gbps;
+  link.report(state);
   state.counters["achieved_gbps_per_direction"] = gb_per_s(moments, step_ms / 1e3);
   state.counters["peak_extra_gpu_bytes"] = bytes_counter(peak_extra);
   state.counters["staged_peak_bytes"] =
@@ -869,7 +931,8 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   state.SetLabel(str_cat("optim::Adam step, policy layer_prefetch K=", depth,
                          ", moments pinned, params and grads on the GPU, ", model.describe(),
                          ", host wall to device idle; floor 8 B/param each way over raw pinned "
-                         "per-direction bandwidth with both directions at once"));
+                         "per-direction bandwidth with both directions at once, passes before "
+                         "each step"));
 #endif
 }
 
@@ -1211,7 +1274,8 @@ void BM_TorchBulkTo(benchmark::State& state) {
     absl::StatusOr<TorchOffloadRig*> made = torch_offload_rig(model);
     if (!made.ok()) return skip(state, "LibTorch tensors of the model", made.status());
     TorchOffloadRig& r = **made;
-    auto step = [&] { return time_to_idle([&] { return torch_bulk_step(r); }); };
+    LinkFloor link(LinkFloor::kSequential);
+    auto step = sampled(link, [&] { return time_to_idle([&] { return torch_bulk_step(r); }); });
     std::optional<TimedSteps> timed = time_torch_offload_steps(state, step);
     if (!timed) return;
     if (absl::Status s = check_torch_offload("torch bulk .to()", model, r); !s.ok()) {
@@ -1219,12 +1283,13 @@ void BM_TorchBulkTo(benchmark::State& state) {
     }
     const double step_ms = timed->step_ms;
     const double moments = model.moment_bytes();
-    const double floor_ms = ms_at(moments, g_bw.h2d_gbps) + ms_at(moments, g_bw.d2h_gbps);
+    const double floor_ms = link.floor_ms(moments);
     state.counters["step_ms"] = step_ms;
     state.counters["floor_ms"] = floor_ms;
     state.counters["ratio_to_floor"] = floor_ms > 0 ? step_ms / floor_ms : 0;
     state.counters["moment_bytes"] = bytes_counter(moments);
     state.counters["peak_extra_gpu_bytes"] = bytes_counter(timed->peak_extra);
+    link.report(state);
     state.SetLabel(
         str_cat("moments pinned CPU tensors: .to(cuda, non_blocking) all, "
                 "at::_fused_adamw_, copy_(non_blocking) back, synchronize; ",
@@ -1244,7 +1309,9 @@ void BM_TorchPerLayerPipeline(benchmark::State& state) {
     absl::StatusOr<TorchOffloadRig*> made = torch_offload_rig(model);
     if (!made.ok()) return skip(state, "LibTorch tensors of the model", made.status());
     TorchOffloadRig& r = **made;
-    auto step = [&] { return time_to_idle([&] { return torch_pipeline_step(model, r); }); };
+    LinkFloor link(LinkFloor::kConcurrent);
+    auto step =
+        sampled(link, [&] { return time_to_idle([&] { return torch_pipeline_step(model, r); }); });
     std::optional<TimedSteps> timed = time_torch_offload_steps(state, step);
     if (!timed) return;
     if (absl::Status s = check_torch_offload("torch per-layer pipeline", model, r); !s.ok()) {
@@ -1252,7 +1319,8 @@ void BM_TorchPerLayerPipeline(benchmark::State& state) {
     }
     const double step_ms = timed->step_ms;
     const double moments = model.moment_bytes();
-    const double floor_ms = ms_at(moments, g_bw.both_per_direction_gbps);
+    const double floor_ms = link.floor_ms(moments);
+    link.report(state);
     state.counters["step_ms"] = step_ms;
     state.counters["floor_ms"] = floor_ms;
     state.counters["ratio_to_floor"] = floor_ms > 0 ? step_ms / floor_ms : 0;
@@ -1405,7 +1473,8 @@ int main(int argc, char** argv) {
   at::set_num_threads(cores);  // the CPU peer uses every core
 #endif
 #ifdef STRATA_HAS_CUDA
-  // Before any rig exists, so the measurement has the GPU and the link to itself.
+  // Before any rig exists, so the measurement has the GPU and the link to itself; the raw copy
+  // buffers stay for the passes next to each offloaded step.
   if (have_gpu()) {
     absl::StatusOr<Bandwidths> bw = measure_bandwidths();
     if (bw.ok()) {
@@ -1455,6 +1524,10 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks();
   release_rig();
   release_device_sources();
+#ifdef STRATA_HAS_CUDA
+  delete g_link;
+  g_link = nullptr;
+#endif
   benchmark::Shutdown();
   return 0;
 }

@@ -2,7 +2,8 @@
 """Short table from strata_optim_bench's JSON (medians of the repetitions when present) and the
 pass/fail of issue 4's targets ("Must show"):
   - layer_prefetch step <= 1.03 x its floor (8 bytes per parameter each way over the pinned
-    bandwidth per direction measured with both directions at once), for K = 1 and K = 2;
+    bandwidth per direction measured with both directions at once, by raw passes right before
+    each step), for K = 1 and K = 2;
   - layer_prefetch faster than the per-layer pipeline written with LibTorch streams, K = 1 and 2;
   - strata's resident fused Adam <= 1.00 x PyTorch's fused AdamW (step time ratio);
   - peak extra GPU memory of layer_prefetch <= (K + 1) x the largest layer's moments + 1%
@@ -66,7 +67,8 @@ def main(path):
     else:
         def ctx_gbps(key):
             return fmt(float(ctx[key])) if key in ctx else "-"
-        print(f"bandwidths (decimal GB/s): HBM {ctx_gbps('hbm_gbps')}; pinned alone h2d "
+        print(f"bandwidths at the start (decimal GB/s): HBM {ctx_gbps('hbm_gbps')}; "
+              f"pinned alone h2d "
               f"{ctx_gbps('pinned_h2d_gbps')} d2h {ctx_gbps('pinned_d2h_gbps')}; both at once "
               f"{ctx_gbps('pinned_both_per_direction_gbps')} per direction (h2d "
               f"{ctx_gbps('pinned_both_h2d_gbps')}, d2h {ctx_gbps('pinned_both_d2h_gbps')})")
@@ -124,7 +126,8 @@ def main(path):
             continue
         print(f"  step {fmt(g.value('step_ms'), '.1f')} ms, floor "
               f"{fmt(g.value('floor_ms'), '.1f')} ms, "
-              f"{fmt(g.value('achieved_gbps_per_direction'))} GB/s per direction; engine "
+              f"{fmt(g.value('achieved_gbps_per_direction'))} GB/s per direction (raw link "
+              f"next to the steps {fmt(g.value('link_per_direction_gbps'))}); engine "
               f"h2d/d2h {fmt(g.value('engine_h2d_gbps'))}/{fmt(g.value('engine_d2h_gbps'))} GB/s")
         print(f"  staging ring {fmt_bytes(g.value('peak_extra_gpu_bytes'))}, staged peak "
               f"{fmt_bytes(g.value('staged_peak_bytes'))}, largest layer's moments "
