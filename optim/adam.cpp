@@ -114,6 +114,9 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       if (adam->groups_[g].hyper.amsgrad) {
         STRATA_ASSIGN_OR_RETURN(slot.max_exp_avg_sq, add_state("max_exp_avg_sq", rt::Role::kOther));
       }
+      for (rt::TensorHandle h : {slot.exp_avg, slot.exp_avg_sq, slot.max_exp_avg_sq}) {
+        if (h.valid()) adam->slot_of_state_[h.id] = adam->slots_.size();
+      }
       adam->by_layer_[slot.layer].push_back(adam->slots_.size());
       adam->slots_.push_back(slot);
     }
@@ -252,17 +255,18 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
 
   for (int layer : rt.optimizer_layer_order()) {
     auto it = by_layer_.find(layer);
-    // Note [Per-parameter pipelining]: a staged layer arrives tensor by tensor (its fetch copies
-    // are queued in this order), so its parameters are stepped one at a time, each released right
-    // after its kernel: the first kernel starts when the first parameter's moments are in, and each
-    // write-back can start while the rest of the layer is still arriving. That shortens the time
-    // only one copy direction is busy at the start and end of the step. A resident layer gets one
-    // multi-tensor launch per group instead.
+    // Note [Per-parameter pipelining]: a staged layer arrives tensor by tensor, so its parameters
+    // are stepped one at a time in the order their moments arrive (Note [Staging order] in
+    // runtime.h), each released right after its kernel: the first kernel starts when the first
+    // parameter's moments are in, and each write-back can start while the rest of the layer is
+    // still arriving. That shortens the time only one copy direction is busy at the start and end
+    // of the step. A resident layer gets one multi-tensor launch per group instead.
     failed_layer = layer;
-    const bool pipelined = rt.is_staged(layer);
+    const std::vector<std::size_t>& arrived = arrival_order(layer);
+    const bool pipelined = !arrived.empty();
     std::vector<std::vector<AdamTensor>> per_group(groups_.size());
     if (it != by_layer_.end()) {
-      for (std::size_t index : it->second) {
+      for (std::size_t index : pipelined ? arrived : it->second) {
         const Slot* s = &slots_[index];
         AdamTensor t;
         void* ptrs[5] = {};
@@ -299,6 +303,28 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
   }
   return absl::OkStatus();
+}
+
+const std::vector<std::size_t>& Adam::arrival_order(int layer) {
+  arrival_order_.clear();
+  runtime_.staged_tensors(layer, arrived_);
+  if (arrived_.empty()) return arrival_order_;
+  auto listed = [&](std::size_t index) {
+    return std::find(arrival_order_.begin(), arrival_order_.end(), index) != arrival_order_.end();
+  };
+  for (rt::TensorHandle h : arrived_) {
+    auto it = slot_of_state_.find(h.id);
+    if (it != slot_of_state_.end() && slots_[it->second].layer == layer && !listed(it->second)) {
+      arrival_order_.push_back(it->second);
+    }
+  }
+  // Slots with nothing staged (empty tensors take no slot space) follow in registration order.
+  if (auto it = by_layer_.find(layer); it != by_layer_.end()) {
+    for (std::size_t index : it->second) {
+      if (!listed(index)) arrival_order_.push_back(index);
+    }
+  }
+  return arrival_order_;
 }
 
 // Checkpoint format (little-endian, as the machine writes it):

@@ -97,6 +97,8 @@ class Adam {
   absl::Status step_layers(const float* grad_scale, const float* found_inf,
                            std::vector<rt::TensorHandle>& held, int& failed_layer,
                            int& stepped_layers, bool& launched);
+  // The slots of a layer in the order its staged states arrive; empty when it is not staged.
+  const std::vector<std::size_t>& arrival_order(int layer);
 
   rt::Runtime& runtime_;
   AdamOptions options_;
@@ -105,6 +107,11 @@ class Adam {
   std::vector<Slot> slots_;
   // Indices into slots_ by layer, built once: step() runs every iteration.
   std::map<int, std::vector<std::size_t>> by_layer_;
+  // The slot each state tensor (by handle id) belongs to.
+  std::map<std::uint64_t, std::size_t> slot_of_state_;
+  // arrival_order's buffers, kept so that a step allocates nothing once they are sized.
+  std::vector<rt::TensorHandle> arrived_;
+  std::vector<std::size_t> arrival_order_;
   // Bytes each layer needs on the GPU during its step: parameters, gradients and moments.
   std::map<int, std::size_t> step_bytes_;
   // Runtime::unregistrations() when every handle was last found registered.

@@ -74,8 +74,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
       const std::size_t prev = position(forward_, last_);
       if (!kept_for_backward(prev)) {
         STRATA_RETURN_IF_ERROR(unstage(rt, last_, RoleSet()));  // read only: drop
-        STRATA_RETURN_IF_ERROR(
-            refill(rt, forward_, [&](std::size_t k) { return forward_roles(k); }));
+        STRATA_RETURN_IF_ERROR(refill(
+            rt, forward_, [&](std::size_t k) { return forward_roles(k); }, as_registered));
       }
     }
     return hold(rt, layer, forward_roles(j));
@@ -94,7 +94,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     if (b == backward_.size()) return absl::OkStatus();  // nothing of this layer streams
     if (held_ >= 0) STRATA_RETURN_IF_ERROR(release_held(rt));
     STRATA_RETURN_IF_ERROR(unstage(rt, layer, RoleSet{Role::kGradient}));
-    STRATA_RETURN_IF_ERROR(refill(rt, backward_, [&](std::size_t) { return backward_roles(); }));
+    STRATA_RETURN_IF_ERROR(refill(
+        rt, backward_, [&](std::size_t) { return backward_roles(); }, as_registered));
     if (b + 1 < backward_.size()) {
       const int following = backward_[b + 1];
       STRATA_RETURN_IF_ERROR(rt.stage_layer(following, backward_roles()));
@@ -112,12 +113,12 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     }
     STRATA_RETURN_IF_ERROR(configure(rt));
     next_ = 0;
-    return refill(rt, order_, [&](std::size_t) { return config().roles; });
+    return refill_optimizer(rt);
   }
 
   absl::Status on_layer_released(rt::Runtime& rt, int layer) override {
     STRATA_RETURN_IF_ERROR(unstage(rt, layer, write_back()));
-    return refill(rt, order_, [&](std::size_t) { return config().roles; });
+    return refill_optimizer(rt);
   }
 
   absl::Status on_end_optimizer_step(rt::Runtime& rt) override {
@@ -168,13 +169,15 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return rt.configure_staging(static_cast<int>(slots_), config().roles);
   }
 
-  // Stages layers of `order` from next_ on while the ring has room.
-  template <typename RolesOf>
-  absl::Status refill(rt::Runtime& rt, const std::vector<int>& order, RolesOf roles_of) {
+  // Stages layers of `order` from next_ on while the ring has room: layer k with roles_of(k), its
+  // copies in stage_order(k).
+  template <typename RolesOf, typename StageOrderOf>
+  absl::Status refill(rt::Runtime& rt, const std::vector<int>& order, RolesOf roles_of,
+                      StageOrderOf stage_order) {
     while (staged_.size() < slots_ && next_ < order.size()) {
       const int layer = order[next_];
       const bool had_slot = rt.is_staged(layer);
-      absl::Status s = rt.stage_layer(layer, roles_of(next_));
+      absl::Status s = rt.stage_layer(layer, roles_of(next_), stage_order(next_));
       if (!s.ok()) {
         // A layer staged part way keeps its slot (the runtime leaves what was queued in place).
         // Take it back out, so this layer is either staged whole or not at all and the next call
@@ -188,6 +191,21 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
       ++next_;
     }
     return absl::OkStatus();
+  }
+
+  static rt::StageOrder as_registered(std::size_t) { return rt::StageOrder::kRegistered; }
+
+  // The optimizer step streams order_ with the configured roles. Note [Staging order]: the first
+  // layer comes smallest tensor first, so the first kernel starts soonest; the last comes
+  // smallest tensor last, so the last write-back, which nothing overlaps, is the shortest.
+  absl::Status refill_optimizer(rt::Runtime& rt) {
+    const std::size_t last = order_.empty() ? 0 : order_.size() - 1;
+    return refill(
+        rt, order_, [&](std::size_t) { return config().roles; },
+        [last](std::size_t k) {
+          if (k == 0) return rt::StageOrder::kSmallestFirst;
+          return k == last ? rt::StageOrder::kLargestFirst : rt::StageOrder::kRegistered;
+        });
   }
 
   absl::Status unstage(rt::Runtime& rt, int layer, RoleSet write) {
@@ -214,7 +232,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     STRATA_RETURN_IF_ERROR(configure(rt));
     next_ = 0;
     in_forward_ = true;
-    return refill(rt, forward_, [&](std::size_t k) { return forward_roles(k); });
+    return refill(
+        rt, forward_, [&](std::size_t k) { return forward_roles(k); }, as_registered);
   }
 
   // The compute stream waits for the layer's data; the runtime keeps it in place until released.

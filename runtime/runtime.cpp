@@ -906,7 +906,7 @@ std::vector<std::pair<Runtime::Impl::Entry*, std::size_t>> Runtime::Impl::slot_l
   return out;
 }
 
-absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
+absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles, StageOrder order) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->slots.empty()) {
     return absl::FailedPreconditionError(
@@ -926,6 +926,14 @@ absl::Status Runtime::stage_layer(int layer, std::optional<RoleSet> roles) {
     if (want.contains(e->spec.role) && e->bytes > 0 && !on_gpu_already) todo.emplace_back(e, off);
   }
   if (todo.empty()) return absl::OkStatus();
+  // Note [Staging order]: stable, so tensors of equal size keep their registration order.
+  if (order == StageOrder::kSmallestFirst) {
+    std::stable_sort(todo.begin(), todo.end(),
+                     [](const auto& a, const auto& b) { return a.first->bytes < b.first->bytes; });
+  } else if (order == StageOrder::kLargestFirst) {
+    std::stable_sort(todo.begin(), todo.end(),
+                     [](const auto& a, const auto& b) { return a.first->bytes > b.first->bytes; });
+  }
   if (need > impl_->slot_bytes) {
     return absl::FailedPreconditionError(
         str_cat("stage_layer ", layer, ": needs ", format_bytes(need), " but staging slots hold ",
@@ -1066,6 +1074,14 @@ absl::Status Runtime::unstage_layer(int layer, std::optional<RoleSet> write_back
 bool Runtime::is_staged(int layer) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->staged_layers.count(layer) > 0;
+}
+
+void Runtime::staged_tensors(int layer, std::vector<TensorHandle>& out) const {
+  out.clear();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->staged_layers.find(layer);
+  if (it == impl_->staged_layers.end()) return;
+  for (const Impl::Entry* e : impl_->slots[it->second].occupants) out.push_back(e->handle);
 }
 
 absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHandle stream) {

@@ -15,6 +15,14 @@
 // refilled by an H2D copy that waits, on the GPU, for the D2H copies that emptied it: no host wait,
 // and the GPU never holds more than `slots` layers of staged data.
 //
+// Note [Staging order]: a staged layer's copies are queued in the order stage_layer is asked for,
+// and staged_tensors() tells that order, so a consumer can compute each tensor as it arrives and
+// write it back in the same order. A step that streams layers from an idle link spends the first
+// tensor's fetch with only the H2D direction busy and the last tensor's write-back with only the
+// D2H direction busy; so layer_prefetch asks for the first layer of a step smallest first and the
+// last layer largest first (smallest last). Tensors of equal size keep their registration order,
+// so the moments of one parameter, registered together, arrive together.
+//
 // Pageable host memory is never streamed directly: copies to and from it go through pinned bounce
 // buffers in pieces of kBounceChunkBytes, and those migrations wait on the host (counted). The
 // bounce buffers (kBounceSlots of them) and the staging ring come from pools of the runtime's own,
@@ -58,6 +66,9 @@ namespace strata::rt {
 
 inline constexpr std::size_t kBounceChunkBytes = std::size_t{16} << 20;
 inline constexpr int kBounceSlots = 2;
+
+// The order in which stage_layer queues a layer's copies (Note [Staging order]).
+enum class StageOrder { kRegistered, kSmallestFirst, kLargestFirst };
 
 struct RuntimeOptions {
   // See choose_policy_name: this, else --strata_policy, else STRATA_POLICY, else the default.
@@ -147,8 +158,9 @@ class Runtime {
   // Queues the layer's tensors of `roles` (default: the staging roles) into its slot: the next free
   // one, or the slot the layer already has (a layer staged for parameters can take its gradients
   // later). The tensors keep their home blocks while staged. kResourceExhausted when no slot is
-  // free.
-  [[nodiscard]] absl::Status stage_layer(int layer, std::optional<RoleSet> roles = std::nullopt);
+  // free. `order`: the order of the copies (Note [Staging order]).
+  [[nodiscard]] absl::Status stage_layer(int layer, std::optional<RoleSet> roles = std::nullopt,
+                                         StageOrder order = StageOrder::kRegistered);
   // Ends the layer's staging. Tensors with a role in `write_back` (default: all) are copied back
   // into their home blocks; the others are discarded (their home block still holds the data: use it
   // for what compute only read). The slot becomes reusable on the GPU once those copies and the
@@ -156,6 +168,9 @@ class Runtime {
   [[nodiscard]] absl::Status unstage_layer(int layer,
                                            std::optional<RoleSet> write_back = std::nullopt);
   bool is_staged(int layer) const;
+  // The layer's staged tensors in the order their copies were queued into its slot (arrival
+  // order); `out` is cleared first and left empty when the layer is not staged.
+  void staged_tensors(int layer, std::vector<TensorHandle>& out) const;
 
   // --- residency guards ---
   // The tensor's address on `tier` for work on `stream`: the stream waits for any copy bringing it

@@ -224,6 +224,65 @@ TEST(D2Test, BitwiseEqualUnderEveryPolicy) {
   }
 }
 
+// Layers of parameters of different sizes: layer_prefetch stages the first layer smallest first and
+// the last smallest last (Note [Staging order]), and Adam steps a staged layer in the order its
+// moments arrive; results stay bitwise equal to keep_on_gpu, also with the copies deferred.
+TEST(D2Test, LayersOfMixedSizesSteppedInArrivalOrderAreBitwiseEqual) {
+  constexpr int kMixedLayers = 3;
+  const std::size_t sizes[] = {300, 5000, 0, 1000};  // one empty parameter: nothing to stage
+  auto run = [&](const std::string& policy, rt::PolicyConfig config, bool deferred,
+                 std::map<std::string, std::vector<unsigned char>>* out) -> absl::Status {
+    auto [runtime, dev] = make_runtime(policy, config, deferred);
+    AdamOptions o;
+    o.groups.resize(2);
+    o.groups[0].hyper = {.lr = 1e-2f, .weight_decay = 0.01f};
+    o.groups[1].hyper = {.lr = 3e-3f, .beta1 = 0.8f};
+    std::vector<std::pair<TensorHandle, TensorHandle>> all;
+    for (int l = 0; l < kMixedLayers; ++l) {
+      for (std::size_t k = 0; k < std::size(sizes); ++k) {
+        std::vector<float> init(sizes[k]);
+        for (std::size_t i = 0; i < sizes[k]; ++i) init[i] = std::sin(0.01f * i + l + k);
+        STRATA_ASSIGN_OR_RETURN(
+            TensorHandle p,
+            runtime->register_tensor(spec(str_cat("l", l, ".p", k), l, Role::kParameter, sizes[k]),
+                                     init.data()));
+        STRATA_ASSIGN_OR_RETURN(TensorHandle g,
+                                runtime->register_tensor(spec(str_cat("l", l, ".p", k, ".grad"), l,
+                                                              Role::kGradient, sizes[k])));
+        o.groups[k % 2].params.push_back({p, g});
+        all.push_back({p, g});
+      }
+    }
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Adam> adam, Adam::create(*runtime, o));
+    for (int step = 1; step <= 20; ++step) {
+      for (std::size_t j = 0; j < all.size(); ++j) {
+        const std::size_t n = runtime->info(all[j].second)->bytes / sizeof(float);
+        std::vector<float> g(n);
+        for (std::size_t i = 0; i < n; ++i) g[i] = 0.1f * std::cos(0.03f * i * step + j);
+        STRATA_RETURN_IF_ERROR(runtime->write(all[j].second, g.data()));
+      }
+      STRATA_RETURN_IF_ERROR(runtime->begin_step());
+      STRATA_RETURN_IF_ERROR(adam->step());
+      STRATA_RETURN_IF_ERROR(runtime->end_step());
+    }
+    for (TensorHandle h : runtime->tensors()) {
+      (*out)[runtime->info(h)->spec.name] = read_all(*runtime, h);
+    }
+    return absl::OkStatus();
+  };
+  std::map<std::string, std::vector<unsigned char>> want;
+  ASSERT_TRUE(run("keep_on_gpu", {}, false, &want).ok());
+  for (int depth : {0, 1, 2}) {
+    for (bool deferred : {false, true}) {
+      std::map<std::string, std::vector<unsigned char>> got;
+      absl::Status s = run("layer_prefetch", {.prefetch_depth = depth}, deferred, &got);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_TRUE(got == want) << "layer_prefetch K=" << depth << (deferred ? " deferred" : "")
+                               << " differs from keep_on_gpu";
+    }
+  }
+}
+
 // Note [Bulk over budget]: states larger than the GPU budget. keep_on_gpu cannot hold them; bulk
 // streams them a layer at a time and layer_prefetch through its ring, both within the budget and
 // bitwise equal to an unbudgeted keep_on_gpu run; also with the device deferring its copies until

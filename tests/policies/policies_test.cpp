@@ -268,6 +268,79 @@ TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
   }
 }
 
+// Note [Staging order]: stage_layer queues a layer's copies in the order asked for, equal sizes in
+// registration order, and staged_tensors() reports it; layer_prefetch asks for the step's first
+// layer smallest first, its last largest first and the rest as registered.
+std::vector<std::string> staged_names(const Runtime& rt, int layer) {
+  std::vector<TensorHandle> handles;
+  rt.staged_tensors(layer, handles);
+  std::vector<std::string> out;
+  for (TensorHandle h : handles) out.push_back(rt.info(h)->spec.name);
+  return out;
+}
+
+// Three layers of moments of 300, 5000 and 1000 floats, registered in that order.
+void register_mixed_moments(Runtime& rt) {
+  for (int l = 0; l < 3; ++l) {
+    for (auto [name, numel] : {std::pair{"a", 300}, std::pair{"b", 5000}, std::pair{"c", 1000}}) {
+      for (Role role : {Role::kExpAvg, Role::kExpAvgSq}) {
+        ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".", name, ".", role_name(role)), l,
+                                            role, numel, DType::kFloat32, Tier::kPinnedHost))
+                        .ok());
+      }
+    }
+  }
+}
+
+TEST(StagingTest, CopiesAreQueuedInTheOrderAskedFor) {
+  auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::optimizer_states()});
+  register_mixed_moments(*rt);
+  ASSERT_TRUE(rt->configure_staging(3, RoleSet::optimizer_states()).ok());
+  EXPECT_TRUE(staged_names(*rt, 0).empty());  // not staged
+  ASSERT_TRUE(rt->stage_layer(0).ok());
+  ASSERT_TRUE(rt->stage_layer(1, std::nullopt, StageOrder::kSmallestFirst).ok());
+  ASSERT_TRUE(rt->stage_layer(2, std::nullopt, StageOrder::kLargestFirst).ok());
+  const std::vector<std::string> registered = {"l0.a.exp_avg", "l0.a.exp_avg_sq",
+                                               "l0.b.exp_avg", "l0.b.exp_avg_sq",
+                                               "l0.c.exp_avg", "l0.c.exp_avg_sq"};
+  EXPECT_EQ(staged_names(*rt, 0), registered);
+  const std::vector<std::string> smallest = {"l1.a.exp_avg", "l1.a.exp_avg_sq",
+                                             "l1.c.exp_avg", "l1.c.exp_avg_sq",
+                                             "l1.b.exp_avg", "l1.b.exp_avg_sq"};
+  EXPECT_EQ(staged_names(*rt, 1), smallest);
+  const std::vector<std::string> largest = {"l2.b.exp_avg", "l2.b.exp_avg_sq",
+                                            "l2.c.exp_avg", "l2.c.exp_avg_sq",
+                                            "l2.a.exp_avg", "l2.a.exp_avg_sq"};
+  EXPECT_EQ(staged_names(*rt, 2), largest);
+  for (int l = 0; l < 3; ++l) ASSERT_TRUE(rt->unstage_layer(l).ok());
+  ASSERT_TRUE(rt->wait_all().ok());
+  EXPECT_TRUE(staged_names(*rt, 1).empty());
+}
+
+TEST(StagingTest, LayerPrefetchStagesTheFirstLayerSmallestFirstAndTheLastSmallestLast) {
+  auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1});
+  register_mixed_moments(*rt);
+  StreamHandle s = rt->compute_stream();
+  ASSERT_TRUE(rt->begin_optimizer_step().ok());
+  std::vector<std::string> first = staged_names(*rt, 0);
+  ASSERT_EQ(first.size(), 6u);
+  EXPECT_EQ(first[0], "l0.a.exp_avg");
+  EXPECT_EQ(first[5], "l0.b.exp_avg_sq");
+  EXPECT_EQ(staged_names(*rt, 1)[0], "l1.a.exp_avg");  // as registered
+  EXPECT_EQ(staged_names(*rt, 1)[2], "l1.b.exp_avg");
+  for (int l = 0; l < 3; ++l) {
+    ASSERT_TRUE(rt->acquire_layer(l, RoleSet::optimizer_states(), Tier::kGpu, s).ok());
+    ASSERT_TRUE(rt->release_layer(l, RoleSet::optimizer_states(), s).ok());
+    if (l == 0) {
+      std::vector<std::string> last = staged_names(*rt, 2);
+      ASSERT_EQ(last.size(), 6u);
+      EXPECT_EQ(last[0], "l2.b.exp_avg");
+      EXPECT_EQ(last[5], "l2.a.exp_avg_sq");
+    }
+  }
+  ASSERT_TRUE(rt->end_optimizer_step().ok());
+}
+
 // A slot's next fetch must wait until the write-backs out of it have read it, also when the event
 // that marks that could not be recorded at first and unstage_layer was retried. Each case fails the
 // k-th event record of unstage_layer, retries it, refills the one slot, and then runs the H2D
