@@ -109,6 +109,7 @@
 #include "base/strings.h"
 #include "base/units.h"
 #include "bench/bench_util.h"
+#include "bench/copy_trace.h"
 #include "bench/link_rig.h"
 #include "optim/adam.h"
 #include "optim/adam_math.h"
@@ -600,6 +601,7 @@ absl::StatusOr<double> time_to_idle(Fn fn) {
 
 struct StrataRig final : Rig {
   Model model;
+  strata::bench::CopyTracer* tracer = nullptr;  // the runtime's device (CUDA rigs); idle until used
   std::unique_ptr<rt::Runtime> runtime;
   std::unique_ptr<optim::Adam> adam;  // declared after the runtime: destroyed first
   std::vector<rt::TensorHandle> params;
@@ -625,6 +627,12 @@ absl::StatusOr<std::unique_ptr<StrataRig>> make_strata_rig(const Model& model, s
   options.policy_config.prefetch_depth = depth;
   options.policy_config.roles = rt::RoleSet::optimizer_states();
   options.device = device;
+  if (device == rt::DeviceKind::kCuda) {
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<rt::Device> cuda, rt::make_cuda_device());
+    auto tracer = std::make_unique<strata::bench::CopyTracer>(std::move(cuda));
+    out->tracer = tracer.get();
+    options.device_override = std::move(tracer);
+  }
   STRATA_ASSIGN_OR_RETURN(
       out->runtime, rt::Runtime::create(std::move(options), strata::policy::builtin_policies()));
   optim::ParamGroup group;
@@ -756,6 +764,23 @@ std::optional<StrataTimed> time_strata_steps(benchmark::State& state, rt::Runtim
   out.step_ms = total_ms / static_cast<double>(state.iterations());
   return out;
 }
+
+#ifdef STRATA_HAS_CUDA
+// One more step from an idle device, outside the clock, with its copies traced: how the step used
+// each direction of the link (bench/copy_trace.h).
+absl::StatusOr<strata::bench::LinkUse> traced_step(StrataRig& r) {
+  rt::Runtime& runtime = *r.runtime;
+  STRATA_RETURN_IF_ERROR(cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
+  STRATA_RETURN_IF_ERROR(r.tracer->start(runtime.h2d_stream()));
+  const absl::Status step = r.adam->step();
+  const absl::Status idle = cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  absl::StatusOr<std::vector<strata::bench::CopySpan>> spans = r.tracer->finish();
+  STRATA_RETURN_IF_ERROR(step);
+  STRATA_RETURN_IF_ERROR(idle);
+  if (!spans.ok()) return spans.status();
+  return strata::bench::link_use(*spans, runtime.h2d_stream(), runtime.d2h_stream());
+}
+#endif
 
 // The largest layer's bytes of optimizer states, from the runtime's registry.
 double largest_layer_moment_bytes(rt::Runtime& runtime) {
@@ -892,6 +917,8 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   const Snapshot& before = timed->before;
   const Snapshot& after = timed->after;
   const std::int64_t used_after = device_used_bytes();
+  absl::StatusOr<strata::bench::LinkUse> use = traced_step(r);
+  if (!use.ok()) return skip(state, "traced step", use.status());
   if (absl::Status s = check_strata(str_cat("strata layer_prefetch K=", depth), r); !s.ok()) {
     return skip(state, "result check", s);
   }
@@ -927,6 +954,16 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   state.counters["prefetch_stall_ms"] =
       static_cast<double>(after.runtime.prefetch_stall_ns - before.runtime.prefetch_stall_ns) /
       1e6 / steps;
+  // The traced step: where the link went idle in one direction or both.
+  state.counters["trace_span_ms"] = use->span_ms;
+  state.counters["trace_both_ms"] = use->both_ms;
+  state.counters["trace_h2d_alone_ms"] = use->h2d_alone_ms;
+  state.counters["trace_d2h_alone_ms"] = use->d2h_alone_ms;
+  state.counters["trace_neither_ms"] = use->neither_ms;
+  state.counters["trace_h2d_gbps_both"] = gb_per_s(use->h2d_bytes_both, use->both_ms / 1e3);
+  state.counters["trace_d2h_gbps_both"] = gb_per_s(use->d2h_bytes_both, use->both_ms / 1e3);
+  state.counters["trace_h2d_gbps_alone"] = gb_per_s(use->h2d_bytes_alone, use->h2d_alone_ms / 1e3);
+  state.counters["trace_d2h_gbps_alone"] = gb_per_s(use->d2h_bytes_alone, use->d2h_alone_ms / 1e3);
   report_runtime(state, before, after);
   state.SetLabel(str_cat("optim::Adam step, policy layer_prefetch K=", depth,
                          ", moments pinned, params and grads on the GPU, ", model.describe(),

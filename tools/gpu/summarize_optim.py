@@ -138,6 +138,15 @@ def main(path):
               f"{fmt(g.value('prefetch_stall_ms'), '.2f')} ms; after warm-up gpu/pinned segment "
               f"allocs {fmt(g.worst('gpu_segment_allocs'), 'g')}/"
               f"{fmt(g.worst('pinned_segment_allocs'), 'g')}")
+        if g.value("trace_span_ms") is not None:
+            print(f"  one traced step {fmt(g.value('trace_span_ms'), '.1f')} ms: both directions "
+                  f"{fmt(g.value('trace_both_ms'), '.1f')} ms (h2d/d2h "
+                  f"{fmt(g.value('trace_h2d_gbps_both'))}/{fmt(g.value('trace_d2h_gbps_both'))}"
+                  f" GB/s), h2d alone {fmt(g.value('trace_h2d_alone_ms'), '.1f')} ms ("
+                  f"{fmt(g.value('trace_h2d_gbps_alone'))} GB/s), d2h alone "
+                  f"{fmt(g.value('trace_d2h_alone_ms'), '.1f')} ms ("
+                  f"{fmt(g.value('trace_d2h_gbps_alone'))} GB/s), neither "
+                  f"{fmt(g.value('trace_neither_ms'), '.1f')} ms")
         r = g.value("ratio_to_floor")
         verdict(f"K={k}: ratio_to_floor {fmt(r, '.4f')} <= {MAX_PREFETCH_RATIO_TO_FLOOR}",
                 None if not r else r <= MAX_PREFETCH_RATIO_TO_FLOOR, "no floor measured")
