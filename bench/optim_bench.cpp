@@ -64,8 +64,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -767,8 +769,9 @@ std::optional<StrataTimed> time_strata_steps(benchmark::State& state, rt::Runtim
 
 #ifdef STRATA_HAS_CUDA
 // One more step from an idle device, outside the clock, with its copies traced: how the step used
-// each direction of the link (bench/copy_trace.h).
-absl::StatusOr<strata::bench::LinkUse> traced_step(StrataRig& r) {
+// each direction of the link (bench/copy_trace.h). With STRATA_TRACE_DIR set, the copies are also
+// written to $STRATA_TRACE_DIR/<name>.csv (direction, bytes, start and end in ms).
+absl::StatusOr<strata::bench::LinkUse> traced_step(StrataRig& r, const std::string& name) {
   rt::Runtime& runtime = *r.runtime;
   STRATA_RETURN_IF_ERROR(cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
   STRATA_RETURN_IF_ERROR(r.tracer->start(runtime.h2d_stream()));
@@ -778,6 +781,15 @@ absl::StatusOr<strata::bench::LinkUse> traced_step(StrataRig& r) {
   STRATA_RETURN_IF_ERROR(step);
   STRATA_RETURN_IF_ERROR(idle);
   if (!spans.ok()) return spans.status();
+  if (const char* dir = std::getenv("STRATA_TRACE_DIR"); dir != nullptr && *dir != '\0') {
+    std::ofstream csv(str_cat(dir, "/", name, ".csv"));
+    csv << "direction,bytes,start_ms,end_ms\n";
+    for (const strata::bench::CopySpan& c : *spans) {
+      csv << (c.stream == runtime.h2d_stream() ? "h2d" : "d2h") << ',' << c.bytes << ','
+          << c.start_ms << ',' << c.end_ms << '\n';
+    }
+    if (!csv) return absl::InternalError(str_cat("writing the trace into ", dir, " failed"));
+  }
   return strata::bench::link_use(*spans, runtime.h2d_stream(), runtime.d2h_stream());
 }
 #endif
@@ -917,7 +929,7 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   const Snapshot& before = timed->before;
   const Snapshot& after = timed->after;
   const std::int64_t used_after = device_used_bytes();
-  absl::StatusOr<strata::bench::LinkUse> use = traced_step(r);
+  absl::StatusOr<strata::bench::LinkUse> use = traced_step(r, str_cat("layer_prefetch_k", depth));
   if (!use.ok()) return skip(state, "traced step", use.status());
   if (absl::Status s = check_strata(str_cat("strata layer_prefetch K=", depth), r); !s.ok()) {
     return skip(state, "result check", s);
