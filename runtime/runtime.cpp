@@ -39,6 +39,8 @@ struct Runtime::Impl {
     Location dst;
     StreamHandle copy_stream = nullptr;
     EventHandle arrival = nullptr;
+    // The stream an acquire made wait for `arrival` (Note [Covered arrival]).
+    StreamHandle arrival_waiter = nullptr;
     EventHandle timed_start = nullptr;
     EventHandle timed_end = nullptr;
     bool timed_h2d = false;
@@ -48,6 +50,8 @@ struct Runtime::Impl {
     struct Ready {
       StreamHandle stream;
       EventHandle event;
+      // Recorded on a stream after it waited for the copy in flight (Note [Covered arrival]).
+      bool covers_arrival = false;
     };
     std::vector<Ready> ready;
     int holds = 0;
@@ -348,6 +352,9 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
     e.dst = dst;
     e.copy_stream = stream;
     e.arrival = *arrival;
+    e.arrival_waiter = nullptr;
+    // The ready events stay; none of them covers the new copy.
+    for (Entry::Ready& r : e.ready) r.covers_arrival = false;
     in_flight.push_back(&e);
     return absl::OkStatus();
   }
@@ -385,6 +392,7 @@ absl::Status Runtime::Impl::migrate_locked(Entry& e, Tier dst_tier, void* dst_pt
   e.dst = dst;
   e.copy_stream = stream;
   e.arrival = *arrival;
+  e.arrival_waiter = nullptr;
   e.timed_start = *start;
   e.timed_end = *end;
   e.timed_h2d = to_gpu;
@@ -418,12 +426,19 @@ void Runtime::Impl::finish_locked(Entry& e, bool early) {
     }
     free_location_locked(e, src);
   }
-  if (early) {
+  // Note [Covered arrival]: a release on a stream that had waited for the copy already orders what
+  // comes after it behind the copy; later copies then need not wait for the copy itself too. Each
+  // wait costs a copy stream a pause between copies (about 20 us measured on an H200), and a
+  // write-back of a staged tensor would otherwise wait twice.
+  const bool covered = std::any_of(e.ready.begin(), e.ready.end(),
+                                   [](const Entry::Ready& r) { return r.covers_arrival; });
+  if (early && !covered) {
     e.ready.push_back({e.copy_stream, e.arrival});
   } else {
     device->release(e.arrival);
   }
   e.arrival = nullptr;
+  e.arrival_waiter = nullptr;
   e.loc = e.dst;
   if (e.loc.ptr == e.rest.ptr) e.rest = {};  // a write-back into the kept home block: home again
   e.in_flight = false;
@@ -1115,6 +1130,7 @@ absl::StatusOr<void*> Runtime::acquire(TensorHandle tensor, Tier tier, StreamHan
       ++impl_->stats.prefetch_waits;
       STRATA_ASSIGN_OR_RETURN(EventHandle before, dev.record_timed(stream));
       STRATA_RETURN_IF_ERROR(dev.stream_wait(stream, e->arrival));
+      e->arrival_waiter = stream;
       STRATA_ASSIGN_OR_RETURN(EventHandle after, dev.record_timed(stream));
       impl_->stalls.push_back({before, after});
       ++e->holds;
@@ -1180,7 +1196,7 @@ absl::Status Runtime::Impl::release_locked(const std::vector<Entry*>& members,
         ++it;
       }
     }
-    e->ready.push_back({stream, done[i]});
+    e->ready.push_back({stream, done[i], e->in_flight && e->arrival_waiter == stream});
     --e->holds;
   }
   return absl::OkStatus();
@@ -1249,8 +1265,15 @@ absl::Status Runtime::after_backward(int layer) {
   return impl_->policy->on_after_backward(*this, layer);
 }
 absl::Status Runtime::begin_optimizer_step() {
-  STRATA_RETURN_IF_ERROR(fence_and_poll());
-  return impl_->policy->on_begin_optimizer_step(*this);
+  // The policy's first fetches go out before the host collects what finished since the last hook:
+  // after a step with no hook in between, that is every copy of it (about 1.5 ms of bookkeeping
+  // for 512 copies, measured on an H200), and the link would idle meanwhile.
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    STRATA_RETURN_IF_ERROR(impl_->fence_compute_locked());
+  }
+  STRATA_RETURN_IF_ERROR(impl_->policy->on_begin_optimizer_step(*this));
+  return poll();
 }
 absl::Status Runtime::end_optimizer_step() {
   STRATA_RETURN_IF_ERROR(impl_->policy->on_end_optimizer_step(*this));

@@ -341,6 +341,53 @@ TEST(StagingTest, LayerPrefetchStagesTheFirstLayerSmallestFirstAndTheLastSmalles
   ASSERT_TRUE(rt->end_optimizer_step().ok());
 }
 
+// Note [Covered arrival]: the write-back of a staged tensor that compute acquired while it was
+// still arriving waits once, for compute's release, not for the fetch as well; the release already
+// follows the fetch on the GPU, so the write-back cannot run before the fetch and the compute have.
+TEST(StagingTest, AWriteBackWaitsForComputeWhichCoversTheFetch) {
+  constexpr std::size_t kN = 1000;
+  const std::vector<unsigned char> payload = special_payload(kN * 4, 3);
+  RuntimeOptions options;
+  options.policy = "bulk";
+  options.policy_config = {.roles = RoleSet::optimizer_states()};
+  auto simulated = std::make_unique<SimulatedDevice>();
+  SimulatedDevice* sim = simulated.get();
+  sim->set_deferred(true);
+  auto counting = std::make_unique<FaultInjectingDevice>(std::move(simulated));
+  FaultInjectingDevice* dev = counting.get();
+  options.device_override = std::move(counting);
+  auto made = Runtime::create(std::move(options), policy::builtin_policies());
+  ASSERT_TRUE(made.ok()) << made.status();
+  Runtime& r = **made;
+  TensorHandle m = *r.register_tensor(
+      spec("m", 0, Role::kExpAvg, kN, DType::kFloat32, Tier::kPinnedHost), payload.data());
+  ASSERT_TRUE(r.configure_staging(1, RoleSet::optimizer_states()).ok());
+  ASSERT_TRUE(r.stage_layer(0).ok());  // the fetch stays queued: the device is deferred
+  StreamHandle compute = r.compute_stream();
+  absl::StatusOr<void*> p = r.acquire(m, Tier::kGpu, compute);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // "Compute" flips every bit it finds; it runs once the fetch has landed.
+  void* staged = *p;
+  ASSERT_TRUE(r.device()
+                  .enqueue_host(compute,
+                                [staged] {
+                                  auto* b = static_cast<unsigned char*>(staged);
+                                  for (std::size_t i = 0; i < kN * 4; ++i) b[i] ^= 0xff;
+                                })
+                  .ok());
+  ASSERT_TRUE(r.release(m, compute).ok());
+  dev->fail_call(DeviceCall::kStreamWait, 1000000);  // counts the waits from here, fails none
+  ASSERT_TRUE(r.unstage_layer(0).ok());
+  EXPECT_EQ(dev->calls(DeviceCall::kStreamWait), 1) << "the write-back waits for compute only";
+  dev->disarm();
+  // The write-back cannot run ahead: nothing on the D2H stream moves before the fetch and compute.
+  EXPECT_FALSE(sim->run_one(r.d2h_stream()));
+  ASSERT_TRUE(r.wait_all().ok());
+  std::vector<unsigned char> want = payload;
+  for (unsigned char& b : want) b ^= 0xff;
+  EXPECT_EQ(read_all(r, m), want);
+}
+
 // A slot's next fetch must wait until the write-backs out of it have read it, also when the event
 // that marks that could not be recorded at first and unstage_layer was retried. Each case fails the
 // k-th event record of unstage_layer, retries it, refills the one slot, and then runs the H2D
