@@ -341,24 +341,41 @@ TEST(StagingTest, LayerPrefetchStagesTheFirstLayerSmallestFirstAndTheLastSmalles
   ASSERT_TRUE(rt->end_optimizer_step().ok());
 }
 
+// A bulk runtime streaming optimizer states over a deferred simulated device (copies run only when
+// the test or a host wait says so), behind a FaultInjectingDevice that counts and can fail calls.
+struct DeferredRuntime {
+  std::unique_ptr<Runtime> runtime;
+  SimulatedDevice* sim = nullptr;
+  FaultInjectingDevice* dev = nullptr;
+};
+
+DeferredRuntime deferred_bulk_runtime() {
+  RuntimeOptions options;
+  options.policy = "bulk";
+  options.policy_config = {.roles = RoleSet::optimizer_states()};
+  auto simulated = std::make_unique<SimulatedDevice>();
+  DeferredRuntime out;
+  out.sim = simulated.get();
+  out.sim->set_deferred(true);
+  auto faulty = std::make_unique<FaultInjectingDevice>(std::move(simulated));
+  out.dev = faulty.get();
+  options.device_override = std::move(faulty);
+  absl::StatusOr<std::unique_ptr<Runtime>> made =
+      Runtime::create(std::move(options), policy::builtin_policies());
+  EXPECT_TRUE(made.ok()) << made.status();
+  if (made.ok()) out.runtime = std::move(*made);
+  return out;
+}
+
 // Note [Covered arrival]: the write-back of a staged tensor that compute acquired while it was
 // still arriving waits once, for compute's release, not for the fetch as well; the release already
 // follows the fetch on the GPU, so the write-back cannot run before the fetch and the compute have.
 TEST(StagingTest, AWriteBackWaitsForComputeWhichCoversTheFetch) {
   constexpr std::size_t kN = 1000;
   const std::vector<unsigned char> payload = special_payload(kN * 4, 3);
-  RuntimeOptions options;
-  options.policy = "bulk";
-  options.policy_config = {.roles = RoleSet::optimizer_states()};
-  auto simulated = std::make_unique<SimulatedDevice>();
-  SimulatedDevice* sim = simulated.get();
-  sim->set_deferred(true);
-  auto counting = std::make_unique<FaultInjectingDevice>(std::move(simulated));
-  FaultInjectingDevice* dev = counting.get();
-  options.device_override = std::move(counting);
-  auto made = Runtime::create(std::move(options), policy::builtin_policies());
-  ASSERT_TRUE(made.ok()) << made.status();
-  Runtime& r = **made;
+  auto [runtime, sim, dev] = deferred_bulk_runtime();
+  ASSERT_NE(runtime, nullptr);
+  Runtime& r = *runtime;
   TensorHandle m = *r.register_tensor(
       spec("m", 0, Role::kExpAvg, kN, DType::kFloat32, Tier::kPinnedHost), payload.data());
   ASSERT_TRUE(r.configure_staging(1, RoleSet::optimizer_states()).ok());
@@ -399,18 +416,9 @@ TEST(StagingTest, ARetriedUnstageStillGuardsTheSlotAgainstTheNextFetch) {
   const std::vector<unsigned char> second = special_payload(kN * 4, 2);
   int failed_records = 0;
   for (std::int64_t k = 1; k <= 8; ++k) {
-    RuntimeOptions options;
-    options.policy = "bulk";
-    options.policy_config = {.roles = RoleSet::optimizer_states()};
-    auto simulated = std::make_unique<SimulatedDevice>();
-    SimulatedDevice* sim = simulated.get();
-    sim->set_deferred(true);
-    auto faulty = std::make_unique<FaultInjectingDevice>(std::move(simulated));
-    FaultInjectingDevice* dev = faulty.get();
-    options.device_override = std::move(faulty);
-    auto rt = Runtime::create(std::move(options), policy::builtin_policies());
-    ASSERT_TRUE(rt.ok()) << rt.status();
-    Runtime& r = **rt;
+    auto [runtime, sim, dev] = deferred_bulk_runtime();
+    ASSERT_NE(runtime, nullptr);
+    Runtime& r = *runtime;
     for (int l = 0; l < 2; ++l) {
       ASSERT_TRUE(r.register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, kN, DType::kFloat32,
                                          Tier::kPinnedHost),
