@@ -30,6 +30,10 @@
 //                              both directions running at once. Targets: step <= 1.03 x floor and
 //                              faster than BM_TorchPerLayerPipeline; peak extra GPU memory (the
 //                              staging ring) <= (K + 1) x the largest layer's moments + 1%.
+//                              After the timed steps, one more step with its copies traced
+//                              (bench/copy_trace.h): trace_* counters say how long each
+//                              direction of the link copied alone, with the other, or not at
+//                              all; STRATA_TRACE_DIR=DIR also writes the copies as CSV.
 //   BM_TorchCpuAdamW           torch::optim::AdamW on CPU tensors, 1/8 of the model (4 layers);
 //                              ms_scaled = time x 8; transfers not counted.
 //   BM_SimulatedLayerPrefetch  layer_prefetch K=1 on the simulated device, 2 layers x 64K params:
