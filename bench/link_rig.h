@@ -181,7 +181,6 @@ class AdjacentLink {
   double h2d_gbps() const { return gbps(h2d_ms_); }
   double d2h_gbps() const { return gbps(d2h_ms_); }
   double span_gbps() const { return gbps(span_ms_); }
-  int passes() const { return passes_; }
 
  private:
   double gbps(double ms) const {
