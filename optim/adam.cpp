@@ -48,7 +48,7 @@ absl::Status check_hyper(const AdamHyper& h, std::size_t group) {
 // Every layer's step working set must fit the GPU: the kernel reads GPU memory only, and a layer
 // that cannot be brought there whole would fail its step half way through the model.
 absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_t>& step_bytes) {
-  const std::size_t budget = runtime.allocator().pool(rt::Tier::kGpu).budget();
+  const std::size_t budget = runtime.gpu_budget();
   for (auto [layer, bytes] : step_bytes) {
     if (bytes > budget) {
       return absl::ResourceExhaustedError(str_cat(

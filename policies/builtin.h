@@ -4,10 +4,13 @@
 //   bulk            tensors live at their home tier (normally the GPU); offload_all moves every
 //                   tensor of the configured roles to pinned host memory while the pinned budget
 //                   allows and to pageable memory after, reload_all brings them back; with
-//                   PolicyConfig::offload_after_step this happens around every step.
+//                   PolicyConfig::offload_after_step they rest on the host and come back for
+//                   every step as far as the GPU budget allows, the rest streaming a layer at a
+//                   time (Note [Bulk over budget] in bulk.cpp).
 //   layer_prefetch  tensors of the configured roles (optimizer states by default) live in pinned
 //                   host memory; during the optimizer step the next K layers are fetched into the
-//                   staging ring while layer i computes, and layer i is written back after.
+//                   staging ring while layer i computes, and layer i is written back after;
+//                   with parameters among the roles, forward and backward stream the same way.
 //
 // Example:
 //   RuntimeOptions options;

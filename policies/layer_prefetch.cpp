@@ -38,7 +38,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
     if (!config().roles.contains(info.spec.role)) return absl::OkStatus();
     const std::size_t layer = rt.layer_bytes(info.spec.layer, config().roles);
-    const std::size_t budget = rt.allocator().pool(rt::Tier::kGpu).budget();
+    const std::size_t budget = rt.gpu_budget();
     if (budget != alloc::kNoBudget && layer > budget) {
       return absl::InvalidArgumentError(
           str_cat("layer_prefetch: the GPU budget (", format_bytes(budget),

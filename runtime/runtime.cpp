@@ -1318,6 +1318,15 @@ RuntimeStats Runtime::stats() const {
   return s;
 }
 
+std::size_t Runtime::gpu_budget() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const std::size_t pool = impl_->allocator->pool(Tier::kGpu).budget();
+  if (pool == alloc::kNoBudget) return pool;
+  const auto ring = static_cast<std::size_t>(impl_->stats.staging_bytes);
+  // A ring that takes the whole budget leaves the pool one byte (configure_staging), not counted.
+  return ring > 0 && pool == 1 ? ring : pool + ring;
+}
+
 alloc::TieredAllocator& Runtime::allocator() { return *impl_->allocator; }
 Device& Runtime::device() { return *impl_->device; }
 const ResidencyPolicy& Runtime::policy() const { return *impl_->policy; }

@@ -216,6 +216,9 @@ class Runtime {
   void set_compute_stream(StreamHandle stream);
 
   RuntimeStats stats() const;
+  // The GPU memory model state may take: the main GPU pool's budget and the staging ring together
+  // (the ring is carved out of the budget given at creation); alloc::kNoBudget for none.
+  std::size_t gpu_budget() const;
   alloc::TieredAllocator& allocator();
   Device& device();
   const ResidencyPolicy& policy() const;

@@ -41,18 +41,30 @@ GptImpl::GptImpl(const GptConfig& config) : config_(config) {
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& tokens,
-                               const std::function<void(int)>& before_layer) {
+                               const std::function<void(int)>& before_layer,
+                               const std::function<void(int)>& after_backward) {
   const std::int64_t t = tokens.size(1);
+  // The gradient of a layer's input is complete once everything of the layer that leads to it has
+  // run, and autograd runs a parameter's gradient accumulation as soon as it can (ahead of every
+  // other ready node), so when the hook runs the layer's gradients are all in. Nothing of the
+  // layer below can run before: it needs this very gradient.
+  auto hook_input = [&](torch::Tensor& input, int layer) {
+    if (!after_backward || !input.requires_grad()) return;
+    input.register_hook([after_backward, layer](const at::TensorBase&) { after_backward(layer); });
+  };
   before_layer(0);
   torch::Tensor positions = torch::arange(t, tokens.options());
   torch::Tensor x = tok_->forward(tokens) + pos_->forward(positions);
   torch::Tensor mask =
       torch::ones({t, t}, tokens.options().dtype(torch::kBool)).triu(/*diagonal=*/1);
   for (std::size_t i = 0; i < blocks_->size(); ++i) {
-    before_layer(static_cast<int>(i) + 1);
+    const int layer = static_cast<int>(i) + 1;
+    before_layer(layer);
+    hook_input(x, layer);
     x = blocks_[i]->as<Block>()->forward(x, mask);
   }
   before_layer(num_layers() - 1);
+  hook_input(x, num_layers() - 1);
   return head_->forward(ln_f_->forward(x));
 }
 

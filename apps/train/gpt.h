@@ -4,13 +4,16 @@
 // written with matmuls, so forward and backward are deterministic on CPU and GPU alike, and a 4x
 // GELU MLP), a final LayerNorm and an output head. strata's layers are: 0 the embeddings, 1..layers
 // the blocks, layers + 1 the final norm and head; forward() calls a hook before each of them so a
-// residency policy can bring that layer's tensors in.
+// residency policy can bring that layer's tensors in, and can have autograd call another once each
+// layer's backward is done, so the policy can send that layer's gradients out and bring the next
+// layer in while backward goes on.
 //
 // Example:
 //   torch::manual_seed(7);
 //   Gpt model(GptConfig{.vocab = 256, .d_model = 128, .heads = 4, .layers = 4});
 //   torch::Tensor tokens = synthetic_batch(model->config(), /*seed=*/7, /*step=*/0);
 //   torch::Tensor logits = model->forward(tokens.slice(1, 0, -1), [](int layer) {});
+//   // ...a loss of logits, loss.backward()...
 #pragma once
 
 #include <torch/torch.h>
@@ -48,7 +51,13 @@ class GptImpl : public torch::nn::Module {
  public:
   explicit GptImpl(const GptConfig& config);
   // tokens: [batch, seq] int64 -> logits [batch, seq, vocab]. before_layer(l) runs before layer l.
-  torch::Tensor forward(const torch::Tensor& tokens, const std::function<void(int)>& before_layer);
+  // after_backward, when given, runs for layers num_layers() - 1 down to 1 during the backward
+  // pass of the returned logits, each once the layer's backward is done: its parameters' gradients
+  // are accumulated and nothing of it runs again. It runs from a hook on the layer's input, on the
+  // thread autograd runs backward on, before anything of the layer below starts. Layer 0 (the
+  // embeddings) has no input to hook: its backward is done when backward() returns.
+  torch::Tensor forward(const torch::Tensor& tokens, const std::function<void(int)>& before_layer,
+                        const std::function<void(int)>& after_backward = {});
   // strata layers: layers + 2.
   int num_layers() const { return static_cast<int>(config_.layers) + 2; }
   // Every parameter's full name, grouped by strata layer (TorchBinding::register_module).

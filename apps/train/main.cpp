@@ -5,7 +5,8 @@
 // bitwise. Runs on the GPU when there is one, on the simulated device (model on the CPU) otherwise.
 //
 //   build/bin/strata-train [--strata_policy=layer_prefetch] [--strata_gpu_budget=8GiB]
-//                          [--steps=20] [--layers=4 --d_model=128 --heads=4 --vocab=256
+//                          [--strata_roles=optimizer_states|all] [--steps=20] [--layers=4
+//                          --d_model=128 --heads=4 --vocab=256
 //                          --seq=64 --batch=8] [--compare] [--json=FILE] [--chart=FILE.svg]
 //
 // Exit codes: 0 trained (with --compare: at least two strata policies trained with bitwise equal
@@ -39,6 +40,10 @@
 
 ABSL_FLAG(std::string, strata_gpu_budget, "",
           "GPU memory strata may use for model state, e.g. 8GiB (default: no limit)");
+ABSL_FLAG(std::string, strata_roles, "optimizer_states",
+          "what bulk moves and layer_prefetch streams: optimizer_states, or all (parameters and "
+          "gradients too, for a model larger than the GPU budget), or a list such as "
+          "exp_avg,exp_avg_sq");
 ABSL_FLAG(int, steps, 20, "training steps");
 ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
 ABSL_FLAG(int64_t, d_model, 128, "model width");
@@ -142,6 +147,10 @@ int run(int argc, char** argv) {
         str_cat("--device must be auto, cuda or simulated, not '", device_flag, "'"));
   }
 
+  absl::StatusOr<rt::RoleSet> roles = rt::RoleSet::parse(absl::GetFlag(FLAGS_strata_roles));
+  if (!roles.ok()) return usage_error(str_cat("--strata_roles: ", roles.status().message()));
+  o.roles = *roles;
+
   const std::string budget_flag = absl::GetFlag(FLAGS_strata_gpu_budget);
   if (!budget_flag.empty()) {
     absl::StatusOr<std::size_t> budget = parse_bytes(budget_flag);
@@ -184,9 +193,10 @@ int run(int argc, char** argv) {
       static_cast<long long>(m.heads), static_cast<long long>(m.vocab),
       static_cast<long long>(m.batch), static_cast<long long>(m.seq), params / 4 / 1e6,
       format_bytes(params).c_str(), format_bytes(2 * params).c_str());
-  std::printf("strata GPU budget: %s\n", o.gpu_budget == static_cast<std::size_t>(-1)
-                                             ? "none"
-                                             : format_bytes(o.gpu_budget).c_str());
+  std::printf(
+      "strata GPU budget: %s; moved or streamed: %s\n",
+      o.gpu_budget == static_cast<std::size_t>(-1) ? "none" : format_bytes(o.gpu_budget).c_str(),
+      o.roles.to_string().c_str());
   std::fflush(stdout);
 
   const StepCallback progress = [&](const RunResult& run, const StepRecord& step) {

@@ -221,7 +221,7 @@ std::string to_json(const Report& report) {
       ", \"batch\": ", o.model.batch, ", \"steps\": ", o.steps, ", \"lr\": ", exact(o.lr),
       ", \"weight_decay\": ", exact(o.weight_decay), ", \"seed\": ", o.seed,
       ", \"gpu_budget_bytes\": ", budget ? std::to_string(o.gpu_budget) : std::string("null"),
-      ", \"prefetch_depth\": ", o.prefetch_depth,
+      ", \"prefetch_depth\": ", o.prefetch_depth, ", \"roles\": ", json_quoted(o.roles.to_string()),
       ", \"parameter_bytes\": ", parameter_bytes(o.model), "},\n");
   j += "  \"runs\": [\n";
   for (std::size_t i = 0; i < report.runs.size(); ++i) {
@@ -308,6 +308,9 @@ std::string to_svg(const Report& report) {
   std::string subtitle = str_cat(xml_escaped(report.device), "; Adam states ",
                                  format_bytes(2 * parameter_bytes(o.model)));
   if (budget) str_append(&subtitle, "; strata GPU budget ", format_bytes(o.gpu_budget));
+  if (o.roles.contains(rt::Role::kParameter)) {
+    str_append(&subtitle, "; parameters and gradients stream too");
+  }
   str_append(&s, "<text x=\"24\" y=\"58\" font-size=\"13\" fill=\"#52606d\">", subtitle,
              "</text>\n");
 

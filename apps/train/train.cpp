@@ -100,7 +100,7 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
   rt::RuntimeOptions ro;
   ro.policy = policy;
   ro.policy_config.prefetch_depth = o.prefetch_depth;
-  ro.policy_config.roles = rt::RoleSet::optimizer_states();
+  ro.policy_config.roles = o.roles;
   // bulk: the states go to host memory after every step and come back before the next one.
   ro.policy_config.offload_after_step = true;
   ro.device = o.cuda ? rt::DeviceKind::kCuda : rt::DeviceKind::kSimulated;
@@ -139,7 +139,6 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       }
     }
 
-    const int layers = model->num_layers();
     for (int step = 1; step <= o.steps; ++step) {
       const Batch batch = batch_for(o, step);
       rt.allocator().reset_peak_stats();
@@ -148,18 +147,24 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       const Clock::time_point start = Clock::now();
 
       bridge::check(rt.begin_step());
-      torch::Tensor logits =
-          model->forward(batch.inputs, [&](int layer) { bridge::check(rt.before_forward(layer)); });
+      // Each layer's after_backward runs as soon as its backward is done, so that a policy
+      // streaming parameters and gradients can send them out and bring the next layer in while
+      // backward goes on; the embeddings' (layer 0) runs once backward returns.
+      torch::Tensor logits = model->forward(
+          batch.inputs, [&](int layer) { bridge::check(rt.before_forward(layer)); },
+          [&](int layer) { bridge::check(rt.after_backward(layer)); });
       torch::Tensor loss = loss_of(logits, batch.targets);
       loss.backward();
-      for (int layer = layers - 1; layer >= 0; --layer) bridge::check(rt.after_backward(layer));
+      bridge::check(rt.after_backward(0));
       synchronize(o);
       const Clock::time_point optimizer_start = Clock::now();
       bridge::check(adam->step());
       synchronize(o);
       const double optimizer_ms = ms_since(optimizer_start);
-      bridge::check(rt.end_step());
+      // Before end_step, which may move the gradients to the host: zeroed where they are, on the
+      // GPU unless they stream (then in pinned memory, through unified addressing).
       for (torch::Tensor& p : model->parameters()) p.mutable_grad().zero_();
+      bridge::check(rt.end_step());
       const float loss_value = loss.item<float>();
       synchronize(o);
       const double step_ms = ms_since(start);
@@ -295,6 +300,13 @@ RunResult run_strata(const TrainOptions& options, const std::string& policy,
   } catch (const std::exception& e) {
     result.ok = false;
     result.error = message_of(e);
+    // Parameters and gradients that stay on the GPU can be what does not fit.
+    if (policy != "keep_on_gpu" && !options.roles.contains(rt::Role::kParameter) &&
+        result.error.find("out of memory in tier gpu") != std::string::npos) {
+      result.error +=
+          " (the parameters and gradients stay on the GPU; --strata_roles=all "
+          "streams them too)";
+    }
   }
   release_torch_cache(options);
   return result;

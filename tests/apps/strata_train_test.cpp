@@ -134,6 +134,41 @@ TEST(StrataTrainTest, CompareOverBudgetKeepOnGpuFailsOthersTrainIdentically) {
   EXPECT_TRUE(contains(o.output, "(bulk, layer_prefetch): yes, bitwise")) << o.output;
 }
 
+// The value of `field` in the JSON's run named `run` (the text up to the next comma or brace).
+std::string run_field(const std::string& json, const std::string& run, const std::string& field) {
+  const std::size_t at = json.find("{\"name\": \"" + run + "\"");
+  if (at == std::string::npos) return "no run " + run;
+  const std::string key = "\"" + field + "\": ";
+  const std::size_t f = json.find(key, at);
+  if (f == std::string::npos) return "no field " + field;
+  const std::size_t begin = f + key.size();
+  return json.substr(begin, json.find_first_of(",}", begin) - begin);
+}
+
+// Issue 5 on the simulated device: Adam states (12.8 MiB) and parameters with gradients (as much
+// again) larger than an 8 MiB budget. keep_on_gpu fails; bulk and layer_prefetch stream every role
+// a layer at a time and reach the losses of an unbudgeted keep_on_gpu run, bitwise.
+TEST(StrataTrainTest, StreamingEveryRoleTrainsAModelLargerThanTheBudgetWithTheSameLosses) {
+  const std::string model = "--steps=3 --layers=8 ";
+  const std::string streamed = ::testing::TempDir() + "/streamed.json";
+  Outcome o =
+      run_train(model + "--compare --strata_roles=all --strata_gpu_budget=8MiB --json=" + streamed);
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(contains(o.output, "moved or streamed: parameter,gradient,exp_avg,exp_avg_sq,other"))
+      << o.output;
+  EXPECT_TRUE(contains(o.output, "[keep_on_gpu] FAILED: RESOURCE_EXHAUSTED")) << o.output;
+  EXPECT_TRUE(contains(o.output, "(bulk, layer_prefetch): yes, bitwise")) << o.output;
+  const std::string reference = ::testing::TempDir() + "/reference.json";
+  Outcome r = run_train(model + "--strata_policy=keep_on_gpu --json=" + reference);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string got = read_file(streamed), want = read_file(reference);
+  for (const char* run : {"bulk", "layer_prefetch"}) {
+    EXPECT_EQ(run_field(got, run, "final_loss"), run_field(want, "keep_on_gpu", "final_loss"))
+        << run;
+    EXPECT_NE(run_field(got, run, "staging_bytes"), "0") << run << " did not stream";
+  }
+}
+
 TEST(StrataTrainTest, ErrorsSayWhatIsWrongWithTheirExitCodes) {
   struct Case {
     std::string args;
@@ -153,6 +188,11 @@ TEST(StrataTrainTest, ErrorsSayWhatIsWrongWithTheirExitCodes) {
        {"[keep_on_gpu] FAILED: RESOURCE_EXHAUSTED: register_tensor", "out of memory in tier gpu",
         "budget 12.00 MiB"}},
       {"--strata_gpu_budget=lots", 2, {"strata-train: --strata_gpu_budget: "}},
+      {"--strata_roles=weights", 2, {"strata-train: --strata_roles: "}},
+      {"--strata_policy=layer_prefetch --layers=8 --strata_gpu_budget=8MiB --steps=1",
+       1,
+       {"[layer_prefetch] FAILED: RESOURCE_EXHAUSTED", "out of memory in tier gpu",
+        "--strata_roles=all streams them too"}},
       {"--steps=0", 2, {"--steps must be at least 1"}},
       {"--heads=3", 2, {"--heads (3) must divide --d_model (128)"}},
       {"--device=tpu", 2, {"--device must be auto, cuda or simulated, not 'tpu'"}},

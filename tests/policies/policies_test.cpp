@@ -582,6 +582,29 @@ TEST(ParameterStreamingTest, AModelLargerThanTheGpuBudgetTrainsLikeKeepOnGpu) {
     EXPECT_LE(st.staged_peak_bytes, static_cast<std::int64_t>(budget)) << depth;
     EXPECT_EQ(rt->allocator().stats(Tier::kGpu).allocated_bytes.peak, 0) << depth;
   }
+
+  // bulk with everything resting on the host: not even parameters and gradients fit, so the whole
+  // step streams a layer at a time (Note [Bulk over budget], third case).
+  for (std::size_t layers_in_budget : {1, 3}) {
+    const std::size_t budget = layers_in_budget * kLayerBytes;
+    std::mt19937 rng(91 + layers_in_budget);
+    auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::all(), .offload_after_step = true},
+                                  /*deferred=*/true, budget);
+    register_trainable(*rt, kLayers, kN);
+    const auto got = train(*rt, *dev, kLayers, kN, 4, &rng);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, bytes] : want) {
+      EXPECT_EQ(got.at(name), bytes) << name << " differs from keep_on_gpu under bulk, budget "
+                                     << layers_in_budget << " layers";
+    }
+    EXPECT_GT(rt->stats().staged_peak_bytes, 0) << "bulk did not stream";
+    EXPECT_LE(rt->stats().staged_peak_bytes, static_cast<std::int64_t>(budget));
+    EXPECT_EQ(rt->allocator().stats(Tier::kGpu).allocated_bytes.peak, 0)
+        << "bulk brought part of the model back in bulk";
+    std::string all_pinned = "P";
+    for (int i = 1; i < 4 * kLayers; ++i) all_pinned += " P";
+    EXPECT_EQ(where(*rt), all_pinned) << "everything rests on the host after a step";
+  }
 }
 
 TEST(ParameterStreamingTest, ForwardHoldsOneLayerAndKeepsTheLastForBackward) {
