@@ -122,6 +122,13 @@ std::int64_t peak_gpu_bytes(const RunResult& run) {
   for (const StepRecord& s : run.steps) peak = std::max(peak, s.peak_gpu_bytes);
   return peak;
 }
+std::int64_t peak_strata_gpu_bytes(const RunResult& run) {
+  const StepRecord* peak = nullptr;
+  for (const StepRecord& s : run.steps) {
+    if (peak == nullptr || s.peak_gpu_bytes > peak->peak_gpu_bytes) peak = &s;
+  }
+  return peak == nullptr ? 0 : peak->strata_gpu_bytes;
+}
 
 Comparison compare_runs(const std::vector<RunResult>& runs) {
   Comparison c;
@@ -232,7 +239,8 @@ std::string to_json(const Report& report) {
                ", \"error\": ", r.ok ? std::string("null") : json_quoted(r.error), ",\n");
     str_append(&j, "     \"median_step_ms\": ", exact(median_step_ms(r)),
                ", \"median_optimizer_ms\": ", exact(median_optimizer_ms(r)),
-               ", \"peak_gpu_bytes\": ", peak_gpu_bytes(r), ", \"final_loss\": ",
+               ", \"peak_gpu_bytes\": ", peak_gpu_bytes(r),
+               ", \"peak_strata_gpu_bytes\": ", peak_strata_gpu_bytes(r), ", \"final_loss\": ",
                r.steps.empty() ? std::string("null") : exact(r.steps.back().loss), ",\n");
     if (r.strata) {
       str_append(
@@ -251,6 +259,7 @@ std::string to_json(const Report& report) {
                  ", \"d2h_bytes\": ", s.d2h_bytes, ", \"h2d_gbps\": ", exact(s.h2d_gbps),
                  ", \"d2h_gbps\": ", exact(s.d2h_gbps), ", \"waited_ms\": ", exact(s.waited_ms),
                  ", \"peak_gpu_bytes\": ", s.peak_gpu_bytes,
+                 ", \"strata_gpu_bytes\": ", s.strata_gpu_bytes,
                  ", \"fragmentation\": {\"gpu\": ", exact(s.fragmentation[0]),
                  ", \"pinned_host\": ", exact(s.fragmentation[1]),
                  ", \"pageable_host\": ", exact(s.fragmentation[2]), "}}");
@@ -314,8 +323,9 @@ std::string to_svg(const Report& report) {
   str_append(&s, "<text x=\"24\" y=\"58\" font-size=\"13\" fill=\"#52606d\">", subtitle,
              "</text>\n");
 
-  auto panel = [&](int x0, const std::string& title, double max_value, auto value_of, auto label_of,
-                   bool draw_budget) {
+  // A bar is value_of(run) long; its first solid_of(run) is drawn solid, the rest light.
+  auto panel = [&](int x0, const std::string& title, double max_value, auto value_of, auto solid_of,
+                   auto label_of, bool draw_budget) {
     const int bar_x = x0 + kLabelWidth;
     const int bar_max = kPanelWidth - kLabelWidth - 80;
     str_append(&s, "<text x=\"", x0, "\" y=\"", kTop - 16,
@@ -342,12 +352,22 @@ std::string to_svg(const Report& report) {
                                                                         : "failed")
                   : "n/a (runs on the CPU)";
         str_append(&s, "<text x=\"", bar_x + 6, "\" y=\"", y + 15, "\" font-size=\"12\" fill=\"",
-                   !r.ok ? "#c62828" : "#7b8794", "\">", why, "</text>\n");
+                   !r.ok ? "#c62828" : "#7b8794",
+                   "\" stroke=\"#ffffff\" stroke-width=\"3\" paint-order=\"stroke\">", why,
+                   "</text>\n");
         continue;
       }
       const int w = std::max(1, static_cast<int>(std::lround(v / max_value * bar_max)));
-      str_append(&s, "<rect x=\"", bar_x, "\" y=\"", y, "\" width=\"", w, "\" height=\"",
-                 kBarHeight, "\" rx=\"3\" fill=\"", color(r), "\"/>\n");
+      const int solid =
+          std::clamp(static_cast<int>(std::lround(solid_of(r) / max_value * bar_max)), 0, w);
+      if (solid < w) {
+        str_append(&s, "<rect x=\"", bar_x, "\" y=\"", y, "\" width=\"", w, "\" height=\"",
+                   kBarHeight, "\" rx=\"3\" fill=\"", color(r), "\" fill-opacity=\"0.35\"/>\n");
+      }
+      if (solid > 0) {
+        str_append(&s, "<rect x=\"", bar_x, "\" y=\"", y, "\" width=\"", solid, "\" height=\"",
+                   kBarHeight, "\" rx=\"3\" fill=\"", color(r), "\"/>\n");
+      }
       // A white halo keeps the value readable where it crosses the budget line.
       str_append(&s, "<text x=\"", bar_x + w + 6, "\" y=\"", y + 15,
                  "\" font-size=\"12\" fill=\"#323f4b\" stroke=\"#ffffff\" stroke-width=\"3\" "
@@ -358,17 +378,25 @@ std::string to_svg(const Report& report) {
   panel(
       24, "Median step time (ms, lower is better)", max_ms > 0 ? max_ms : 1,
       [](const RunResult& r) { return median_step_ms(r); },
+      [](const RunResult& r) { return median_step_ms(r); },
       [](double v) { return fixed(v, v < 10 ? 2 : 1) + " ms"; }, false);
   panel(
       24 + kPanelWidth + 20, "Peak GPU memory (lower is better)", max_bytes > 0 ? max_bytes : 1,
       [](const RunResult& r) { return static_cast<double>(peak_gpu_bytes(r)); },
+      [](const RunResult& r) {
+        return static_cast<double>(r.strata ? peak_strata_gpu_bytes(r) : peak_gpu_bytes(r));
+      },
       [](double v) { return format_bytes(static_cast<std::size_t>(v)); }, true);
 
-  std::string note = "strata bars: model state in strata's GPU tier and staging ring";
+  std::string note;
   if (report.device.find("simulated") == std::string::npos) {
-    note += ", plus PyTorch's own GPU memory (activations)";
+    note =
+        "Memory of strata runs: solid, model state in strata's GPU tier and staging ring (within "
+        "the budget); light, PyTorch's own (activations, temporaries)";
   } else {
-    note += " (simulated device); PyTorch runs on the CPU here";
+    note =
+        "Memory of strata runs: model state in strata's GPU tier and staging ring (simulated "
+        "device); PyTorch runs on the CPU here";
   }
   str_append(&s, "<text x=\"24\" y=\"", height - 36, "\" font-size=\"12\" fill=\"#52606d\">",
              xml_escaped(note), ".</text>\n");

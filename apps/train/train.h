@@ -51,6 +51,7 @@ struct StepRecord {
   double d2h_gbps = 0;
   double waited_ms = 0;                         // time compute waited on prefetches, on the GPU
   std::int64_t peak_gpu_bytes = 0;              // strata's GPU tier + staging ring + torch's own
+  std::int64_t strata_gpu_bytes = 0;            // of which strata's (within its GPU budget)
   double fragmentation[alloc::kNumTiers] = {};  // strata runs: per tier, at the end of the step
 };
 

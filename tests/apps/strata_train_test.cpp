@@ -241,6 +241,43 @@ TEST(ReportTest, LossesAreComparedBitwiseAndOnlyAmongStrataRunsThatTrained) {
   EXPECT_EQ(c.compared, (std::vector<std::string>{"x"}));
 }
 
+// On a GPU the memory bars of strata runs split strata's part (solid, within the budget) from
+// PyTorch's own (light); a PyTorch run's bar is all solid.
+TEST(ReportTest, TheChartSplitsStrataMemoryFromPyTorchs) {
+  constexpr std::int64_t kGiB = std::int64_t{1} << 30;
+  Report report;
+  report.device = "NVIDIA H200";
+  report.compare = true;
+  report.options.gpu_budget = 8 * kGiB;
+  report.runs = {made_run("layer_prefetch", true, {2.0f, 1.0f}),
+                 made_run("torch_adamw_resident", false, {2.0f, 1.0f})};
+  for (StepRecord& s : report.runs[0].steps) {
+    s.peak_gpu_bytes = 20 * kGiB;
+    s.strata_gpu_bytes = 8 * kGiB;
+  }
+  for (StepRecord& s : report.runs[1].steps) s.peak_gpu_bytes = 32 * kGiB;
+  EXPECT_EQ(peak_strata_gpu_bytes(report.runs[0]), 8 * kGiB);
+  const std::string svg = to_svg(report);
+  if (const char* dir = std::getenv("STRATA_CHART_DIR")) {
+    ASSERT_TRUE(write_file(std::string(dir) + "/split.svg", svg).ok());
+  }
+  // The memory panel spans 32 GiB over its bar length: the budget line and the solid part of
+  // layer_prefetch's bar end at the same x.
+  const std::string budget_line = "stroke=\"#c62828\" stroke-dasharray";
+  ASSERT_TRUE(contains(svg, budget_line)) << svg;
+  const std::size_t line = svg.rfind("<line x1=\"", svg.find(budget_line));
+  const int budget_x = std::stoi(svg.substr(line + 10));
+  const std::size_t light = svg.find("fill=\"#2a7fd4\" fill-opacity=\"0.35\"");
+  ASSERT_NE(light, std::string::npos) << svg;
+  const std::size_t solid = svg.find("<rect x=\"", light);
+  const int solid_x = std::stoi(svg.substr(solid + 9));
+  const int solid_w = std::stoi(svg.substr(svg.find("width=\"", solid) + 7));
+  EXPECT_NEAR(solid_x + solid_w, budget_x, 1);
+  EXPECT_EQ(svg.find("fill=\"#9aa5b1\" fill-opacity"), std::string::npos)
+      << "a PyTorch run's bar has no strata part to set apart";
+  EXPECT_TRUE(contains(svg, "light, PyTorch's own")) << svg;
+}
+
 // The sizes strata-train checks budgets with (computed, so a large model is never built for it)
 // are the model's.
 TEST(GptTest, LayerSizesFromTheConfigMatchTheModel) {

@@ -148,9 +148,10 @@ step "summary"
   for k in "${!SAN[@]}"; do echo "$k: ${SAN[$k]}"; done
   echo "memcheck probe: $PROBE"
   grep -hoE "(L2: |GPU D1: |2 GiB H2D |layer_prefetch depth |S1 soak ).*" "$LOGS/ctest-gpu.log" || true
-  python3 tools/gpu/summarize_bench.py "$OUT/allocator_bench.json" || true
-  python3 tools/gpu/summarize_runtime.py "$OUT/runtime_bench.json" || true
-  python3 tools/gpu/summarize_optim.py "$OUT/optim_bench.json" || true
+  for bench in allocator:summarize_bench runtime:summarize_runtime optim:summarize_optim; do
+    json="$OUT/${bench%%:*}_bench.json"
+    [ -f "$json" ] && { python3 "tools/gpu/${bench#*:}.py" "$json" || true; }
+  done
 } | tee "$OUT/summary.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 exit $status
