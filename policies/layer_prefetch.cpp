@@ -24,6 +24,14 @@ using rt::RoleSet;
 //     together with their gradients; after backward of layer i its gradients are written back and
 //     the next backward layer is fetched. A model whose parameters do not fit the GPU thus trains
 //     with K + 1 layers of it on the GPU at a time.
+//
+// Note [Resident layers]: a GPU budget says how much of the GPU strata may use. The ring takes
+// K + 1 layers of it; with what the main pool has left, whole layers move there at the start of a
+// step, in ascending order, as many as fit, and stay: they never stream, which saves their bytes
+// on the link at every step (forward, backward and the optimizer step alike). Without a budget
+// every layer streams: nothing says how much of the GPU strata may take. A layer only partly on
+// the GPU streams the rest (stage_layer copies only what is not there). Tensors registered later
+// compete with the resident layers for the main pool.
 class LayerPrefetch final : public rt::ResidencyPolicy {
  public:
   explicit LayerPrefetch(const rt::PolicyConfig& c) : ResidencyPolicy(c) {}
@@ -35,6 +43,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   absl::Status on_register(rt::Runtime& rt, rt::TensorHandle h) override {
     parameter_layers_.reset();  // recomputed at the next forward
+    settled_ = false;           // the new tensor's layer may fit the main pool
     STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
     if (!config().roles.contains(info.spec.role)) return absl::OkStatus();
     const std::size_t layer = rt.layer_bytes(info.spec.layer, config().roles);
@@ -48,7 +57,10 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
-  absl::Status on_begin_step(rt::Runtime& rt) override { return reset(rt); }
+  absl::Status on_begin_step(rt::Runtime& rt) override {
+    STRATA_RETURN_IF_ERROR(reset(rt));
+    return settle_residents(rt);
+  }
 
   absl::Status on_before_forward(rt::Runtime& rt, int layer) override {
     if (!streams_parameters()) return absl::OkStatus();
@@ -107,9 +119,11 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   absl::Status on_begin_optimizer_step(rt::Runtime& rt) override {
     STRATA_RETURN_IF_ERROR(reset(rt));
+    STRATA_RETURN_IF_ERROR(settle_residents(rt));
     order_.clear();
+    const std::vector<int> streamed = streamed_layers(rt, config().roles);
     for (int layer : rt.optimizer_layer_order()) {
-      if (rt.layer_bytes(layer, config().roles) > 0) order_.push_back(layer);
+      if (std::binary_search(streamed.begin(), streamed.end(), layer)) order_.push_back(layer);
     }
     STRATA_RETURN_IF_ERROR(configure(rt));
     next_ = 0;
@@ -152,13 +166,64 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   static std::size_t position(const std::vector<int>& order, int layer) {
     return static_cast<std::size_t>(std::find(order.begin(), order.end(), layer) - order.begin());
   }
-  // Layers with bytes of `roles`, in ascending order: the others take no slot and no turn.
+  // Whether a tensor rests in the GPU's main pool (where it is going, if it is moving).
+  static bool resident(const rt::TensorInfo& info) {
+    return info.in_flight ? info.destination == rt::Tier::kGpu && !info.destination_staged
+                          : info.tier == rt::Tier::kGpu && !info.staged;
+  }
+
+  // Layers with bytes of `roles` that are not resident, in ascending order: the others take no
+  // slot and no turn.
   static std::vector<int> streamed_layers(const rt::Runtime& rt, RoleSet roles) {
     std::vector<int> out;
     for (int layer : rt.layers()) {
-      if (rt.layer_bytes(layer, roles) > 0) out.push_back(layer);
+      for (rt::TensorHandle h : rt.layer_tensors(layer, roles)) {
+        absl::StatusOr<rt::TensorInfo> info = rt.info(h);
+        if (info.ok() && info->bytes > 0 && !resident(*info)) {
+          out.push_back(layer);
+          break;
+        }
+      }
     }
     return out;
+  }
+
+  // Note [Resident layers]: moves whole layers into the main pool's room, once per change in the
+  // registry. Nothing may be staged.
+  absl::Status settle_residents(rt::Runtime& rt) {
+    if (settled_ || rt.gpu_budget() == alloc::kNoBudget) return absl::OkStatus();
+    STRATA_RETURN_IF_ERROR(configure(rt));  // the ring first: the main pool has what it leaves
+    const std::size_t budget = rt.allocator().pool(rt::Tier::kGpu).budget();
+    bool moved = false;
+    for (int layer : rt.layers()) {
+      std::vector<rt::TensorHandle> away;
+      std::size_t bytes = 0;
+      for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
+        STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+        if (info.bytes == 0 || resident(info)) continue;
+        away.push_back(h);
+        bytes += info.bytes;
+      }
+      const auto allocated =
+          static_cast<std::size_t>(rt.allocator().stats(rt::Tier::kGpu).allocated_bytes.current);
+      if (away.empty() || allocated > budget || bytes > budget - allocated) continue;
+      for (rt::TensorHandle h : away) {
+        absl::Status s = rt.migrate(h, rt::Tier::kGpu);
+        // Block rounding or a segment that would pass the budget: the rest of it streams.
+        if (s.code() == absl::StatusCode::kResourceExhausted) break;
+        STRATA_RETURN_IF_ERROR(s);
+        moved = true;
+      }
+    }
+    if (moved) {
+      // One host wait, the first step only: the ring's slot count and the forward order are
+      // computed from where the tensors are.
+      STRATA_RETURN_IF_ERROR(rt.wait_all());
+      parameter_layers_.reset();
+      STRATA_RETURN_IF_ERROR(configure(rt));
+    }
+    settled_ = true;
+    return absl::OkStatus();
   }
 
   // K + 1 slots, or fewer when fewer layers stream.
@@ -259,6 +324,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Layers with parameters (a layer whose tensors were all unregistered since stays listed;
   // staging and holding it do nothing).
   std::optional<std::vector<int>> parameter_layers_;
+  bool settled_ = false;       // Note [Resident layers] done for the tensors registered now
   std::vector<int> order_;     // optimizer order, layers that stream only
   std::vector<int> forward_;   // forward order, layers whose parameters stream
   std::vector<int> backward_;  // backward order

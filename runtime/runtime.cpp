@@ -648,10 +648,21 @@ absl::StatusOr<TensorHandle> Runtime::register_tensor(const TensorSpec& spec, co
           str_cat("register_tensor: a tensor named '", spec.name, "' is registered already"));
     }
     STRATA_ASSIGN_OR_RETURN(std::size_t bytes, spec_bytes(spec));
-    const Tier tier = impl_->policy->placement(spec);
+    Tier tier = impl_->policy->placement(spec);
     void* ptr = nullptr;
     if (bytes > 0) {
       absl::StatusOr<void*> block = impl_->allocator->allocate(tier, bytes, {.owner = spec.name});
+      if (block.status().code() == absl::StatusCode::kResourceExhausted &&
+          tier == Tier::kPinnedHost) {
+        // Pinned memory is the host tier policies prefer; when it has no room the tensor rests in
+        // pageable memory, as bulk's moves to the host do, rather than not at all.
+        absl::StatusOr<void*> pageable =
+            impl_->allocator->allocate(Tier::kPageableHost, bytes, {.owner = spec.name});
+        if (pageable.ok()) {
+          tier = Tier::kPageableHost;
+          block = pageable;
+        }
+      }
       if (!block.ok()) {
         return absl::Status(block.status().code(), str_cat("register_tensor '", spec.name,
                                                            "': ", block.status().message()));

@@ -115,8 +115,9 @@ class Runtime {
 
   // --- registry ---
   // Copies `data` (spec bytes, host or device memory, or null for zeros) into storage the runtime
-  // owns, placed by the policy; the copy is complete when this returns, so `data` may be freed.
-  // kAlreadyExists for a name taken; kInvalidArgument for a bad spec.
+  // owns, placed by the policy (pinned host memory that has no room gives way to pageable); the
+  // copy is complete when this returns, so `data` may be freed. kAlreadyExists for a name taken;
+  // kInvalidArgument for a bad spec; kResourceExhausted when the tier has no room.
   [[nodiscard]] absl::StatusOr<TensorHandle> register_tensor(const TensorSpec& spec,
                                                              const void* data = nullptr);
   // Waits for a migration in flight, then frees the storage. kNotFound for an unknown handle,

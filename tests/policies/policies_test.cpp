@@ -607,6 +607,51 @@ TEST(ParameterStreamingTest, AModelLargerThanTheGpuBudgetTrainsLikeKeepOnGpu) {
   }
 }
 
+// Note [Resident layers]: what the ring leaves of the budget holds whole layers, which then never
+// stream; the numbers stay keep_on_gpu's.
+TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
+  constexpr int kLayers = 8;
+  constexpr std::size_t kN = 256 * 1024;  // 1 MiB tensors: 4 MiB a layer, two per small segment
+  constexpr std::size_t kLayerBytes = 4 * kN * 4;
+  auto [ref_rt, ref_dev] = make_runtime("keep_on_gpu");
+  register_trainable(*ref_rt, kLayers, kN);
+  const auto want = train(*ref_rt, *ref_dev, kLayers, kN, 3, nullptr);
+  ASSERT_FALSE(want.empty());
+
+  std::int64_t streamed_h2d = 0;
+  for (std::size_t resident_layers : {0, 2}) {
+    std::mt19937 rng(5 + resident_layers);
+    const std::size_t budget = (2 + resident_layers) * kLayerBytes;  // K = 1: a ring of two
+    auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()},
+                                  /*deferred=*/true, budget);
+    register_trainable(*rt, kLayers, kN);
+    const auto got = train(*rt, *dev, kLayers, kN, 3, &rng);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, bytes] : want) {
+      EXPECT_EQ(got.at(name), bytes) << name << " with " << resident_layers << " resident layers";
+    }
+    std::string expected;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int role = 0; role < 4; ++role) {
+        if (!expected.empty()) expected += ' ';
+        expected += l < static_cast<int>(resident_layers) ? "G" : "P";
+      }
+    }
+    EXPECT_EQ(where(*rt), expected) << resident_layers;
+    const RuntimeStats st = rt->stats();
+    EXPECT_LE(rt->allocator().stats(Tier::kGpu).reserved_bytes.peak + st.staging_bytes,
+              static_cast<std::int64_t>(budget));
+    if (resident_layers == 0) {
+      streamed_h2d = st.migrated_bytes_h2d;
+    } else {
+      // Registration put everything in pinned memory, so the resident layers crossed the link
+      // once, at the first step, and never again.
+      const std::int64_t per_layer = streamed_h2d / kLayers;
+      EXPECT_LT(st.migrated_bytes_h2d, streamed_h2d - per_layer) << "resident layers streamed";
+    }
+  }
+}
+
 TEST(ParameterStreamingTest, ForwardHoldsOneLayerAndKeepsTheLastForBackward) {
   auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()});
   register_trainable(*rt, 4, 100);  // per layer: p g m v
