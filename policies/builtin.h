@@ -32,5 +32,8 @@ const rt::PolicyRegistry& builtin_policies();
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_keep_on_gpu(const rt::PolicyConfig& c);
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_bulk(const rt::PolicyConfig& c);
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(const rt::PolicyConfig& c);
+// layer_prefetch that streams every layer, whatever the budget leaves (no Note [Resident layers]):
+// bulk's streaming step, after which bulk moves everything to the host anyway.
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_streamer(const rt::PolicyConfig& c);
 
 }  // namespace strata::policy

@@ -154,7 +154,7 @@ class Bulk final : public rt::ResidencyPolicy {
   absl::Status stream_layers(rt::Runtime& rt) {
     if (!streamer_) {
       STRATA_ASSIGN_OR_RETURN(streamer_,
-                              make_layer_prefetch({.prefetch_depth = 0, .roles = config().roles}));
+                              make_layer_streamer({.prefetch_depth = 0, .roles = config().roles}));
     }
     layered_ = streamer_.get();
     // Whatever came back before the budget ran out has landed before the step uses it.

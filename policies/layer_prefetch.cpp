@@ -34,7 +34,8 @@ using rt::RoleSet;
 // compete with the resident layers for the main pool.
 class LayerPrefetch final : public rt::ResidencyPolicy {
  public:
-  explicit LayerPrefetch(const rt::PolicyConfig& c) : ResidencyPolicy(c) {}
+  LayerPrefetch(const rt::PolicyConfig& c, bool keep_resident_layers)
+      : ResidencyPolicy(c), keep_resident_layers_(keep_resident_layers) {}
   std::string_view name() const override { return "layer_prefetch"; }
 
   rt::Tier placement(const rt::TensorSpec& spec) const override {
@@ -191,7 +192,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Note [Resident layers]: moves whole layers into the main pool's room, once per change in the
   // registry. Nothing may be staged.
   absl::Status settle_residents(rt::Runtime& rt) {
-    if (settled_ || rt.gpu_budget() == alloc::kNoBudget) return absl::OkStatus();
+    if (!keep_resident_layers_ || settled_ || rt.gpu_budget() == alloc::kNoBudget) {
+      return absl::OkStatus();
+    }
     STRATA_RETURN_IF_ERROR(configure(rt));  // the ring first: the main pool has what it leaves
     const std::size_t budget = rt.allocator().pool(rt::Tier::kGpu).budget();
     bool moved = false;
@@ -324,13 +327,14 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Layers with parameters (a layer whose tensors were all unregistered since stays listed;
   // staging and holding it do nothing).
   std::optional<std::vector<int>> parameter_layers_;
-  bool settled_ = false;       // Note [Resident layers] done for the tensors registered now
-  std::vector<int> order_;     // optimizer order, layers that stream only
-  std::vector<int> forward_;   // forward order, layers whose parameters stream
-  std::vector<int> backward_;  // backward order
-  std::vector<int> staged_;    // layers this policy staged, oldest first
-  std::size_t next_ = 0;       // next layer to stage in the current phase
-  std::size_t slots_ = 1;      // slots of the ring
+  const bool keep_resident_layers_;  // Note [Resident layers]
+  bool settled_ = false;             // Note [Resident layers] done for the tensors registered now
+  std::vector<int> order_;           // optimizer order, layers that stream only
+  std::vector<int> forward_;         // forward order, layers whose parameters stream
+  std::vector<int> backward_;        // backward order
+  std::vector<int> staged_;          // layers this policy staged, oldest first
+  std::size_t next_ = 0;             // next layer to stage in the current phase
+  std::size_t slots_ = 1;            // slots of the ring
   bool in_forward_ = false;
   bool in_backward_ = false;
   int held_ = -1;  // layer held for forward or backward, -1 for none
@@ -340,8 +344,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(
-    const rt::PolicyConfig& c) {
+namespace {
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make(const rt::PolicyConfig& c,
+                                                          bool keep_resident_layers) {
   if (c.prefetch_depth < 0) {
     return absl::InvalidArgumentError(str_cat("layer_prefetch: prefetch depth ", c.prefetch_depth,
                                               " is negative; use 0 (no prefetch) or more"));
@@ -349,7 +354,18 @@ absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(
   if (c.roles.empty()) {
     return absl::InvalidArgumentError("layer_prefetch: roles to stream must not be empty");
   }
-  return std::unique_ptr<rt::ResidencyPolicy>(new LayerPrefetch(c));
+  return std::unique_ptr<rt::ResidencyPolicy>(new LayerPrefetch(c, keep_resident_layers));
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(
+    const rt::PolicyConfig& c) {
+  return make(c, /*keep_resident_layers=*/true);
+}
+
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_streamer(
+    const rt::PolicyConfig& c) {
+  return make(c, /*keep_resident_layers=*/false);
 }
 
 }  // namespace strata::policy

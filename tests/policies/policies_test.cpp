@@ -650,6 +650,20 @@ TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
       EXPECT_LT(st.migrated_bytes_h2d, streamed_h2d - per_layer) << "resident layers streamed";
     }
   }
+
+  // bulk streaming the whole step keeps nothing resident: it moves everything to the host after
+  // each step, so a resident layer would cross the link twice a step instead of once.
+  std::mt19937 rng(17);
+  auto [bulk, bulk_dev] =
+      make_runtime("bulk", {.roles = RoleSet::all(), .offload_after_step = true},
+                   /*deferred=*/true, 3 * kLayerBytes);
+  register_trainable(*bulk, kLayers, kN);
+  const auto got = train(*bulk, *bulk_dev, kLayers, kN, 3, &rng);
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, bytes] : want) EXPECT_EQ(got.at(name), bytes) << name << " under bulk";
+  EXPECT_GT(bulk->stats().staged_peak_bytes, 0) << "bulk did not stream";
+  EXPECT_EQ(bulk->allocator().stats(Tier::kGpu).allocated_bytes.peak, 0)
+      << "bulk's streaming step kept layers in the main pool";
 }
 
 TEST(ParameterStreamingTest, ForwardHoldsOneLayerAndKeepsTheLastForBackward) {
