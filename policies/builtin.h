@@ -10,7 +10,8 @@
 //   layer_prefetch  tensors of the configured roles (optimizer states by default) live in pinned
 //                   host memory; during the optimizer step the next K layers are fetched into the
 //                   staging ring while layer i computes, and layer i is written back after;
-//                   with parameters among the roles, forward and backward stream the same way.
+//                   with parameters among the roles, forward and backward stream the same way;
+//                   with a GPU budget, whole layers that fit beside the ring stay on the GPU.
 //
 // Example:
 //   RuntimeOptions options;
