@@ -342,9 +342,6 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   RoleSet held_roles_;
 };
 
-}  // namespace
-
-namespace {
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make(const rt::PolicyConfig& c,
                                                           bool keep_resident_layers) {
   if (c.prefetch_depth < 0) {

@@ -93,8 +93,6 @@ double median_after_first(const RunResult& run, F field) {
   return median(v);
 }
 
-std::string gb(std::int64_t bytes) { return fixed(bytes / 1e9, 3) + " GB"; }
-
 // The first line of an error, shortened for a table cell.
 std::string short_error(const std::string& error, std::size_t width) {
   std::string line = error.substr(0, error.find('\n'));
