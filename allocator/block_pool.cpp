@@ -47,7 +47,7 @@ BlockPool::BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
 
 BlockPool::~BlockPool() {
   std::lock_guard<std::mutex> lock(mu_);
-  (void)wait_all_pending_locked();
+  const absl::Status waited = wait_all_pending_locked();
   if (!live_.empty()) {
     std::fprintf(stderr,
                  "strata: pool %s destroyed with %zu live block(s) (%lld bytes); their memory is "
@@ -55,9 +55,25 @@ BlockPool::~BlockPool() {
                  std::string(tier_name(config_.tier)).c_str(), live_.size(),
                  static_cast<long long>(stats_.allocated_bytes.current));
   }
+  for (const PendingEvent& p : pending_) stream_ops_->release(p.event);
   for (auto& [base, segment] : segments_) {
-    absl::Status s = upstream_->deallocate(segment->base, segment->size);
-    if (!s.ok()) std::fprintf(stderr, "strata: %s\n", std::string(s.message()).c_str());
+    // Note [Withheld blocks]: a segment with a block some stream may still use stays out of the
+    // upstream's hands for good.
+    bool in_use = false;
+    for (const Block* b = segment->first; b != nullptr; b = b->next) {
+      in_use = in_use || b->pending_events > 0;
+    }
+    if (in_use) {
+      std::fprintf(stderr,
+                   "strata: pool %s destroyed while a stream may still use %s of segment %p (%s); "
+                   "that memory is not given back\n",
+                   std::string(tier_name(config_.tier)).c_str(),
+                   format_bytes(segment->size).c_str(), static_cast<void*>(segment->base),
+                   std::string(waited.message()).c_str());
+    } else {
+      absl::Status s = upstream_->deallocate(segment->base, segment->size);
+      if (!s.ok()) std::fprintf(stderr, "strata: %s\n", std::string(s.message()).c_str());
+    }
     delete segment;
   }
   segments_.clear();
@@ -89,6 +105,7 @@ void BlockPool::delete_block_locked(Block* block) {
   block->prev = block->next = nullptr;
   block->allocated = block->small = false;
   block->pending_events = 0;
+  block->withheld = false;
   block->extra_streams.clear();
   block->owner.clear();
   spare_blocks_.push_back(block);
@@ -291,30 +308,60 @@ absl::Status BlockPool::deallocate(void* ptr) {
   // Note [Stream ordering]: other streams may still read or write this block. Hold it back until an
   // event recorded on each of them now has completed.
   block->allocated = false;
-  bool withheld = false;
+  stats_.pending_free_bytes.add(static_cast<std::int64_t>(block->size));
   for (StreamHandle stream : block->extra_streams) {
+    ++block->pending_events;
     absl::StatusOr<EventHandle> event = stream_ops_->record(stream);
-    if (!event.ok()) {
-      // Fail closed: without the event nobody can say when the stream is done, so the block is
-      // never handed out again (it stays pending and is counted in pending_free_bytes). The free
-      // itself succeeded: the caller must not free again, so this is not an error to it.
-      if (!withheld) {
-        std::fprintf(stderr,
-                     "strata: deallocate in tier %s: could not record an event for %p (%s); the "
-                     "block is withheld from reuse\n",
-                     std::string(tier_name(config_.tier)).c_str(), ptr,
-                     std::string(event.status().message()).c_str());
-        ++stats_.num_withheld_blocks;
-      }
-      withheld = true;
-      ++block->pending_events;
+    if (event.ok()) {
+      pending_.push_back({*event, block});
       continue;
     }
-    ++block->pending_events;
-    pending_.push_back({*event, block});
+    // Note [Withheld blocks]: no event says when the stream is done with the block, so it is not
+    // reused until a later one can be recorded. The free itself succeeded: the caller must not
+    // free again, so this is no error to it.
+    if (!block->withheld) {
+      std::fprintf(stderr,
+                   "strata: deallocate in tier %s: could not record an event for %p (%s); the "
+                   "block is withheld from reuse until one can be recorded\n",
+                   std::string(tier_name(config_.tier)).c_str(), ptr,
+                   std::string(event.status().message()).c_str());
+    }
+    withhold_locked(block);
+    unrecorded_.push_back({stream, block});
   }
-  stats_.pending_free_bytes.add(static_cast<std::int64_t>(block->size));
   return absl::OkStatus();
+}
+
+void BlockPool::withhold_locked(Block* block) {
+  if (block->withheld) return;
+  block->withheld = true;
+  ++stats_.num_withheld_blocks;
+  stats_.withheld_bytes.add(static_cast<std::int64_t>(block->size));
+}
+
+void BlockPool::event_done_locked(Block* block) {
+  if (--block->pending_events > 0) return;
+  stats_.pending_free_bytes.add(-static_cast<std::int64_t>(block->size));
+  if (block->withheld) {
+    block->withheld = false;
+    stats_.withheld_bytes.add(-static_cast<std::int64_t>(block->size));
+  }
+  free_block_locked(block, /*merge=*/true);
+}
+
+void BlockPool::retry_unrecorded_locked() {
+  // An event recorded now on the stream completes after all the work the stream had when the block
+  // was freed (and more), so it is a safe stand-in for the one that could not be recorded then.
+  for (std::size_t i = 0; i < unrecorded_.size();) {
+    absl::StatusOr<EventHandle> event = stream_ops_->record(unrecorded_[i].stream);
+    if (!event.ok()) {
+      ++i;
+      continue;
+    }
+    pending_.push_back({*event, unrecorded_[i].block});
+    unrecorded_[i] = unrecorded_.back();
+    unrecorded_.pop_back();
+  }
 }
 
 absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
@@ -338,6 +385,7 @@ absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
 }
 
 void BlockPool::process_ready_events_locked() {
+  if (!unrecorded_.empty()) retry_unrecorded_locked();
   // Events complete roughly in the order they were recorded; stop at the first that has not, as
   // PyTorch does, so the common case costs one query.
   while (!pending_.empty()) {
@@ -347,33 +395,37 @@ void BlockPool::process_ready_events_locked() {
     stream_ops_->release(front.event);
     Block* block = front.block;
     pending_.pop_front();
-    if (--block->pending_events == 0) {
-      stats_.pending_free_bytes.add(-static_cast<std::int64_t>(block->size));
-      free_block_locked(block, /*merge=*/true);
-    }
+    event_done_locked(block);
   }
 }
 
 absl::Status BlockPool::wait_all_pending_locked() {
+  if (!unrecorded_.empty()) retry_unrecorded_locked();
   absl::Status status;
-  while (!pending_.empty()) {
-    PendingEvent entry = pending_.front();
-    pending_.pop_front();
+  if (!unrecorded_.empty()) {
+    status = absl::UnavailableError(
+        str_cat(unrecorded_.size(), " freed block(s) of tier ", tier_name(config_.tier),
+                " are withheld: no event can be recorded on their streams"));
+  }
+  // The events to wait for now; a wait that fails keeps its event for the next try (Note
+  // [Withheld blocks]).
+  std::deque<PendingEvent> waits;
+  waits.swap(pending_);
+  while (!waits.empty()) {
+    PendingEvent entry = waits.front();
+    waits.pop_front();
     ++stats_.num_event_waits;
     mu_.unlock();
     absl::Status s = stream_ops_->synchronize(entry.event);
     mu_.lock();
     if (!s.ok()) {
-      // Fail closed: the block stays withheld for good; the event is kept out of the pool.
       status.Update(s);
-      ++stats_.num_withheld_blocks;
+      withhold_locked(entry.block);
+      pending_.push_back(entry);
       continue;
     }
     stream_ops_->release(entry.event);
-    if (--entry.block->pending_events == 0) {
-      stats_.pending_free_bytes.add(-static_cast<std::int64_t>(entry.block->size));
-      free_block_locked(entry.block, /*merge=*/true);
-    }
+    event_done_locked(entry.block);
   }
   return status;
 }
@@ -602,7 +654,7 @@ std::optional<std::size_t> BlockPool::requested_size(const void* ptr) const {
 
 absl::Status BlockPool::validate() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::int64_t reserved = 0, allocated = 0, requested = 0, active = 0, pending = 0;
+  std::int64_t reserved = 0, allocated = 0, requested = 0, active = 0, pending = 0, withheld = 0;
   std::size_t free_blocks = 0;
   for (const auto& [base, segment] : segments_) {
     reserved += static_cast<std::int64_t>(segment->size);
@@ -633,6 +685,7 @@ absl::Status BlockPool::validate() const {
         if (!live_.contains(b->ptr)) return absl::InternalError("allocated block not in live map");
       }
       if (b->pending_events > 0) pending += static_cast<std::int64_t>(b->size);
+      if (b->withheld) withheld += static_cast<std::int64_t>(b->size);
       expect = b->ptr + b->size;
       prev = b;
     }
@@ -652,6 +705,7 @@ absl::Status BlockPool::validate() const {
   if (pending != stats_.pending_free_bytes.current) {
     return absl::InternalError("pending_free_bytes off");
   }
+  if (withheld != stats_.withheld_bytes.current) return absl::InternalError("withheld_bytes off");
   return absl::OkStatus();
 }
 

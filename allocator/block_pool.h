@@ -27,6 +27,12 @@
 //   recorded
 //     on each such stream and the block waits in a pending list until all its events completed;
 //   - before a segment goes back to the upstream, an event recorded on its stream is waited for;
+//   - Note [Withheld blocks]: a freed block whose stream event cannot be recorded, or whose event
+//     cannot be waited on, is withheld (counted in withheld_bytes) rather than reused: the pool
+//     records and waits again at its next chance (a later event on the same stream covers all the
+//     work the missing one would have), so the block comes back once the device answers again; a
+//     pool destroyed while some of its blocks are withheld keeps their segments from the upstream
+//     for good and says so, rather than give back memory a stream may still write;
 //   - before reporting out of memory the pool waits for pending events, returns cached (entirely
 //     free) segments to the upstream, and tries once more (num_alloc_retries counts this); a
 //     request whose segment alone is above the budget fails at once and changes nothing.
@@ -164,6 +170,7 @@ class BlockPool {
     bool allocated = false;
     bool small = false;
     int pending_events = 0;
+    bool withheld = false;  // Note [Withheld blocks]
     std::uint64_t sequence = 0;
     absl::InlinedVector<StreamHandle, 1> extra_streams;
     std::string owner;
@@ -191,6 +198,11 @@ class BlockPool {
     EventHandle event;
     Block* block;
   };
+  // A stream of a freed block on which no event could be recorded yet (Note [Withheld blocks]).
+  struct Unrecorded {
+    StreamHandle stream;
+    Block* block;
+  };
 
   static std::size_t round_size(std::size_t bytes);
   static std::size_t segment_size_for(std::size_t size, bool small);
@@ -204,6 +216,10 @@ class BlockPool {
   void free_block_locked(Block* block, bool merge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void consolidate_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void process_ready_events_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void retry_unrecorded_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void withhold_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A pending event of `block` completed: the block is free once none is left.
+  void event_done_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status wait_all_pending_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::size_t release_cached_segments_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status bad_free_locked(const void* ptr) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -229,6 +245,7 @@ class BlockPool {
   absl::flat_hash_map<const void*, Block*> live_ ABSL_GUARDED_BY(mu_);
   absl::btree_map<std::uintptr_t, Segment*> segments_ ABSL_GUARDED_BY(mu_);
   std::deque<PendingEvent> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<Unrecorded> unrecorded_ ABSL_GUARDED_BY(mu_);
   std::size_t unmerged_frees_ ABSL_GUARDED_BY(mu_) = 0;
   TierStats stats_ ABSL_GUARDED_BY(mu_);
   std::uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;

@@ -31,6 +31,7 @@ namespace strata::alloc {
   X(active_blocks, kGauge, "blocks handed out and not yet freed")                                  \
   X(segments, kGauge, "segments held from the upstream")                                           \
   X(pending_free_bytes, kGauge, "freed bytes waiting for stream events before reuse")              \
+  X(withheld_bytes, kGauge, "freed bytes whose streams could not be waited for yet (withheld)")    \
   X(num_allocs, kCounter, "successful allocate calls")                                             \
   X(num_frees, kCounter, "successful deallocate calls")                                            \
   X(num_segment_allocs, kCounter, "upstream allocate calls that succeeded (cudaMalloc, ...)")      \
@@ -38,7 +39,7 @@ namespace strata::alloc {
   X(num_alloc_retries, kCounter, "allocations that freed cached segments or waited, then retried") \
   X(num_ooms, kCounter, "allocations that ended in out of memory")                                 \
   X(num_event_waits, kCounter, "host waits on stream events to reclaim blocks")                    \
-  X(num_withheld_blocks, kCounter, "freed blocks kept from reuse for good (no event to wait on)")  \
+  X(num_withheld_blocks, kCounter, "freed blocks withheld from reuse until an event can be had")   \
   X(inactive_split_bytes, kDerived, "free bytes in segments that also hold live blocks")           \
   X(free_bytes, kDerived, "free bytes in all segments")                                            \
   X(largest_free_block, kDerived, "largest free block")

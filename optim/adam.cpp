@@ -471,7 +471,31 @@ absl::Status Adam::load(std::istream& in) {
     return absl::InvalidArgumentError(str_cat("Adam checkpoint has ", values.size(),
                                               " state tensors; this optimizer has ", states));
   }
-  for (auto& [h, data] : values) STRATA_RETURN_IF_ERROR(runtime_.write(h, data.data()));
+  // All or nothing: the current values are kept, and written back if a write fails part way.
+  std::vector<std::vector<unsigned char>> previous(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    previous[i].resize(values[i].second.size());
+    if (absl::Status s = runtime_.read(values[i].first, previous[i].data()); !s.ok()) {
+      return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
+    }
+  }
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    absl::Status s = runtime_.write(values[i].first, values[i].second.data());
+    if (s.ok()) continue;
+    absl::Status restored;
+    for (std::size_t j = 0; j <= i && restored.ok(); ++j) {
+      restored = runtime_.write(values[j].first, previous[j].data());
+    }
+    if (!restored.ok()) {
+      return absl::Status(
+          s.code(),
+          str_cat("Adam checkpoint: writing a state failed (", s.message(),
+                  ") and putting the previous values back "
+                  "failed too (",
+                  restored.message(), "): the optimizer state is partly loaded; load again"));
+    }
+    return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
+  }
   steps_ = steps;
   for (std::uint32_t g = 0; g < groups; ++g) groups_[g].hyper = hypers[g];
   return absl::OkStatus();

@@ -38,7 +38,7 @@ class Bulk final : public rt::ResidencyPolicy {
     return rests_on_host(spec.role) ? rt::Tier::kPinnedHost : spec.home;
   }
 
-  absl::Status on_offload_all(rt::Runtime& rt) override {
+  absl::Status on_offload_all(rt::PolicyContext& rt) override {
     // A step streaming layers puts what it staged home first: staged tensors cannot move.
     if (layered_) STRATA_RETURN_IF_ERROR(layered_->on_end_optimizer_step(rt));
     for (rt::TensorHandle h : rt.tensors()) {
@@ -49,7 +49,7 @@ class Bulk final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
-  absl::Status on_reload_all(rt::Runtime& rt) override {
+  absl::Status on_reload_all(rt::PolicyContext& rt) override {
     for (rt::TensorHandle h : rt.tensors()) {
       STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
       if (!config().roles.contains(info.spec.role) || info.tier == info.spec.home) continue;
@@ -58,7 +58,7 @@ class Bulk final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
-  absl::Status on_begin_step(rt::Runtime& rt) override {
+  absl::Status on_begin_step(rt::PolicyContext& rt) override {
     streaming_ = false;
     if (layered_) STRATA_RETURN_IF_ERROR(layered_->on_begin_step(rt));
     layered_ = nullptr;
@@ -80,10 +80,9 @@ class Bulk final : public rt::ResidencyPolicy {
         if (info.spec.home == rt::Tier::kGpu) working_bytes += info.bytes;
       }
     }
-    const std::size_t budget = rt.allocator().pool(rt::Tier::kGpu).budget();
+    const std::size_t budget = rt.gpu_pool_budget();
     auto room = [&rt, budget] {
-      const auto allocated =
-          static_cast<std::size_t>(rt.allocator().stats(rt::Tier::kGpu).allocated_bytes.current);
+      const auto allocated = static_cast<std::size_t>(rt.gpu_pool_stats().allocated_bytes.current);
       return allocated > budget ? 0 : budget - allocated;
     };
     if (working_bytes > room()) return stream_layers(rt);
@@ -108,19 +107,19 @@ class Bulk final : public rt::ResidencyPolicy {
     return rt.wait_all();
   }
 
-  absl::Status on_before_forward(rt::Runtime& rt, int layer) override {
+  absl::Status on_before_forward(rt::PolicyContext& rt, int layer) override {
     return layered_ ? layered_->on_before_forward(rt, layer) : absl::OkStatus();
   }
 
-  absl::Status on_after_backward(rt::Runtime& rt, int layer) override {
+  absl::Status on_after_backward(rt::PolicyContext& rt, int layer) override {
     return layered_ ? layered_->on_after_backward(rt, layer) : absl::OkStatus();
   }
 
-  absl::Status on_begin_optimizer_step(rt::Runtime& rt) override {
+  absl::Status on_begin_optimizer_step(rt::PolicyContext& rt) override {
     return layered_ ? layered_->on_begin_optimizer_step(rt) : absl::OkStatus();
   }
 
-  absl::Status on_layer_released(rt::Runtime& rt, int layer) override {
+  absl::Status on_layer_released(rt::PolicyContext& rt, int layer) override {
     if (layered_) return layered_->on_layer_released(rt, layer);
     if (!streaming_) return absl::OkStatus();
     for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
@@ -134,12 +133,14 @@ class Bulk final : public rt::ResidencyPolicy {
     return rt.wait_all();
   }
 
-  absl::Status on_end_optimizer_step(rt::Runtime& rt) override {
+  absl::Status on_end_optimizer_step(rt::PolicyContext& rt) override {
     return layered_ ? layered_->on_end_optimizer_step(rt) : absl::OkStatus();
   }
 
-  absl::Status on_end_step(rt::Runtime& rt) override {
-    return config().offload_after_step ? rt.offload_all() : absl::OkStatus();
+  absl::Status on_end_step(rt::PolicyContext& rt) override {
+    if (!config().offload_after_step) return absl::OkStatus();
+    STRATA_RETURN_IF_ERROR(on_offload_all(rt));
+    return rt.wait_all();
   }
 
  private:
@@ -151,7 +152,7 @@ class Bulk final : public rt::ResidencyPolicy {
   }
 
   // The third case of Note [Bulk over budget]: the rest of the step streams through the ring.
-  absl::Status stream_layers(rt::Runtime& rt) {
+  absl::Status stream_layers(rt::PolicyContext& rt) {
     if (!streamer_) {
       STRATA_ASSIGN_OR_RETURN(streamer_,
                               make_layer_streamer({.prefetch_depth = 0, .roles = config().roles}));
@@ -165,14 +166,14 @@ class Bulk final : public rt::ResidencyPolicy {
   // The tensor's info once a migration under way has landed: the runtime moves no tensor that is
   // in flight, and a check of `tier` alone would take a tensor arriving on the GPU for one that is
   // elsewhere. Waits on the host only when the tensor is in flight.
-  static absl::StatusOr<rt::TensorInfo> settled_info(rt::Runtime& rt, rt::TensorHandle h) {
+  static absl::StatusOr<rt::TensorInfo> settled_info(rt::PolicyContext& rt, rt::TensorHandle h) {
     STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
     if (!info.in_flight) return info;
     STRATA_RETURN_IF_ERROR(rt.wait_all());
     return rt.info(h);
   }
 
-  static absl::Status to_host(rt::Runtime& rt, rt::TensorHandle h) {
+  static absl::Status to_host(rt::PolicyContext& rt, rt::TensorHandle h) {
     absl::Status s = rt.migrate(h, rt::Tier::kPinnedHost);
     if (s.code() == absl::StatusCode::kResourceExhausted)
       s = rt.migrate(h, rt::Tier::kPageableHost);

@@ -42,7 +42,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return config().roles.contains(spec.role) ? rt::Tier::kPinnedHost : spec.home;
   }
 
-  absl::Status on_register(rt::Runtime& rt, rt::TensorHandle h) override {
+  absl::Status on_register(rt::PolicyContext& rt, rt::TensorHandle h) override {
     parameter_layers_.reset();  // recomputed at the next forward
     settled_ = false;           // the new tensor's layer may fit the main pool
     STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
@@ -58,12 +58,12 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
-  absl::Status on_begin_step(rt::Runtime& rt) override {
+  absl::Status on_begin_step(rt::PolicyContext& rt) override {
     STRATA_RETURN_IF_ERROR(reset(rt));
     return settle_residents(rt);
   }
 
-  absl::Status on_before_forward(rt::Runtime& rt, int layer) override {
+  absl::Status on_before_forward(rt::PolicyContext& rt, int layer) override {
     if (!streams_parameters()) return absl::OkStatus();
     // The layers whose parameters stream change only when tensors are registered: scanning them
     // at every hook would cost O(layers^2) per forward.
@@ -94,7 +94,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return hold(rt, layer, forward_roles(j));
   }
 
-  absl::Status on_after_backward(rt::Runtime& rt, int layer) override {
+  absl::Status on_after_backward(rt::PolicyContext& rt, int layer) override {
     if (!streams_parameters() || (!in_forward_ && !in_backward_)) return absl::OkStatus();
     if (in_forward_) {
       // Forward is over: its last layers are staged, so backward starts that far in.
@@ -118,7 +118,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
-  absl::Status on_begin_optimizer_step(rt::Runtime& rt) override {
+  absl::Status on_begin_optimizer_step(rt::PolicyContext& rt) override {
     STRATA_RETURN_IF_ERROR(reset(rt));
     STRATA_RETURN_IF_ERROR(settle_residents(rt));
     order_.clear();
@@ -131,12 +131,15 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return refill_optimizer(rt);
   }
 
-  absl::Status on_layer_released(rt::Runtime& rt, int layer) override {
+  absl::Status on_layer_released(rt::PolicyContext& rt, int layer) override {
     STRATA_RETURN_IF_ERROR(unstage(rt, layer, write_back()));
     return refill_optimizer(rt);
   }
 
-  absl::Status on_end_optimizer_step(rt::Runtime& rt) override {
+  // A step that ends without an optimizer step (evaluation) leaves nothing held or staged.
+  absl::Status on_end_step(rt::PolicyContext& rt) override { return reset(rt); }
+
+  absl::Status on_end_optimizer_step(rt::PolicyContext& rt) override {
     // Layers the optimizer did not release (it stopped early) go home too.
     STRATA_RETURN_IF_ERROR(reset(rt));
     order_.clear();
@@ -175,7 +178,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   // Layers with bytes of `roles` that are not resident, in ascending order: the others take no
   // slot and no turn.
-  static std::vector<int> streamed_layers(const rt::Runtime& rt, RoleSet roles) {
+  static std::vector<int> streamed_layers(const rt::PolicyContext& rt, RoleSet roles) {
     std::vector<int> out;
     for (int layer : rt.layers()) {
       for (rt::TensorHandle h : rt.layer_tensors(layer, roles)) {
@@ -191,12 +194,12 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   // Note [Resident layers]: moves whole layers into the main pool's room, once per change in the
   // registry. Nothing may be staged.
-  absl::Status settle_residents(rt::Runtime& rt) {
+  absl::Status settle_residents(rt::PolicyContext& rt) {
     if (!keep_resident_layers_ || settled_ || rt.gpu_budget() == alloc::kNoBudget) {
       return absl::OkStatus();
     }
     STRATA_RETURN_IF_ERROR(configure(rt));  // the ring first: the main pool has what it leaves
-    const std::size_t budget = rt.allocator().pool(rt::Tier::kGpu).budget();
+    const std::size_t budget = rt.gpu_pool_budget();
     bool moved = false;
     for (int layer : rt.layers()) {
       std::vector<rt::TensorHandle> away;
@@ -207,8 +210,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
         away.push_back(h);
         bytes += info.bytes;
       }
-      const auto allocated =
-          static_cast<std::size_t>(rt.allocator().stats(rt::Tier::kGpu).allocated_bytes.current);
+      const auto allocated = static_cast<std::size_t>(rt.gpu_pool_stats().allocated_bytes.current);
       if (away.empty() || allocated > budget || bytes > budget - allocated) continue;
       for (rt::TensorHandle h : away) {
         absl::Status s = rt.migrate(h, rt::Tier::kGpu);
@@ -230,7 +232,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   // K + 1 slots, or fewer when fewer layers stream.
-  absl::Status configure(rt::Runtime& rt) {
+  absl::Status configure(rt::PolicyContext& rt) {
     const std::size_t layers = streamed_layers(rt, config().roles).size();
     slots_ = std::max<std::size_t>(
         1, std::min<std::size_t>(config().prefetch_depth + 1, std::max<std::size_t>(layers, 1)));
@@ -240,7 +242,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Stages layers of `order` from next_ on while the ring has room: layer k with roles_of(k), its
   // copies in stage_order(k).
   template <typename RolesOf, typename StageOrderOf>
-  absl::Status refill(rt::Runtime& rt, const std::vector<int>& order, RolesOf roles_of,
+  absl::Status refill(rt::PolicyContext& rt, const std::vector<int>& order, RolesOf roles_of,
                       StageOrderOf stage_order) {
     while (staged_.size() < slots_ && next_ < order.size()) {
       const int layer = order[next_];
@@ -266,7 +268,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // The optimizer step streams order_ with the configured roles. Note [Staging order]: the first
   // layer comes smallest tensor first, so the first kernel starts soonest; the last comes
   // smallest tensor last, so the last write-back, which nothing overlaps, is the shortest.
-  absl::Status refill_optimizer(rt::Runtime& rt) {
+  absl::Status refill_optimizer(rt::PolicyContext& rt) {
     const std::size_t last = order_.empty() ? 0 : order_.size() - 1;
     return refill(
         rt, order_, [&](std::size_t) { return config().roles; },
@@ -276,7 +278,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
         });
   }
 
-  absl::Status unstage(rt::Runtime& rt, int layer, RoleSet write) {
+  absl::Status unstage(rt::PolicyContext& rt, int layer, RoleSet write) {
     auto it = std::find(staged_.begin(), staged_.end(), layer);
     if (it == staged_.end()) return absl::OkStatus();
     STRATA_RETURN_IF_ERROR(rt.unstage_layer(layer, write));
@@ -286,7 +288,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   // Releases what is held and sends every staged layer home (gradients and whatever the optimizer
   // writes are copied back, parameters read in forward are dropped).
-  absl::Status reset(rt::Runtime& rt) {
+  absl::Status reset(rt::PolicyContext& rt) {
     if (held_ >= 0) STRATA_RETURN_IF_ERROR(release_held(rt));
     RoleSet keep = write_back();
     if (config().roles.contains(Role::kGradient)) keep = keep | Role::kGradient;
@@ -296,7 +298,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
-  absl::Status start_forward(rt::Runtime& rt) {
+  absl::Status start_forward(rt::PolicyContext& rt) {
     STRATA_RETURN_IF_ERROR(configure(rt));
     next_ = 0;
     in_forward_ = true;
@@ -305,10 +307,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   // The compute stream waits for the layer's data; the runtime keeps it in place until released.
-  absl::Status hold(rt::Runtime& rt, int layer, RoleSet roles) {
-    STRATA_ASSIGN_OR_RETURN(std::vector<void*> unused,
-                            rt.acquire_layer(layer, roles, rt::Tier::kGpu, rt.compute_stream()));
-    (void)unused;
+  absl::Status hold(rt::PolicyContext& rt, int layer, RoleSet roles) {
+    STRATA_RETURN_IF_ERROR(rt.hold_layer(layer, roles, rt::Tier::kGpu, rt.compute_stream()));
     held_ = layer;
     last_ = layer;
     held_roles_ = roles;
@@ -317,7 +317,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   // Everything queued on the compute stream until this hook (the held layer's forward or backward)
   // may use the data; later moves wait for it.
-  absl::Status release_held(rt::Runtime& rt) {
+  absl::Status release_held(rt::PolicyContext& rt) {
     // All or nothing, so a failure leaves the layer held and this can run again.
     STRATA_RETURN_IF_ERROR(rt.release(rt.layer_tensors(held_, held_roles_), rt.compute_stream()));
     held_ = -1;

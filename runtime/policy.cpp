@@ -12,7 +12,7 @@ ABSL_FLAG(std::string, strata_policy, "",
 
 namespace strata::rt {
 
-std::vector<int> ResidencyPolicy::optimizer_layer_order(const Runtime& rt) const {
+std::vector<int> ResidencyPolicy::optimizer_layer_order(const PolicyContext& rt) const {
   return rt.layers();
 }
 

@@ -1,10 +1,13 @@
-// runtime/policy.h: the ResidencyPolicy interface, its configuration, and the name -> factory
-// registry from which a policy is chosen at startup.
+// runtime/policy.h: the ResidencyPolicy interface, its configuration, the PolicyContext through
+// which a policy acts on the runtime, and the name -> factory registry from which a policy is
+// chosen at startup.
 //
 // A policy decides where tensors live and when they move; the runtime calls it from its hooks
 // (begin/end of step, before forward and after backward of a layer, the optimizer step, phase
-// switches) and the policy answers by calling the runtime's migration calls. The concrete policies
-// live in policies/; this layer only knows their names through a PolicyRegistry.
+// switches) and the policy answers through the PolicyContext it is handed: the runtime's registry,
+// migration, staging and guard calls, run under the runtime's mutex, which the runtime holds for
+// the whole hook (Note [Hooks hold the runtime's mutex] in hooks.cpp). The concrete policies live
+// in policies/; this layer only knows their names through a PolicyRegistry.
 //
 // Choosing by name: RuntimeOptions::policy, else the flag --strata_policy, else the environment
 // variable STRATA_POLICY, else kDefaultPolicy. A name that is unknown, or empty where it was given,
@@ -27,11 +30,54 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "allocator/stats.h"
+#include "allocator/stream_ops.h"
 #include "runtime/tensor.h"
 
 namespace strata::rt {
 
 class Runtime;
+using alloc::StreamHandle;
+
+// The order in which stage_layer queues a layer's copies (Note [Staging order] in runtime.h).
+enum class StageOrder { kRegistered, kSmallestFirst, kLargestFirst };
+
+// What a policy may do, from inside a hook: the calls of Runtime's that carry the same names (see
+// runtime.h for each), run with the runtime's mutex already held. Only the runtime makes one, for
+// the duration of a hook; a policy must not keep it.
+class PolicyContext {
+ public:
+  std::vector<TensorHandle> tensors() const;
+  absl::StatusOr<TensorInfo> info(TensorHandle tensor) const;
+  std::vector<TensorHandle> layer_tensors(int layer, RoleSet roles) const;
+  std::vector<int> layers() const;
+  std::size_t layer_bytes(int layer, RoleSet roles) const;
+  std::vector<int> optimizer_layer_order() const;
+
+  [[nodiscard]] absl::Status migrate(TensorHandle tensor, Tier dst);
+  [[nodiscard]] absl::Status wait_all();
+  [[nodiscard]] absl::Status configure_staging(int slots, RoleSet roles);
+  [[nodiscard]] absl::Status stage_layer(int layer, std::optional<RoleSet> roles = std::nullopt,
+                                         StageOrder order = StageOrder::kRegistered);
+  [[nodiscard]] absl::Status unstage_layer(int layer,
+                                           std::optional<RoleSet> write_back = std::nullopt);
+  bool is_staged(int layer) const;
+  // Holds the layer's tensors of `roles` on `tier` for work on `stream` (acquire_layer, without
+  // the addresses), all or nothing.
+  [[nodiscard]] absl::Status hold_layer(int layer, RoleSet roles, Tier tier, StreamHandle stream);
+  [[nodiscard]] absl::Status release(const std::vector<TensorHandle>& tensors, StreamHandle stream);
+  StreamHandle compute_stream() const;
+
+  // The GPU memory strata may use (Runtime::gpu_budget), and the GPU tier's main pool.
+  std::size_t gpu_budget() const;
+  std::size_t gpu_pool_budget() const;
+  alloc::TierStats gpu_pool_stats() const;
+
+ private:
+  friend class Runtime;
+  explicit PolicyContext(Runtime& runtime) : runtime_(runtime) {}
+  Runtime& runtime_;
+};
 
 inline constexpr std::string_view kDefaultPolicy = "layer_prefetch";
 
@@ -55,29 +101,31 @@ class ResidencyPolicy {
   virtual Tier placement(const TensorSpec& spec) const { return spec.home; }
   // Called after a tensor is placed; an error undoes the registration (e.g. a layer that no longer
   // fits the GPU budget).
-  [[nodiscard]] virtual absl::Status on_register(Runtime& rt, TensorHandle tensor) {
+  [[nodiscard]] virtual absl::Status on_register(PolicyContext& rt, TensorHandle tensor) {
     return absl::OkStatus();
   }
-  [[nodiscard]] virtual absl::Status on_begin_step(Runtime& rt) { return absl::OkStatus(); }
-  [[nodiscard]] virtual absl::Status on_end_step(Runtime& rt) { return absl::OkStatus(); }
-  [[nodiscard]] virtual absl::Status on_before_forward(Runtime& rt, int layer) {
+  [[nodiscard]] virtual absl::Status on_begin_step(PolicyContext& rt) { return absl::OkStatus(); }
+  [[nodiscard]] virtual absl::Status on_end_step(PolicyContext& rt) { return absl::OkStatus(); }
+  [[nodiscard]] virtual absl::Status on_before_forward(PolicyContext& rt, int layer) {
     return absl::OkStatus();
   }
-  [[nodiscard]] virtual absl::Status on_after_backward(Runtime& rt, int layer) {
+  [[nodiscard]] virtual absl::Status on_after_backward(PolicyContext& rt, int layer) {
     return absl::OkStatus();
   }
-  [[nodiscard]] virtual absl::Status on_begin_optimizer_step(Runtime& rt) {
+  [[nodiscard]] virtual absl::Status on_begin_optimizer_step(PolicyContext& rt) {
     return absl::OkStatus();
   }
   // The optimizer released `layer` (its kernel is queued on the compute stream).
-  [[nodiscard]] virtual absl::Status on_layer_released(Runtime& rt, int layer) {
+  [[nodiscard]] virtual absl::Status on_layer_released(PolicyContext& rt, int layer) {
     return absl::OkStatus();
   }
-  [[nodiscard]] virtual absl::Status on_end_optimizer_step(Runtime& rt) { return absl::OkStatus(); }
-  [[nodiscard]] virtual absl::Status on_offload_all(Runtime& rt) { return absl::OkStatus(); }
-  [[nodiscard]] virtual absl::Status on_reload_all(Runtime& rt) { return absl::OkStatus(); }
+  [[nodiscard]] virtual absl::Status on_end_optimizer_step(PolicyContext& rt) {
+    return absl::OkStatus();
+  }
+  [[nodiscard]] virtual absl::Status on_offload_all(PolicyContext& rt) { return absl::OkStatus(); }
+  [[nodiscard]] virtual absl::Status on_reload_all(PolicyContext& rt) { return absl::OkStatus(); }
   // The order in which the optimizer walks layers; default ascending.
-  virtual std::vector<int> optimizer_layer_order(const Runtime& rt) const;
+  virtual std::vector<int> optimizer_layer_order(const PolicyContext& rt) const;
 
  protected:
   explicit ResidencyPolicy(PolicyConfig config) : config_(config) {}

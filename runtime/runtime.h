@@ -28,7 +28,12 @@
 // bounce buffers (kBounceSlots of them) and the staging ring come from pools of the runtime's own,
 // outside the tiers' budgets: a spill to pageable memory happens when the pinned budget is full.
 //
-// Not thread-safe beyond what one mutex gives: every public call takes it.
+// Thread-safe as one mutex makes it: every public call takes it, hooks for the whole time the
+// policy runs (Note [Hooks hold the runtime's mutex] in hooks.cpp), so calls from several threads
+// never interleave inside the runtime. The hooks follow the order of a step (Note [Step states]).
+//
+// The implementation is split by concern (runtime_impl.h lists the rooms): registry.cpp,
+// migration.cpp, staging.cpp, guards.cpp, hooks.cpp and this facade's runtime.cpp.
 //
 // Example (a training step under any policy):
 //   STRATA_ASSIGN_OR_RETURN(auto rt, Runtime::create(std::move(options), builtin_policies()));
@@ -66,9 +71,6 @@ namespace strata::rt {
 
 inline constexpr std::size_t kBounceChunkBytes = std::size_t{16} << 20;
 inline constexpr int kBounceSlots = 2;
-
-// The order in which stage_layer queues a layer's copies (Note [Staging order]).
-enum class StageOrder { kRegistered, kSmallestFirst, kLargestFirst };
 
 struct RuntimeOptions {
   // See choose_policy_name: this, else --strata_policy, else STRATA_POLICY, else the default.
@@ -232,10 +234,13 @@ class Runtime {
   StreamHandle d2h_stream() const;
 
  private:
+  friend class PolicyContext;
   struct Impl;
   explicit Runtime(std::unique_ptr<Impl> impl);
-  // Note [Compute fence] in runtime.cpp, then poll.
-  absl::Status fence_and_poll();
+  // before_forward / after_backward (hooks.cpp).
+  absl::Status layer_hook(const char* hook, int layer, bool forward);
+  // offload_all / reload_all (hooks.cpp).
+  absl::Status phase_switch(const char* hook, bool offload);
   std::unique_ptr<Impl> impl_;
 };
 

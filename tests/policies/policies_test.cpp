@@ -6,7 +6,7 @@
 #include <random>
 #include <string>
 
-#include "runtime/fault_injection.h"
+#include "tests/runtime/fault_injection.h"
 #include "tests/runtime/runtime_test_util.h"
 
 namespace strata::rt {
@@ -669,6 +669,7 @@ TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
 TEST(ParameterStreamingTest, ForwardHoldsOneLayerAndKeepsTheLastForBackward) {
   auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()});
   register_trainable(*rt, 4, 100);  // per layer: p g m v
+  ASSERT_TRUE(rt->begin_step().ok());
   ASSERT_TRUE(rt->before_forward(0).ok());
   EXPECT_EQ(where(*rt), "S P P P S P P P P P P P P P P P");
   ASSERT_TRUE(rt->before_forward(1).ok());
@@ -684,6 +685,7 @@ TEST(ParameterStreamingTest, ForwardHoldsOneLayerAndKeepsTheLastForBackward) {
   ASSERT_TRUE(rt->after_backward(1).ok());
   ASSERT_TRUE(rt->after_backward(0).ok());
   EXPECT_EQ(where(*rt), "P P P P P P P P P P P P P P P P");
+  ASSERT_TRUE(rt->end_step().ok());
 }
 
 TEST(ParameterStreamingTest, FrozenLayersTakeNoSlotAndNothingLandsInTheMainPool) {
@@ -711,10 +713,15 @@ TEST(ParameterStreamingTest, FrozenLayersTakeNoSlotAndNothingLandsInTheMainPool)
 TEST(ParameterStreamingTest, AnEvaluationForwardThenTrainingStaysInTheRing) {
   auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()});
   register_trainable(*rt, 5, 100);
-  // Evaluation: forward only, twice.
+  // Evaluation: forward only, twice in one step, then once in a step of its own.
+  ASSERT_TRUE(rt->begin_step().ok());
   for (int pass = 0; pass < 2; ++pass) {
     for (int l = 0; l < 5; ++l) ASSERT_TRUE(rt->before_forward(l).ok()) << pass << " " << l;
   }
+  ASSERT_TRUE(rt->end_step().ok());
+  ASSERT_TRUE(rt->begin_step().ok());
+  for (int l = 0; l < 5; ++l) ASSERT_TRUE(rt->before_forward(l).ok()) << l;
+  ASSERT_TRUE(rt->end_step().ok());
   // Training step.
   ASSERT_TRUE(rt->begin_step().ok());
   for (int l = 0; l < 5; ++l) ASSERT_TRUE(rt->before_forward(l).ok());

@@ -22,7 +22,7 @@
 #include "base/units.h"
 #include "gtest/gtest.h"
 #include "optim/adam.h"
-#include "runtime/fault_injection.h"
+#include "tests/runtime/fault_injection.h"
 #include "tests/runtime/runtime_test_util.h"
 
 namespace strata::rt {

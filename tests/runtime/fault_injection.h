@@ -1,4 +1,5 @@
-// runtime/fault_injection.h: a Device that fails chosen calls, for the fault-injection suites.
+// tests/runtime/fault_injection.h: a Device that fails chosen calls, for the fault-injection suites
+// (a test-only library, strata_test_faults, outside the runtime library).
 //
 // FaultInjectingDevice wraps another Device (the simulated one in the CPU suites) and fails the
 // k-th call of one kind: a copy, an event record, a stream-to-event wait, a host wait on an event,

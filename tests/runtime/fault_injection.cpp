@@ -1,4 +1,4 @@
-#include "runtime/fault_injection.h"
+#include "tests/runtime/fault_injection.h"
 
 #include "base/status.h"
 #include "base/strings.h"

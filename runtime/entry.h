@@ -1,0 +1,60 @@
+// runtime/entry.h (internal to runtime/): what the runtime keeps for each registered tensor.
+//
+// An Entry is shared by the runtime's rooms: the registry owns it (registry.h), the migration
+// engine moves it (migration.h), the staging ring lends it a slot (staging.h), and the guards count
+// its holds (guards.cpp). Every field is read and written with the runtime's one mutex held.
+//
+// Example (inside the runtime, lock held):
+//   Entry& e = *registry.get(handle).value();
+//   if (!e.in_flight && e.loc.tier != Tier::kGpu) STRATA_RETURN_IF_ERROR(engine.migrate(e, ...));
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "runtime/device.h"
+#include "runtime/tensor.h"
+
+namespace strata::rt::internal {
+
+// Where a tensor's bytes are: a block of a tier's main pool, or a region of a staging slot.
+struct Location {
+  Tier tier = Tier::kGpu;
+  void* ptr = nullptr;
+  int slot = -1;  // >= 0: staging slot, not a pool block
+};
+
+struct Entry {
+  TensorHandle handle;
+  TensorSpec spec;
+  std::size_t bytes = 0;
+  Location loc;
+  bool in_flight = false;
+  Location dst;
+  StreamHandle copy_stream = nullptr;
+  EventHandle arrival = nullptr;
+  // The stream an acquire made wait for `arrival` (Note [Covered arrival] in migration.cpp).
+  StreamHandle arrival_waiter = nullptr;
+  EventHandle timed_start = nullptr;
+  EventHandle timed_end = nullptr;
+  bool timed_h2d = false;
+  // Events after which the data is complete: the last release on each compute stream that used
+  // it, and copies finished early from the bookkeeping's point of view. Later copies wait on all
+  // of them on the GPU; a release replaces only the event of its own stream.
+  struct Ready {
+    StreamHandle stream;
+    EventHandle event;
+    // Recorded on a stream after it waited for the copy in flight (Note [Covered arrival]).
+    bool covers_arrival = false;
+  };
+  std::vector<Ready> ready;
+  int holds = 0;
+  std::uint64_t version = 0;
+  // While staged: the home block the tensor keeps (Note [Staging ring] in runtime.h); the fetch
+  // reads it, a write-back copies into it, a discard just returns to it.
+  Location rest;
+  void* reported = nullptr;  // the address on_moved last reported
+};
+
+}  // namespace strata::rt::internal
