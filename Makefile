@@ -11,7 +11,7 @@ CUDACXX     ?= $(wildcard /usr/local/cuda/bin/nvcc)
 export CUDACXX
 CMAKE_FLAGS ?=
 
-.PHONY: demo test deps configure build sanitize sanitize-thread fuzz clean
+.PHONY: demo test deps configure build sanitize sanitize-thread fuzz fault-sweep clean
 
 deps:
 	@tools/install-deps.sh
@@ -66,11 +66,16 @@ fuzz: deps
 	cd $(FUZZ_BUILD) && bin/registry_fuzzer corpus ../tests/fuzz/regressions \
 	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -print_final_stats=1
 
+# The fault sweep with every k of every site (make test runs a seeded sample of it); the GPU
+# script runs it too.
+fault-sweep: build
+	STRATA_FAULT_EXHAUSTIVE=1 $(BUILD)/bin/reliability_fault_sweep_test
+
 test: build
 	tools/check_layering.sh --self-test
 	tools/check_layering.sh
 	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
-	@grep -h -E "^(fault sites|Adam step faults|bad inputs tried):" $(BUILD)/Testing/Temporary/LastTest.log
+	@grep -h -E "^(fault sweep seed|fault sites:|Adam step faults:|bad inputs tried:)" $(BUILD)/Testing/Temporary/LastTest.log
 	$(MAKE) --no-print-directory sanitize
 	$(MAKE) --no-print-directory sanitize-thread
 	$(MAKE) --no-print-directory fuzz

@@ -217,6 +217,7 @@ absl::StatusOr<void*> FaultInjectingUpstream::allocate(std::size_t bytes) {
   const std::int64_t first = fail_first_.load();
   if (first == -1 || (first > 0 && call >= first && call < first + fail_count_.load())) {
     ++injected_;
+    if (on_inject_) on_inject_();
     return absl::ResourceExhaustedError(
         str_cat("injected failure of upstream call ", call, " (", format_bytes(bytes), ")"));
   }

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -94,6 +95,8 @@ class FaultInjectingUpstream final : public Upstream {
   // Fails every allocate() call until disarm().
   void fail_all_allocates();
   void disarm();
+  // Called each time a failure is injected (e.g. to ask a device what is in flight then).
+  void set_on_inject(std::function<void()> fn) { on_inject_ = std::move(fn); }
   std::int64_t allocate_calls() const { return allocate_calls_.load(); }
   std::int64_t deallocate_calls() const { return deallocate_calls_.load(); }
   std::int64_t injected_failures() const { return injected_.load(); }
@@ -116,6 +119,7 @@ class FaultInjectingUpstream final : public Upstream {
   std::atomic<std::int64_t> fail_first_{0};  // 0: none; -1: every call
   std::atomic<std::int64_t> fail_count_{0};
   std::atomic<std::int64_t> injected_{0};
+  std::function<void()> on_inject_;
 };
 
 }  // namespace strata::alloc

@@ -117,6 +117,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       for (rt::TensorHandle h : {slot.exp_avg, slot.exp_avg_sq, slot.max_exp_avg_sq}) {
         if (h.valid()) adam->slot_of_state_[h.id] = adam->slots_.size();
       }
+      adam->slot_of_param_[param.id] = adam->slots_.size();
       adam->by_layer_[slot.layer].push_back(adam->slots_.size());
       adam->slots_.push_back(slot);
     }
@@ -169,24 +170,24 @@ absl::Status Adam::check_can_step() {
 absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(check_can_step());
+  last_step_.clear();
   if (absl::Status begin = rt.begin_optimizer_step(); !begin.ok()) {
-    (void)rt.end_optimizer_step();  // what the policy staged goes home
+    // The runtime has put back what the policy staged.
     return absl::Status(begin.code(), str_cat("Adam step failed before any kernel ran (nothing "
                                               "changed; it can be retried): ",
                                               begin.message()));
   }
   for (std::int64_t& s : steps_) ++s;
-  // Note [A failed step]: layers are stepped one after another, so a step that fails part way has
-  // stepped the layers before the failing one. What it guarantees: no tensor is left held, the
-  // policy's end of step runs (staged states go home), every byte is intact, and the runtime takes
-  // the next step. If no kernel was queued yet, the step counters go back too, so a retry is exact;
-  // otherwise the error says which layers were stepped (restore a checkpoint to redo the step).
+  // Note [A failed step]: parameters are stepped one launch after another, so a step that fails
+  // part way has stepped those launched before the failure (last_step_parameters() lists them).
+  // What it guarantees: no tensor is left held, the policy's end of step runs (staged states go
+  // home), every byte is intact (each tensor is either stepped or as it was), and the runtime
+  // takes the next step. If no kernel was queued yet, the step counters go back too, so a retry
+  // is exact; otherwise the error says which layers were stepped (restore a checkpoint to redo the
+  // step).
   std::vector<rt::TensorHandle> held;
   int failed_layer = -1;
-  int stepped_layers = 0;
-  bool launched = false;
-  absl::Status status =
-      step_layers(grad_scale, found_inf, held, failed_layer, stepped_layers, launched);
+  absl::Status status = step_layers(grad_scale, found_inf, held, failed_layer);
   if (status.ok()) {
     // Every layer is stepped; the policy's end of step is resumable, so one failure is retried.
     absl::Status end = rt.end_optimizer_step();
@@ -194,7 +195,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
     if (!end.ok()) {
       return absl::Status(end.code(), str_cat("Adam step ", steps_.empty() ? 0 : steps_[0],
                                               " stepped every layer, but the policy's end of "
-                                              "step failed twice: ",
+                                              "step failed twice (the next hook finishes it): ",
                                               end.message()));
     }
     return absl::OkStatus();
@@ -203,23 +204,33 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   for (int attempt = 0; attempt < 2 && !held.empty(); ++attempt) {
     if (rt.release(held, rt.compute_stream()).ok()) held.clear();
   }
-  (void)rt.end_optimizer_step();
-  if (!launched) {
+  (void)rt.end_optimizer_step();  // what it cannot finish, the next hook does
+  if (last_step_.empty()) {
     for (std::int64_t& s : steps_) --s;
     return absl::Status(status.code(), str_cat("Adam step failed before any kernel ran (nothing "
                                                "changed; it can be retried): ",
                                                status.message()));
   }
-  return absl::Status(
-      status.code(),
-      str_cat("Adam step ", steps_.empty() ? 0 : steps_[0], " failed at layer ", failed_layer,
-              " after stepping ", stepped_layers,
-              " layer(s); restore a checkpoint to redo the step: ", status.message()));
+  std::string layers;
+  for (int l : last_step_layers()) str_append(&layers, layers.empty() ? "" : ", ", l);
+  return absl::Status(status.code(),
+                      str_cat("Adam step ", steps_.empty() ? 0 : steps_[0], " failed at layer ",
+                              failed_layer, " after stepping ", last_step_.size(), " of ",
+                              slots_.size(), " parameters (in layers ", layers,
+                              "); restore a checkpoint to redo the step: ", status.message()));
+}
+
+std::vector<int> Adam::last_step_layers() const {
+  std::vector<int> out;
+  for (rt::TensorHandle p : last_step_) {
+    const int layer = slots_[slot_of_param_.at(p.id)].layer;
+    if (std::find(out.begin(), out.end(), layer) == out.end()) out.push_back(layer);
+  }
+  return out;
 }
 
 absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
-                               std::vector<rt::TensorHandle>& held, int& failed_layer,
-                               int& stepped_layers, bool& launched) {
+                               std::vector<rt::TensorHandle>& held, int& failed_layer) {
   rt::Runtime& rt = runtime_;
   std::vector<AdamScalars> scalars;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
@@ -228,29 +239,36 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
   const rt::StreamHandle stream = rt.compute_stream();
   const bool simulated = rt.device().is_simulated();
 
-  // Queues the kernel for `list` (tensors of one group) on the compute stream.
-  auto launch = [&](const std::vector<AdamTensor>& list, std::size_t g) -> absl::Status {
+  // Queues the kernel for `list` (tensors of one group, of the slots `of`) on the compute stream;
+  // once queued, those parameters count as stepped.
+  auto launch = [&](const std::vector<AdamTensor>& list, const std::vector<std::size_t>& of,
+                    std::size_t g) -> absl::Status {
     if (list.empty()) return absl::OkStatus();
-    launched = true;
+    absl::Status queued;
     if (simulated) {
       const int threads = options_.cpu_threads;
-      return rt.device().enqueue_host(
-          stream, [list, s = scalars[g], threads, grad_scale, found_inf] {
+      queued =
+          rt.device().enqueue_host(stream, [list, s = scalars[g], threads, grad_scale, found_inf] {
             if (found_inf != nullptr && *found_inf != 0.0f) return;
             const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
             adam_step_cpu(list.data(), list.size(), s, inv, threads);
           });
-    }
+    } else {
 #ifdef STRATA_HAS_CUDA
-    const cudaError_t err = adam_step_cuda(list.data(), list.size(), scalars[g], grad_scale,
-                                           found_inf, static_cast<cudaStream_t>(stream));
-    if (err != cudaSuccess) {
-      return absl::InternalError(str_cat("Adam kernel launch failed: ", cudaGetErrorString(err)));
-    }
-    return absl::OkStatus();
+      const cudaError_t err = adam_step_cuda(list.data(), list.size(), scalars[g], grad_scale,
+                                             found_inf, static_cast<cudaStream_t>(stream));
+      if (err != cudaSuccess) {
+        queued =
+            absl::InternalError(str_cat("Adam kernel launch failed: ", cudaGetErrorString(err)));
+      }
 #else
-    return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
+      queued = absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
 #endif
+    }
+    if (queued.ok()) {
+      for (std::size_t index : of) last_step_.push_back(slots_[index].param);
+    }
+    return queued;
   };
 
   for (int layer : rt.optimizer_layer_order()) {
@@ -265,6 +283,7 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     const std::vector<std::size_t>& arrived = arrival_order(layer);
     const bool pipelined = !arrived.empty();
     std::vector<std::vector<AdamTensor>> per_group(groups_.size());
+    std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
     if (it != by_layer_.end()) {
       for (std::size_t index : pipelined ? arrived : it->second) {
         const Slot* s = &slots_[index];
@@ -286,19 +305,20 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
         t.max_exp_avg_sq = static_cast<float*>(ptrs[4]);
         t.numel = s->numel;
         if (pipelined) {
-          STRATA_RETURN_IF_ERROR(launch({t}, s->group));
+          STRATA_RETURN_IF_ERROR(launch({t}, {index}, s->group));
           STRATA_RETURN_IF_ERROR(rt.release(held, stream));
           held.clear();
         } else {
           per_group[s->group].push_back(t);
+          slots_of_group[s->group].push_back(index);
         }
       }
     }
-    for (std::size_t g = 0; g < groups_.size(); ++g)
-      STRATA_RETURN_IF_ERROR(launch(per_group[g], g));
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      STRATA_RETURN_IF_ERROR(launch(per_group[g], slots_of_group[g], g));
+    }
     STRATA_RETURN_IF_ERROR(rt.release(held, stream));
     held.clear();
-    ++stepped_layers;
     // Tell the policy the layer is done (write-back, next prefetch); its tensors are released.
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
   }

@@ -67,6 +67,12 @@ class Adam {
   [[nodiscard]] absl::Status step(const float* grad_scale = nullptr,
                                   const float* found_inf = nullptr);
 
+  // The parameters the last step() stepped, in the order their kernels were queued: all of them
+  // after a step that succeeded, none after one that failed before any kernel ran, and those before
+  // the failure otherwise (Note [A failed step] in adam.cpp); and their layers, each once.
+  const std::vector<rt::TensorHandle>& last_step_parameters() const { return last_step_; }
+  std::vector<int> last_step_layers() const;
+
   [[nodiscard]] absl::Status set_lr(std::size_t group, float lr);
   std::int64_t step_count(std::size_t group) const { return steps_.at(group); }
   std::size_t num_groups() const { return groups_.size(); }
@@ -92,11 +98,10 @@ class Adam {
   Adam(rt::Runtime& runtime, AdamOptions options);
   // The checks step() makes before it changes anything.
   absl::Status check_can_step();
-  // The layer loop of step(): what it holds when it fails, the layer it was on, how many layers
-  // it finished and whether any kernel was queued (Note [A failed step] in adam.cpp).
+  // The layer loop of step(): what it holds when it fails and the layer it was on (Note [A failed
+  // step] in adam.cpp); the parameters it stepped go to last_step_.
   absl::Status step_layers(const float* grad_scale, const float* found_inf,
-                           std::vector<rt::TensorHandle>& held, int& failed_layer,
-                           int& stepped_layers, bool& launched);
+                           std::vector<rt::TensorHandle>& held, int& failed_layer);
   // The slots of a layer in the order its staged states arrive; empty when it is not staged.
   const std::vector<std::size_t>& arrival_order(int layer);
 
@@ -107,8 +112,10 @@ class Adam {
   std::vector<Slot> slots_;
   // Indices into slots_ by layer, built once: step() runs every iteration.
   std::map<int, std::vector<std::size_t>> by_layer_;
-  // The slot each state tensor (by handle id) belongs to.
+  // The slot each state tensor and each parameter (by handle id) belongs to.
   std::map<std::uint64_t, std::size_t> slot_of_state_;
+  std::map<std::uint64_t, std::size_t> slot_of_param_;
+  std::vector<rt::TensorHandle> last_step_;
   // arrival_order's buffers, kept so that a step allocates nothing once they are sized.
   std::vector<rt::TensorHandle> arrived_;
   std::vector<std::size_t> arrival_order_;

@@ -252,7 +252,12 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
         // A layer staged part way keeps its slot (the runtime leaves what was queued in place).
         // Take it back out, so this layer is either staged whole or not at all and the next call
         // starts it again; its home copy was never touched.
-        if (!had_slot && rt.is_staged(layer)) (void)rt.unstage_layer(layer, RoleSet());
+        // If even that fails (a device error), the layer is listed as staged, so that the next
+        // reset puts it home.
+        if (!had_slot && rt.is_staged(layer) && !rt.unstage_layer(layer, RoleSet()).ok() &&
+            std::find(staged_.begin(), staged_.end(), layer) == staged_.end()) {
+          staged_.push_back(layer);
+        }
         return s;
       }
       if (std::find(staged_.begin(), staged_.end(), layer) == staged_.end()) {

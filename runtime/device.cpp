@@ -4,6 +4,8 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <random>
+#include <vector>
 
 #include <mutex>
 #include "allocator/upstream.h"
@@ -45,6 +47,7 @@ struct SimulatedDevice::State {
 
   std::mutex mu;
   bool deferred = false;
+  std::optional<std::mt19937_64> random;  // random completion
   std::uintptr_t next_stream = 1;
   std::uintptr_t next_event = 1;
   std::map<std::uintptr_t, std::deque<Op>> streams;  // 0 is the legacy default stream
@@ -88,6 +91,22 @@ struct SimulatedDevice::State {
     return ran;
   }
 
+  // Random completion: up to two runnable operations, each of a stream picked at random.
+  void run_some() {
+    if (!deferred || !random.has_value()) return;
+    const int n = static_cast<int>((*random)() % 3);
+    for (int i = 0; i < n; ++i) {
+      std::vector<std::deque<Op>*> runnable;
+      for (auto& [id, q] : streams) {
+        if (!q.empty() && (q.front().kind != Op::kWait || q.front().event->done)) {
+          runnable.push_back(&q);
+        }
+      }
+      if (runnable.empty()) return;
+      run_front(*runnable[(*random)() % runnable.size()]);
+    }
+  }
+
   absl::Status enqueue(StreamHandle stream, Op op) {
     auto it = streams.find(reinterpret_cast<std::uintptr_t>(stream));
     if (it == streams.end()) {
@@ -95,6 +114,7 @@ struct SimulatedDevice::State {
     }
     it->second.push_back(std::move(op));
     if (!deferred) run_all();
+    run_some();
     return absl::OkStatus();
   }
 
@@ -190,6 +210,7 @@ absl::StatusOr<EventHandle> SimulatedDevice::record_timed(StreamHandle stream) {
 
 absl::StatusOr<bool> SimulatedDevice::query(EventHandle event) {
   std::lock_guard<std::mutex> lock(state_->mu);
+  state_->run_some();
   std::shared_ptr<State::EventState> e = state_->find_event(event);
   if (e == nullptr) {
     return absl::InvalidArgumentError(str_cat("simulated device: query of unknown event ", event));
@@ -255,11 +276,39 @@ bool SimulatedDevice::run_one(StreamHandle stream) {
   return it != state_->streams.end() && state_->run_front(it->second);
 }
 
+void SimulatedDevice::set_random_completion(std::optional<std::uint64_t> seed) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (seed.has_value()) {
+    state_->random.emplace(*seed);
+  } else {
+    state_->random.reset();
+  }
+}
+
 int SimulatedDevice::pending_operations() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   int n = 0;
   for (const auto& [id, q] : state_->streams) n += static_cast<int>(q.size());
   return n;
+}
+
+int SimulatedDevice::pending_copies() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  int n = 0;
+  for (const auto& [id, q] : state_->streams) {
+    for (const State::Op& op : q) n += op.kind == State::Op::kCopy ? 1 : 0;
+  }
+  return n;
+}
+
+int SimulatedDevice::live_events() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return static_cast<int>(state_->events.size());
+}
+
+int SimulatedDevice::live_streams() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return static_cast<int>(state_->streams.size()) - 1;  // not the legacy default stream
 }
 
 }  // namespace strata::rt

@@ -10,7 +10,10 @@
 // immediate mode (the default) each operation runs when it is enqueued. In deferred mode operations
 // queue per stream and run only when the host waits, or when a test calls run_pending() /
 // run_one(); that makes in-flight states observable on the CPU (a copy not yet done, a stream
-// waiting on another) and lets tests delay copy streams on purpose.
+// waiting on another) and lets tests delay copy streams on purpose. With random completion on top
+// (set_random_completion), every enqueue and every event query also runs a few queued operations
+// of streams picked at random, so copies complete in an order no test chose, while others are
+// still queued, as on a GPU whose copy engines and kernels run on their own.
 //
 // Example:
 //   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, make_device(DeviceKind::kAuto));
@@ -24,6 +27,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -106,8 +110,14 @@ class SimulatedDevice final : public Device {
   int run_pending();
   // Runs the first runnable operation of `stream`; false if none could run.
   bool run_one(StreamHandle stream);
-  // Operations queued and not yet run, over all streams.
+  // Random completion (needs deferred mode): a seed, or nullopt to turn it off.
+  void set_random_completion(std::optional<std::uint64_t> seed);
+  // Operations queued and not yet run, over all streams; the copies among them.
   int pending_operations() const;
+  int pending_copies() const;
+  // Events recorded and not yet released; streams created and not yet destroyed.
+  int live_events() const;
+  int live_streams() const;
 
  private:
   struct State;

@@ -13,9 +13,13 @@
 // may run inside a step or on its own (Adam::step makes both calls), but not inside another. A hook
 // called out of that order is kFailedPrecondition saying what was expected, and changes nothing. A
 // hook that fails leaves the state as it was, so it can be called again: a failed begin_* has not
-// begun (the policy's work so far is put back), a failed end_* has not ended. end_step also fails,
-// naming them, while tensors are still held once the policy's end of step is done: an acquire with
-// no release would otherwise surface only later, as a tensor that cannot move.
+// begun (the policy's work so far is put back), a failed end_step has not ended. end_step also
+// fails, naming them, while tensors are still held once the policy's end of step is done: an
+// acquire with no release would otherwise surface only later, as a tensor that cannot move. One
+// exception keeps a failed optimizer step from blocking every later hook: end_optimizer_step ends
+// the optimizer step even when the policy cannot finish its end of it (writing staged states home,
+// under a device error); that work is then finished first by the next hook, or by calling
+// end_optimizer_step again, and that hook fails while it cannot be.
 #include <algorithm>
 
 #include "base/status.h"
@@ -53,6 +57,13 @@ std::string Runtime::Impl::outstanding_holds() const {
   return out;
 }
 
+absl::Status Runtime::Impl::finish_optimizer_step(PolicyContext& ctx) {
+  if (!step.optimizer_unfinished) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(policy->on_end_optimizer_step(ctx));
+  step.optimizer_unfinished = false;
+  return absl::OkStatus();
+}
+
 absl::Status Runtime::begin_step() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
@@ -64,6 +75,7 @@ absl::Status Runtime::begin_step() {
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
   STRATA_RETURN_IF_ERROR(im.policy->on_begin_step(ctx));
   im.step.in_step = true;
   return absl::OkStatus();
@@ -79,6 +91,7 @@ absl::Status Runtime::end_step() {
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
   STRATA_RETURN_IF_ERROR(im.policy->on_end_step(ctx));
   if (std::string held = im.outstanding_holds(); !held.empty()) {
     return misuse("end_step", str_cat("tensors are still held (acquire without release): ", held,
@@ -99,6 +112,7 @@ absl::Status Runtime::layer_hook(const char* hook, int layer, bool forward) {
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
   return forward ? im.policy->on_before_forward(ctx, layer)
                  : im.policy->on_after_backward(ctx, layer);
 }
@@ -120,14 +134,17 @@ absl::Status Runtime::begin_optimizer_step() {
   }
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
   // The policy's first fetches go out before the host collects what finished since the last hook:
   // after a step with no hook in between, that is every copy of it (about 1.5 ms of bookkeeping
   // for 512 copies, measured on an H200), and the link would idle meanwhile.
   absl::Status s = im.policy->on_begin_optimizer_step(ctx);
   if (s.ok()) s = im.engine.poll();
   if (!s.ok()) {
-    // Not begun: what the policy staged goes home (its end of step is resumable).
-    (void)im.policy->on_end_optimizer_step(ctx);
+    // Not begun: what the policy staged goes home (its end of step is resumable), now or, if that
+    // fails too, first thing at the next hook.
+    im.step.optimizer_unfinished = true;
+    (void)im.finish_optimizer_step(ctx);
     return s;
   }
   im.step.in_optimizer_step = true;
@@ -137,14 +154,16 @@ absl::Status Runtime::begin_optimizer_step() {
 absl::Status Runtime::end_optimizer_step() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
-  if (!im.step.in_optimizer_step) {
+  if (!im.step.in_optimizer_step && !im.step.optimizer_unfinished) {
     return misuse("end_optimizer_step",
                   "no optimizer step has begun; call begin_optimizer_step first");
   }
-  PolicyContext ctx(*this);
-  STRATA_RETURN_IF_ERROR(im.policy->on_end_optimizer_step(ctx));
-  STRATA_RETURN_IF_ERROR(im.engine.poll());
   im.step.in_optimizer_step = false;
+  im.step.optimizer_unfinished = true;
+  PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
+  // Ended: a copy whose completion cannot be read now is collected by the next call that polls.
+  (void)im.engine.poll();
   return absl::OkStatus();
 }
 
@@ -157,6 +176,7 @@ absl::Status Runtime::phase_switch(const char* hook, bool offload) {
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
   STRATA_RETURN_IF_ERROR(offload ? im.policy->on_offload_all(ctx) : im.policy->on_reload_all(ctx));
   return im.engine.wait_all();
 }

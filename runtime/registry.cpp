@@ -114,6 +114,11 @@ absl::StatusOr<TensorHandle> Runtime::register_tensor(const TensorSpec& spec, co
       if (pageable.ok()) {
         tier = Tier::kPageableHost;
         block = pageable;
+      } else {
+        block = absl::Status(
+            pageable.status().code(),
+            str_cat(block.status().message(),
+                    "; pageable memory, where it would go instead: ", pageable.status().message()));
       }
     }
     if (!block.ok()) {
@@ -223,6 +228,7 @@ absl::StatusOr<TensorInfo> Runtime::Impl::info_locked(TensorHandle tensor) const
   out.destination = e->in_flight ? e->dst.tier : e->loc.tier;
   out.holds = e->holds;
   out.staged = e->loc.slot >= 0;
+  out.kept_tier = out.staged ? e->rest.tier : e->loc.tier;
   out.destination_staged = e->in_flight && e->dst.slot >= 0;
   out.version = e->version;
   return out;

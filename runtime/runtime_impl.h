@@ -43,6 +43,8 @@ struct Runtime::Impl {
   struct StepState {
     bool in_step = false;
     bool in_optimizer_step = false;
+    // end_optimizer_step was called but the policy could not finish its end of step.
+    bool optimizer_unfinished = false;
   };
 
   // registry.cpp
@@ -59,6 +61,7 @@ struct Runtime::Impl {
                                                           StreamHandle stream);
   // hooks.cpp
   absl::Status check_layer(const char* hook, int layer) const;
+  absl::Status finish_optimizer_step(PolicyContext& ctx);
   std::string outstanding_holds() const;
   // runtime.cpp
   absl::Status release_scratch();

@@ -97,6 +97,7 @@ struct TensorInfo {
   Tier destination = Tier::kGpu;    // where to, when in flight
   int holds = 0;                    // active acquire() guards
   bool staged = false;              // the data is in a GPU staging slot rather than a pool block
+  Tier kept_tier = Tier::kGpu;      // while staged: the tier of the home block it keeps
   bool destination_staged = false;  // in flight into a staging slot
   std::uint64_t version = 0;        // migrations completed so far
 };

@@ -51,6 +51,10 @@ if [ -n "$CPU_TESTS" ]; then
   step "ctest (CPU suites, on this machine too)"
   ctest --test-dir "$BUILD" -LE gpu --output-on-failure >"$LOGS/ctest-cpu.log" 2>&1 || status=1
   tail -3 "$LOGS/ctest-cpu.log"
+  step "the exhaustive fault sweep (make fault-sweep)"
+  STRATA_FAULT_EXHAUSTIVE=1 "$BUILD/bin/reliability_fault_sweep_test" >"$LOGS/fault-sweep.log" 2>&1 \
+    || status=1
+  grep -E "^(fault sites|Adam step faults):" "$LOGS/fault-sweep.log"
 fi
 
 declare -A SAN
