@@ -2,6 +2,7 @@
 // every hook), the staging peak of layer_prefetch, state integrity with copy streams delayed at
 // random (deferred device), and D1 of RELIABILITY.md for every tier pair.
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <random>
 #include <string>
@@ -736,8 +737,9 @@ TEST(ParameterStreamingTest, AnEvaluationForwardThenTrainingStaysInTheRing) {
 }
 
 // D1 of RELIABILITY.md: 10^4 offload/reload cycles per tier pair, payloads with NaN, +-Inf, -0 and
-// denormals, sizes 1 B, 255 B and 2^k +- 1: zero bitwise mismatches.
-TEST(D1Test, TenThousandCyclesPerTierPair) {
+// denormals that change every cycle (so a stale copy, one that missed a cycle, is caught), sizes
+// 1 B, 255 B and 2^k +- 1, every tensor read back every cycle: zero bitwise mismatches.
+TEST(D1Test, TenThousandCyclesPerTierPairWithPayloadsThatChangeEveryCycle) {
   const std::pair<Tier, Tier> pairs[] = {{Tier::kGpu, Tier::kPinnedHost},
                                          {Tier::kGpu, Tier::kPageableHost},
                                          {Tier::kPinnedHost, Tier::kPageableHost}};
@@ -746,34 +748,43 @@ TEST(D1Test, TenThousandCyclesPerTierPair) {
     sizes.push_back((std::size_t{1} << k) - 1);
     sizes.push_back((std::size_t{1} << k) + 1);
   }
+  constexpr int kVariants = 4;
   std::int64_t mismatches = 0, cycles = 0;
   for (auto [a, b] : pairs) {
     auto [rt, dev] = make_runtime("bulk");
     std::vector<TensorHandle> hs;
-    std::vector<std::vector<unsigned char>> payloads;
+    std::vector<std::vector<std::vector<unsigned char>>> variants(sizes.size());
     for (std::size_t i = 0; i < sizes.size(); ++i) {
-      payloads.push_back(special_payload(sizes[i], 100 + i));
+      for (int v = 0; v < kVariants; ++v)
+        variants[i].push_back(special_payload(sizes[i], 100 * i + v));
       TensorSpec s = spec(str_cat("t", i), 0, Role::kOther, sizes[i], DType::kUInt8, a);
-      hs.push_back(*rt->register_tensor(s, payloads.back().data()));
+      hs.push_back(*rt->register_tensor(s, variants[i][0].data()));
       if (rt->info(hs.back())->tier != a) {
         ASSERT_TRUE(rt->migrate(hs.back(), a).ok());
         ASSERT_TRUE(rt->wait_all().ok());
       }
     }
+    std::vector<unsigned char> payload;
     for (int c = 0; c < 10'000; ++c, ++cycles) {
+      // This cycle's payload: a variant of special values, its last 4 bytes the cycle number.
+      std::vector<std::vector<unsigned char>> now(hs.size());
+      for (std::size_t i = 0; i < hs.size(); ++i) {
+        now[i] = variants[i][c % kVariants];
+        if (now[i].size() >= 8) std::memcpy(now[i].data() + now[i].size() - 4, &c, 4);
+        ASSERT_TRUE(rt->write(hs[i], now[i].data()).ok());
+      }
       for (Tier t : {b, a}) {
         for (TensorHandle h : hs) ASSERT_TRUE(rt->migrate(h, t).ok());
         ASSERT_TRUE(rt->wait_all().ok());
       }
-      if (c % 1000 == 999) {
-        for (std::size_t i = 0; i < hs.size(); ++i)
-          mismatches += read_all(*rt, hs[i]) != payloads[i];
-      }
+      for (std::size_t i = 0; i < hs.size(); ++i) mismatches += read_all(*rt, hs[i]) != now[i];
     }
     EXPECT_EQ(rt->stats().num_migrations, static_cast<std::int64_t>(2 * 10'000 * hs.size()));
   }
-  std::printf("D1: %lld cycles over 3 tier pairs, %zu tensors each, %lld mismatching checks\n",
-              static_cast<long long>(cycles), sizes.size(), static_cast<long long>(mismatches));
+  std::printf(
+      "D1: %lld cycles over 3 tier pairs, %zu tensors each, new payloads every cycle, %lld "
+      "mismatches\n",
+      static_cast<long long>(cycles), sizes.size(), static_cast<long long>(mismatches));
   EXPECT_EQ(mismatches, 0);
 }
 
