@@ -52,18 +52,22 @@ sanitize-thread: deps
 	cmake --build $(TSAN_BUILD)
 	ctest --test-dir $(TSAN_BUILD) -LE gpu --output-on-failure
 
-# The libFuzzer target over the allocator and registry (clang, ASan + UBSan, libraries instrumented
-# for coverage): the kept regression inputs first, then FUZZ_SECONDS of fuzzing. A crashing input
-# is written to $(FUZZ_BUILD)/; copy it into tests/fuzz/regressions/ once fixed.
+# The libFuzzer targets (clang, ASan + UBSan, libraries instrumented for coverage): the allocator
+# and registry, and Adam::load over checkpoint files. For each, the kept regression inputs first,
+# then FUZZ_SECONDS of fuzzing. A crashing input is written to $(FUZZ_BUILD)/; copy it into the
+# target's regressions folder once fixed.
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DSTRATA_WITH_CUDA=OFF -DSTRATA_WITH_TORCH=OFF -DSTRATA_BUILD_TESTS=OFF \
 	  -DSTRATA_BUILD_BENCHMARKS=OFF -DSTRATA_BUILD_APPS=OFF -DSTRATA_FUZZ=ON \
 	  -DSTRATA_SANITIZE=address,undefined -DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link
-	cmake --build $(FUZZ_BUILD) --target registry_fuzzer
+	cmake --build $(FUZZ_BUILD) --target registry_fuzzer adam_load_fuzzer
 	$(FUZZ_BUILD)/bin/registry_fuzzer -runs=0 tests/fuzz/regressions
-	@mkdir -p $(FUZZ_BUILD)/corpus
+	$(FUZZ_BUILD)/bin/adam_load_fuzzer -runs=0 tests/fuzz/adam_load_regressions
+	@mkdir -p $(FUZZ_BUILD)/corpus $(FUZZ_BUILD)/adam_corpus
 	cd $(FUZZ_BUILD) && bin/registry_fuzzer corpus ../tests/fuzz/regressions \
+	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -print_final_stats=1
+	cd $(FUZZ_BUILD) && bin/adam_load_fuzzer adam_corpus ../tests/fuzz/adam_load_regressions \
 	  -max_total_time=$(FUZZ_SECONDS) -timeout=60 -print_final_stats=1
 
 # The fault sweep with every k of every site (make test runs a seeded sample of it); the GPU

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <string>
@@ -29,22 +30,6 @@ absl::Status check_tensor(const rt::TensorInfo& info, rt::Role role, std::string
   return absl::OkStatus();
 }
 
-// Hyperparameters torch.optim.AdamW would accept; NaN fails every comparison, so it is refused too.
-absl::Status check_hyper(const AdamHyper& h, std::size_t group) {
-  auto bad = [&](std::string_view what, float value, std::string_view want) {
-    return absl::InvalidArgumentError(
-        str_cat("Adam: group ", group, ": ", what, " ", value, " is invalid; ", want));
-  };
-  if (!(h.lr >= 0.0f) || std::isinf(h.lr)) return bad("lr", h.lr, "use a finite lr >= 0");
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) return bad("beta1", h.beta1, "use 0 <= beta1 < 1");
-  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) return bad("beta2", h.beta2, "use 0 <= beta2 < 1");
-  if (!(h.eps > 0.0f) || std::isinf(h.eps)) return bad("eps", h.eps, "use a finite eps > 0");
-  if (!(h.weight_decay >= 0.0f) || std::isinf(h.weight_decay)) {
-    return bad("weight_decay", h.weight_decay, "use a finite weight_decay >= 0");
-  }
-  return absl::OkStatus();
-}
-
 // Every layer's step working set must fit the GPU: the kernel reads GPU memory only, and a layer
 // that cannot be brought there whole would fail its step half way through the model.
 absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_t>& step_bytes) {
@@ -63,10 +48,49 @@ absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_
 
 }  // namespace
 
+// Hyperparameters torch.optim.AdamW would accept; NaN fails every comparison, so it is refused too.
+absl::Status Adam::check_hyper(const AdamHyper& h, std::size_t group) {
+  auto bad = [&](std::string_view what, float value, std::string_view want) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: group ", group, ": ", what, " ", value, " is invalid; ", want));
+  };
+  if (!(h.lr >= 0.0f) || std::isinf(h.lr)) return bad("lr", h.lr, "use a finite lr >= 0");
+  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) return bad("beta1", h.beta1, "use 0 <= beta1 < 1");
+  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) return bad("beta2", h.beta2, "use 0 <= beta2 < 1");
+  if (!(h.eps > 0.0f) || std::isinf(h.eps)) return bad("eps", h.eps, "use a finite eps > 0");
+  if (!(h.weight_decay >= 0.0f) || std::isinf(h.weight_decay)) {
+    return bad("weight_decay", h.weight_decay, "use a finite weight_decay >= 0");
+  }
+  return absl::OkStatus();
+}
+
 Adam::Adam(rt::Runtime& runtime, AdamOptions options)
     : runtime_(runtime), options_(std::move(options)) {}
 
-Adam::~Adam() = default;
+Adam::~Adam() {
+  // Note [Adam owns its states]: what create registered goes with the optimizer, so a new one over
+  // the same parameters can register them again; a state the user unregistered already is fine.
+  for (rt::TensorHandle h : owned_) {
+    absl::Status s = runtime_.unregister(h);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+      std::fprintf(stderr, "strata: Adam: keeping state '%s' registered: %s\n",
+                   name_of_state(h).c_str(), std::string(s.message()).c_str());
+    }
+  }
+}
+
+std::string Adam::name_in(const Slot& s, rt::TensorHandle h) {
+  if (h == s.param) return s.param_name;
+  if (h == s.grad) return s.grad_name;
+  if (h == s.exp_avg) return str_cat(s.param_name, ".exp_avg");
+  if (h == s.exp_avg_sq) return str_cat(s.param_name, ".exp_avg_sq");
+  return str_cat(s.param_name, ".max_exp_avg_sq");
+}
+
+std::string Adam::name_of_state(rt::TensorHandle h) const {
+  auto it = slot_of_state_.find(h.id);
+  return it == slot_of_state_.end() ? str_cat("handle ", h.id) : name_in(slots_[it->second], h);
+}
 
 absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOptions options) {
   std::unique_ptr<Adam> adam(new Adam(runtime, std::move(options)));
@@ -97,17 +121,23 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
     }
   }
   STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime, adam->step_bytes_));
+  // All or nothing: a registration that fails (a name taken, no room) returns with `adam`, whose
+  // destructor unregisters the states registered before it (Note [Adam owns its states]).
   for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
     for (auto [param, grad] : adam->groups_[g].params) {
       rt::TensorInfo p = *runtime.info(param);
       Slot slot{param, grad, {},           {},
                 {},    g,    p.spec.layer, static_cast<std::int64_t>(p.bytes / sizeof(float))};
+      slot.param_name = p.spec.name;
+      slot.grad_name = runtime.info(grad)->spec.name;
       auto add_state = [&](std::string_view suffix,
                            rt::Role role) -> absl::StatusOr<rt::TensorHandle> {
         rt::TensorSpec spec = p.spec;
         spec.name = str_cat(p.spec.name, ".", suffix);
         spec.role = role;
-        return runtime.register_tensor(spec, nullptr);  // zeros
+        absl::StatusOr<rt::TensorHandle> h = runtime.register_tensor(spec, nullptr);  // zeros
+        if (h.ok()) adam->owned_.push_back(*h);
+        return h;
       };
       STRATA_ASSIGN_OR_RETURN(slot.exp_avg, add_state("exp_avg", rt::Role::kExpAvg));
       STRATA_ASSIGN_OR_RETURN(slot.exp_avg_sq, add_state("exp_avg_sq", rt::Role::kExpAvgSq));
@@ -158,8 +188,8 @@ absl::Status Adam::check_can_step() {
       if (!h.valid()) continue;
       if (!runtime_.is_registered(h)) {
         return absl::FailedPreconditionError(
-            str_cat("Adam: tensor handle ", h.id, " of layer ", s.layer,
-                    " was unregistered after the optimizer was made"));
+            str_cat("Adam: tensor '", name_in(s, h), "' (layer ", s.layer,
+                    ") was unregistered after the optimizer was made"));
       }
     }
   }
@@ -345,180 +375,6 @@ const std::vector<std::size_t>& Adam::arrival_order(int layer) {
     }
   }
   return arrival_order_;
-}
-
-// Checkpoint format (little-endian, as the machine writes it):
-//   "STRATA-ADAM-1\n", u32 groups, per group {i64 step, AdamHyper}, u32 tensors, per tensor
-//   {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of everything before it.
-namespace {
-
-constexpr char kMagic[] = "STRATA-ADAM-1\n";
-
-struct Hasher {
-  std::uint64_t h = 1469598103934665603ull;
-  void add(const void* data, std::size_t n) {
-    const auto* b = static_cast<const unsigned char*>(data);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  }
-};
-
-class Writer {
- public:
-  explicit Writer(std::ostream& out) : out_(out) {}
-  void bytes(const void* data, std::size_t n) {
-    hash_.add(data, n);
-    out_.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
-  }
-  template <typename T>
-  void pod(const T& v) {
-    bytes(&v, sizeof(T));
-  }
-  std::uint64_t hash() const { return hash_.h; }
-  bool ok() const { return static_cast<bool>(out_); }
-
- private:
-  std::ostream& out_;
-  Hasher hash_;
-};
-
-class Reader {
- public:
-  explicit Reader(std::istream& in) : in_(in) {}
-  bool bytes(void* data, std::size_t n) {
-    in_.read(static_cast<char*>(data), static_cast<std::streamsize>(n));
-    if (static_cast<std::size_t>(in_.gcount()) != n) return false;
-    hash_.add(data, n);
-    return true;
-  }
-  template <typename T>
-  bool pod(T& v) {
-    return bytes(&v, sizeof(T));
-  }
-  std::uint64_t hash() const { return hash_.h; }
-
- private:
-  std::istream& in_;
-  Hasher hash_;
-};
-
-absl::Status truncated() {
-  return absl::DataLossError("Adam checkpoint is truncated or not a strata Adam checkpoint");
-}
-
-}  // namespace
-
-absl::Status Adam::save(std::ostream& out) {
-  Writer w(out);
-  w.bytes(kMagic, sizeof(kMagic) - 1);
-  w.pod(static_cast<std::uint32_t>(groups_.size()));
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    w.pod(steps_[g]);
-    w.pod(groups_[g].hyper);
-  }
-  std::vector<rt::TensorHandle> tensors;
-  for (const Slot& s : slots_) {
-    for (rt::TensorHandle h : {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq}) {
-      if (h.valid()) tensors.push_back(h);
-    }
-  }
-  w.pod(static_cast<std::uint32_t>(tensors.size()));
-  std::vector<unsigned char> buffer;
-  for (rt::TensorHandle h : tensors) {
-    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(h));
-    w.pod(static_cast<std::uint32_t>(info.spec.name.size()));
-    w.bytes(info.spec.name.data(), info.spec.name.size());
-    w.pod(static_cast<std::uint64_t>(info.bytes));
-    buffer.resize(info.bytes);
-    STRATA_RETURN_IF_ERROR(runtime_.read(h, buffer.data()));  // from its tier, to host memory
-    w.bytes(buffer.data(), buffer.size());
-  }
-  const std::uint64_t sum = w.hash();
-  out.write(reinterpret_cast<const char*>(&sum), sizeof(sum));
-  if (!out) return absl::InternalError("Adam checkpoint: writing failed");
-  return absl::OkStatus();
-}
-
-absl::Status Adam::load(std::istream& in) {
-  // Read and check everything first; write into the runtime only once the whole file is good.
-  Reader r(in);
-  char magic[sizeof(kMagic) - 1];
-  if (!r.bytes(magic, sizeof(magic)) || std::string_view(magic, sizeof(magic)) != kMagic) {
-    return truncated();
-  }
-  std::uint32_t groups = 0;
-  if (!r.pod(groups)) return truncated();
-  if (groups != groups_.size()) {
-    return absl::InvalidArgumentError(str_cat(
-        "Adam checkpoint has ", groups, " parameter groups; this optimizer has ", groups_.size()));
-  }
-  std::vector<std::int64_t> steps(groups);
-  std::vector<AdamHyper> hypers(groups);
-  for (std::uint32_t g = 0; g < groups; ++g) {
-    if (!r.pod(steps[g]) || !r.pod(hypers[g])) return truncated();
-    if (steps[g] < 0) return absl::DataLossError("Adam checkpoint: negative step counter");
-  }
-  std::uint32_t count = 0;
-  if (!r.pod(count)) return truncated();
-  std::vector<std::pair<rt::TensorHandle, std::vector<unsigned char>>> values;
-  for (std::uint32_t i = 0; i < count; ++i) {
-    std::uint32_t len = 0;
-    if (!r.pod(len) || len > (1u << 20)) return truncated();
-    std::string name(len, '\0');
-    std::uint64_t bytes = 0;
-    if (!r.bytes(name.data(), len) || !r.pod(bytes)) return truncated();
-    absl::StatusOr<rt::TensorHandle> h = runtime_.find(name);
-    if (!h.ok()) {
-      return absl::InvalidArgumentError(
-          str_cat("Adam checkpoint has state '", name, "', which this optimizer does not"));
-    }
-    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(*h));
-    if (info.bytes != bytes) {
-      return absl::InvalidArgumentError(str_cat("Adam checkpoint: state '", name, "' has ", bytes,
-                                                " bytes; here it has ", info.bytes));
-    }
-    std::vector<unsigned char> data(bytes);
-    if (!r.bytes(data.data(), bytes)) return truncated();
-    values.emplace_back(*h, std::move(data));
-  }
-  const std::uint64_t expect = r.hash();
-  std::uint64_t sum = 0;
-  in.read(reinterpret_cast<char*>(&sum), sizeof(sum));
-  if (in.gcount() != sizeof(sum)) return truncated();
-  if (sum != expect) return absl::DataLossError("Adam checkpoint: checksum mismatch (corrupt)");
-  std::size_t states = 0;
-  for (const Slot& s : slots_) states += s.max_exp_avg_sq.valid() ? 3 : 2;
-  if (values.size() != states) {
-    return absl::InvalidArgumentError(str_cat("Adam checkpoint has ", values.size(),
-                                              " state tensors; this optimizer has ", states));
-  }
-  // All or nothing: the current values are kept, and written back if a write fails part way.
-  std::vector<std::vector<unsigned char>> previous(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    previous[i].resize(values[i].second.size());
-    if (absl::Status s = runtime_.read(values[i].first, previous[i].data()); !s.ok()) {
-      return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
-    }
-  }
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    absl::Status s = runtime_.write(values[i].first, values[i].second.data());
-    if (s.ok()) continue;
-    absl::Status restored;
-    for (std::size_t j = 0; j <= i && restored.ok(); ++j) {
-      restored = runtime_.write(values[j].first, previous[j].data());
-    }
-    if (!restored.ok()) {
-      return absl::Status(
-          s.code(),
-          str_cat("Adam checkpoint: writing a state failed (", s.message(),
-                  ") and putting the previous values back "
-                  "failed too (",
-                  restored.message(), "): the optimizer state is partly loaded; load again"));
-    }
-    return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
-  }
-  steps_ = steps;
-  for (std::uint32_t g = 0; g < groups; ++g) groups_[g].hyper = hypers[g];
-  return absl::OkStatus();
 }
 
 }  // namespace strata::optim

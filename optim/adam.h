@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <ostream>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -50,11 +51,14 @@ class Adam {
   // dtype other than float32, a shape or layer mismatch, a tensor of the wrong role, a parameter
   // listed twice, hyperparameters torch would refuse (lr or weight_decay negative or not finite, a
   // beta outside [0, 1), eps not positive; NaN anywhere); kNotFound for an unregistered handle;
-  // kResourceExhausted for a layer whose
-  // parameters, gradients and moments together exceed the GPU budget (the kernel reads GPU memory
-  // only, so such a layer could never be stepped).
+  // kResourceExhausted for a layer whose parameters, gradients and moments together exceed the
+  // GPU budget (the kernel reads GPU memory only, so such a layer could never be stepped). Then
+  // registers the states, all or nothing: if one cannot be registered (a name taken, no room),
+  // those registered before it are unregistered again. Note [Adam owns its states]: the Adam
+  // unregisters them when it is destroyed, so the runtime must outlive it.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Adam>> create(rt::Runtime& runtime,
                                                                     AdamOptions options);
+  // Unregisters the states this optimizer registered (the runtime must outlive it).
   ~Adam();
 
   // One optimizer step over every group. grad_scale / found_inf: device pointers or null (see
@@ -75,16 +79,20 @@ class Adam {
 
   [[nodiscard]] absl::Status set_lr(std::size_t group, float lr);
   std::int64_t step_count(std::size_t group) const { return steps_.at(group); }
+  const AdamHyper& hyper(std::size_t group) const { return groups_.at(group).hyper; }
   std::size_t num_groups() const { return groups_.size(); }
   // The state tensors of a parameter: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad).
   [[nodiscard]] absl::StatusOr<std::vector<rt::TensorHandle>> state(rt::TensorHandle param) const;
 
   // Checkpoints: every group's step counter and hyperparameters and every state tensor, read
   // straight from whichever tier holds it (pinned or pageable states never visit the GPU), with a
-  // checksum. load() expects an Adam made over the same parameters (names and sizes) in a fresh
-  // runtime, whose policy has already placed the states; it writes them where they are.
-  // kInvalidArgument when the checkpoint is for other parameters; kDataLoss when it is truncated
-  // or corrupt. A failed load changes nothing.
+  // checksum. A checkpoint holds optimizer state only: save the model's parameters with it.
+  // load() expects an Adam made over the same parameters (names and sizes), whose policy has
+  // already placed the states; it writes them where they are. It trusts nothing in the file
+  // (Note [Untrusted checkpoints] in adam_checkpoint.cpp): kInvalidArgument when the checkpoint is
+  // for other parameters or holds hyperparameters torch would refuse; kDataLoss when it is
+  // truncated or corrupt. A failed load changes nothing. It reads one checkpoint and leaves the
+  // stream after it.
   [[nodiscard]] absl::Status save(std::ostream& out);
   [[nodiscard]] absl::Status load(std::istream& in);
 
@@ -94,8 +102,15 @@ class Adam {
     std::size_t group = 0;
     int layer = 0;
     std::int64_t numel = 0;
+    std::string param_name, grad_name;  // for messages: handles outlive their tensors
   };
+  // The name a tensor of the slot was registered under.
+  static std::string name_in(const Slot& s, rt::TensorHandle h);
+  // The name of one of this optimizer's state tensors.
+  std::string name_of_state(rt::TensorHandle h) const;
   Adam(rt::Runtime& runtime, AdamOptions options);
+  // Hyperparameters torch would accept (create, set_lr and load check them).
+  static absl::Status check_hyper(const AdamHyper& h, std::size_t group);
   // The checks step() makes before it changes anything.
   absl::Status check_can_step();
   // The layer loop of step(): what it holds when it fails and the layer it was on (Note [A failed
@@ -116,6 +131,8 @@ class Adam {
   std::map<std::uint64_t, std::size_t> slot_of_state_;
   std::map<std::uint64_t, std::size_t> slot_of_param_;
   std::vector<rt::TensorHandle> last_step_;
+  // Every state tensor this optimizer registered, in order: unregistered when it goes.
+  std::vector<rt::TensorHandle> owned_;
   // arrival_order's buffers, kept so that a step allocates nothing once they are sized.
   std::vector<rt::TensorHandle> arrived_;
   std::vector<std::size_t> arrival_order_;

@@ -215,13 +215,7 @@ std::vector<int> PolicyContext::optimizer_layer_order() const {
 }
 
 absl::Status PolicyContext::migrate(TensorHandle tensor, Tier dst) {
-  Runtime::Impl& im = *runtime_.impl_;
-  STRATA_ASSIGN_OR_RETURN(internal::Entry * e, im.registry.get(tensor));
-  if (e->loc.slot >= 0) {
-    return absl::FailedPreconditionError(str_cat("tensor '", e->spec.name, "' is staged (layer ",
-                                                 e->spec.layer, "); unstage_layer first"));
-  }
-  return im.engine.migrate(*e, dst);
+  return runtime_.impl_->migrate_locked(tensor, dst);
 }
 
 absl::Status PolicyContext::wait_all() { return runtime_.impl_->engine.wait_all(); }

@@ -432,14 +432,19 @@ absl::Status MigrationEngine::wait_all() {
 
 }  // namespace internal
 
-absl::Status Runtime::migrate(TensorHandle tensor, Tier dst) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  STRATA_ASSIGN_OR_RETURN(internal::Entry * e, impl_->registry.get(tensor));
-  if (e->loc.slot >= 0) {
+absl::Status Runtime::Impl::migrate_locked(TensorHandle tensor, Tier dst) {
+  STRATA_ASSIGN_OR_RETURN(internal::Entry * e, registry.get(tensor));
+  // Staged, or still arriving in its slot.
+  if (e->loc.slot >= 0 || (e->in_flight && e->dst.slot >= 0)) {
     return absl::FailedPreconditionError(str_cat("tensor '", e->spec.name, "' is staged (layer ",
                                                  e->spec.layer, "); unstage_layer first"));
   }
-  return impl_->engine.migrate(*e, dst);
+  return engine.migrate(*e, dst);
+}
+
+absl::Status Runtime::migrate(TensorHandle tensor, Tier dst) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->migrate_locked(tensor, dst);
 }
 
 absl::Status Runtime::poll() {

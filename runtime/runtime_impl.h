@@ -54,6 +54,8 @@ struct Runtime::Impl {
   std::vector<TensorHandle> tensors_locked() const;
   std::vector<TensorHandle> layer_tensors_locked(int layer, RoleSet roles) const;
   std::size_t layer_bytes_locked(int layer, RoleSet roles) const;
+  // migration.cpp
+  absl::Status migrate_locked(TensorHandle tensor, Tier dst);
   // guards.cpp
   absl::StatusOr<void*> acquire_locked(internal::Entry& e, Tier tier, StreamHandle stream);
   absl::Status release_locked(const std::vector<internal::Entry*>& members, StreamHandle stream);

@@ -15,9 +15,6 @@
 
 namespace strata::alloc::testing {
 
-// Cases the allocator's bad-input census tried (defined in bad_input_test.cpp).
-int allocator_bad_inputs_tried();
-
 inline std::unique_ptr<Upstream> address_only_device(std::size_t capacity = std::size_t{64} << 30) {
   return make_simulated_device_upstream(
       {.capacity = capacity, .backing = SimulatedBacking::kAddressOnly});

@@ -606,7 +606,7 @@ TEST(AdamBadInputTest, AnUnregisteredTensorStopsTheStepBeforeAnyLaunch) {
   ASSERT_TRUE(runtime->unregister(g1).ok());
   absl::Status s = adam->step();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_NE(s.message().find("of layer 1 was unregistered"), std::string_view::npos) << s;
+  EXPECT_EQ(s.message(), "Adam: tensor 'p1.grad' (layer 1) was unregistered after the optimizer was made");
   EXPECT_EQ(adam->step_count(0), 0);
   EXPECT_EQ(rt::testing::read_all(*runtime, p0), before) << "layer 0 must not have been stepped";
 }

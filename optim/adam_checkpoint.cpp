@@ -1,0 +1,269 @@
+// optim/adam_checkpoint.cpp: Adam::save and Adam::load.
+//
+// Checkpoints are files users download and share, so load trusts nothing in them (Note
+// [Untrusted checkpoints]).
+//
+// Format (little-endian, as the machine writes it):
+//   "STRATA-ADAM-2\n", u32 groups, per group {i64 step, f32 lr, beta1, beta2, eps, weight_decay,
+//   u8 decoupled, amsgrad, maximize}, u32 tensors, per tensor {u32 name length, name, u64 bytes,
+//   bytes}, u64 FNV-1a of everything before it.
+// Version 1 ("STRATA-ADAM-1\n") stored each group's AdamHyper as its 24 raw bytes (the same fields,
+// then one byte of padding); load reads both.
+#include <cstring>
+#include <istream>
+#include <ostream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "base/strings.h"
+#include "optim/adam.h"
+
+namespace strata::optim {
+namespace {
+
+constexpr std::string_view kMagic1 = "STRATA-ADAM-1\n";
+constexpr std::string_view kMagic2 = "STRATA-ADAM-2\n";
+// Reads grow their buffers in pieces of this size as the bytes arrive, so what a file claims
+// costs nothing until it is there.
+constexpr std::size_t kReadPiece = 64 * 1024;
+constexpr std::uint32_t kMaxNameBytes = 1u << 16;
+
+struct Hasher {
+  std::uint64_t h = 1469598103934665603ull;
+  void add(const void* data, std::size_t n) {
+    const auto* b = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+};
+
+class Writer {
+ public:
+  explicit Writer(std::ostream& out) : out_(out) {}
+  void bytes(const void* data, std::size_t n) {
+    hash_.add(data, n);
+    out_.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+  }
+  template <typename T>
+  void pod(const T& v) {
+    bytes(&v, sizeof(T));
+  }
+  std::uint64_t hash() const { return hash_.h; }
+
+ private:
+  std::ostream& out_;
+  Hasher hash_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::istream& in) : in_(in) {}
+  bool bytes(void* data, std::size_t n) {
+    in_.read(static_cast<char*>(data), static_cast<std::streamsize>(n));
+    if (static_cast<std::size_t>(in_.gcount()) != n) return false;
+    hash_.add(data, n);
+    return true;
+  }
+  template <typename T>
+  bool pod(T& v) {
+    return bytes(&v, sizeof(T));
+  }
+  // n bytes into out, which grows only as they arrive.
+  template <typename Buffer>
+  bool grow(Buffer& out, std::size_t n) {
+    out.clear();
+    while (out.size() < n) {
+      const std::size_t have = out.size();
+      const std::size_t piece = std::min(kReadPiece, n - have);
+      out.resize(have + piece);
+      if (!bytes(out.data() + have, piece)) return false;
+    }
+    return true;
+  }
+  std::uint64_t hash() const { return hash_.h; }
+
+ private:
+  std::istream& in_;
+  Hasher hash_;
+};
+
+absl::Status truncated() {
+  return absl::DataLossError("Adam checkpoint is truncated or not a strata Adam checkpoint");
+}
+
+absl::Status corrupt(std::string_view what) {
+  return absl::DataLossError(str_cat("Adam checkpoint is corrupt: ", what));
+}
+
+bool read_hyper(Reader& r, int version, AdamHyper& h, bool& bools_ok) {
+  unsigned char raw[24];
+  const std::size_t size = version == 1 ? 24 : 23;
+  if (!r.bytes(raw, size)) return false;
+  float f[5];
+  std::memcpy(f, raw, sizeof(f));
+  h.lr = f[0];
+  h.beta1 = f[1];
+  h.beta2 = f[2];
+  h.eps = f[3];
+  h.weight_decay = f[4];
+  bools_ok = raw[20] <= 1 && raw[21] <= 1 && raw[22] <= 1;
+  h.decoupled = raw[20] == 1;
+  h.amsgrad = raw[21] == 1;
+  h.maximize = raw[22] == 1;
+  return true;
+}
+
+}  // namespace
+
+absl::Status Adam::save(std::ostream& out) {
+  Writer w(out);
+  w.bytes(kMagic2.data(), kMagic2.size());
+  w.pod(static_cast<std::uint32_t>(groups_.size()));
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const AdamHyper& h = groups_[g].hyper;
+    w.pod(steps_[g]);
+    for (float f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay}) w.pod(f);
+    for (bool b : {h.decoupled, h.amsgrad, h.maximize}) w.pod(static_cast<std::uint8_t>(b));
+  }
+  std::vector<rt::TensorHandle> tensors;
+  for (const Slot& s : slots_) {
+    for (rt::TensorHandle h : {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq}) {
+      if (h.valid()) tensors.push_back(h);
+    }
+  }
+  w.pod(static_cast<std::uint32_t>(tensors.size()));
+  std::vector<unsigned char> buffer;
+  for (rt::TensorHandle h : tensors) {
+    absl::StatusOr<rt::TensorInfo> info = runtime_.info(h);
+    if (!info.ok()) {
+      return absl::FailedPreconditionError(str_cat("Adam checkpoint: a state of parameter '",
+                                                   name_of_state(h),
+                                                   "' was unregistered after the optimizer was "
+                                                   "made; nothing to save"));
+    }
+    w.pod(static_cast<std::uint32_t>(info->spec.name.size()));
+    w.bytes(info->spec.name.data(), info->spec.name.size());
+    w.pod(static_cast<std::uint64_t>(info->bytes));
+    buffer.resize(info->bytes);
+    STRATA_RETURN_IF_ERROR(runtime_.read(h, buffer.data()));  // from its tier, to host memory
+    w.bytes(buffer.data(), buffer.size());
+  }
+  const std::uint64_t sum = w.hash();
+  out.write(reinterpret_cast<const char*>(&sum), sizeof(sum));
+  if (!out) return absl::InternalError("Adam checkpoint: writing failed");
+  return absl::OkStatus();
+}
+
+// Note [Untrusted checkpoints]: load reads and checks the whole checkpoint before it changes
+// anything, and then either loads all of it or nothing:
+//   - every size and count is checked against this optimizer before anything is allocated for it,
+//     and reads grow their buffers only as bytes arrive, so no allocation is larger than the input
+//     that has been read (plus one piece);
+//   - the states it names must be exactly this optimizer's states, each once, each of the size
+//     registered (a checkpoint cannot write a parameter, or any tensor that is not one of them);
+//   - hyperparameters must be ones torch would accept, the flags 0 or 1, and amsgrad as the
+//     optimizer's (its states differ); step counters must not be negative; the checksum must match;
+//   - the states' current values are kept and written back if a write fails part way.
+// Bytes after the checksum are not read: a checkpoint may be followed by other data in the stream.
+absl::Status Adam::load(std::istream& in) {
+  Reader r(in);
+  char magic[14];
+  static_assert(sizeof(magic) == kMagic2.size() && sizeof(magic) == kMagic1.size());
+  if (!r.bytes(magic, sizeof(magic))) return truncated();
+  const std::string_view got(magic, sizeof(magic));
+  const int version = got == kMagic2 ? 2 : got == kMagic1 ? 1 : 0;
+  if (version == 0) return truncated();
+  std::uint32_t groups = 0;
+  if (!r.pod(groups)) return truncated();
+  if (groups != groups_.size()) {
+    return absl::InvalidArgumentError(str_cat(
+        "Adam checkpoint has ", groups, " parameter groups; this optimizer has ", groups_.size()));
+  }
+  std::vector<std::int64_t> steps(groups);
+  std::vector<AdamHyper> hypers(groups);
+  for (std::uint32_t g = 0; g < groups; ++g) {
+    bool bools_ok = false;
+    if (!r.pod(steps[g]) || !read_hyper(r, version, hypers[g], bools_ok)) return truncated();
+    if (steps[g] < 0) return corrupt(str_cat("group ", g, " has a negative step counter"));
+    if (!bools_ok) return corrupt(str_cat("group ", g, " has a flag that is neither 0 nor 1"));
+    if (absl::Status s = check_hyper(hypers[g], g); !s.ok()) {
+      return absl::InvalidArgumentError(str_cat("Adam checkpoint: ", s.message()));
+    }
+    if (hypers[g].amsgrad != groups_[g].hyper.amsgrad) {
+      return absl::InvalidArgumentError(
+          str_cat("Adam checkpoint: group ", g, " was saved with amsgrad ",
+                  hypers[g].amsgrad ? "on" : "off", "; this optimizer has it ",
+                  groups_[g].hyper.amsgrad ? "on" : "off"));
+    }
+  }
+  std::size_t states = 0;
+  for (const Slot& s : slots_) states += s.max_exp_avg_sq.valid() ? 3 : 2;
+  std::uint32_t count = 0;
+  if (!r.pod(count)) return truncated();
+  if (count != states) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam checkpoint has ", count, " state tensors; this optimizer has ", states));
+  }
+  std::vector<std::pair<rt::TensorHandle, std::vector<unsigned char>>> values;
+  std::set<std::uint64_t> seen;
+  std::string name;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    std::uint32_t len = 0;
+    std::uint64_t bytes = 0;
+    if (!r.pod(len)) return truncated();
+    if (len > kMaxNameBytes) return corrupt(str_cat("a state name of ", len, " bytes"));
+    if (!r.grow(name, len) || !r.pod(bytes)) return truncated();
+    absl::StatusOr<rt::TensorHandle> h = runtime_.find(name);
+    if (!h.ok() || slot_of_state_.count(h->id) == 0) {
+      return absl::InvalidArgumentError(
+          str_cat("Adam checkpoint has state '", name, "', which this optimizer does not"));
+    }
+    if (!seen.insert(h->id).second) {
+      return absl::InvalidArgumentError(str_cat("Adam checkpoint has state '", name, "' twice"));
+    }
+    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(*h));
+    if (info.bytes != bytes) {
+      return absl::InvalidArgumentError(str_cat("Adam checkpoint: state '", name, "' has ", bytes,
+                                                " bytes; here it has ", info.bytes));
+    }
+    std::vector<unsigned char> data;
+    if (!r.grow(data, bytes)) return truncated();
+    values.emplace_back(*h, std::move(data));
+  }
+  const std::uint64_t expect = r.hash();
+  std::uint64_t sum = 0;
+  in.read(reinterpret_cast<char*>(&sum), sizeof(sum));
+  if (in.gcount() != sizeof(sum)) return truncated();
+  if (sum != expect) return absl::DataLossError("Adam checkpoint: checksum mismatch (corrupt)");
+
+  // All or nothing: the current values are kept, and written back if a write fails part way.
+  std::vector<std::vector<unsigned char>> previous(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    previous[i].resize(values[i].second.size());
+    if (absl::Status s = runtime_.read(values[i].first, previous[i].data()); !s.ok()) {
+      return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
+    }
+  }
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    absl::Status s = runtime_.write(values[i].first, values[i].second.data());
+    if (s.ok()) continue;
+    absl::Status restored;
+    for (std::size_t j = 0; j <= i && restored.ok(); ++j) {
+      restored = runtime_.write(values[j].first, previous[j].data());
+    }
+    if (!restored.ok()) {
+      return absl::Status(
+          s.code(),
+          str_cat("Adam checkpoint: writing a state failed (", s.message(),
+                  ") and putting the previous values back failed too (", restored.message(),
+                  "): the optimizer state is partly loaded; load again"));
+    }
+    return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
+  }
+  steps_ = steps;
+  for (std::uint32_t g = 0; g < groups; ++g) groups_[g].hyper = hypers[g];
+  return absl::OkStatus();
+}
+
+}  // namespace strata::optim
