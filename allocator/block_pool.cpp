@@ -40,7 +40,8 @@ BlockPool::BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
     : config_(config),
       upstream_(std::move(upstream)),
       stream_ops_(std::move(stream_ops)),
-      budget_(config.budget) {
+      budget_(config.shared_budget != nullptr ? config.shared_budget
+                                              : std::make_shared<Budget>(config.budget)) {
   STRATA_CHECK(upstream_ != nullptr, "BlockPool for tier ", tier_name(config.tier),
                " needs an upstream");
 }
@@ -73,6 +74,7 @@ BlockPool::~BlockPool() {
     } else {
       absl::Status s = upstream_->deallocate(segment->base, segment->size);
       if (!s.ok()) std::fprintf(stderr, "strata: %s\n", std::string(s.message()).c_str());
+      if (s.ok()) budget_->release(segment->size);
     }
     delete segment;
   }
@@ -152,7 +154,7 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
       cause = grown.status();
     }
   }
-  if (block == nullptr && segment_size_for(size, small) <= budget_) {
+  if (block == nullptr && segment_size_for(size, small) <= budget_->limit()) {
     // The named chain of fallbacks: wait for blocks behind stream events, return cached segments to
     // the upstream, then try once more.
     ++stats_.num_alloc_retries;
@@ -200,20 +202,17 @@ BlockPool::Block* BlockPool::take_best_fit_locked(StreamHandle stream, bool smal
 absl::StatusOr<BlockPool::Block*> BlockPool::grow_locked(std::size_t size, bool small,
                                                          StreamHandle stream) {
   const std::size_t segment_size = segment_size_for(size, small);
-  const std::size_t reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  if (budget_ != kNoBudget &&
-      (segment_size > budget_ || reserved + growing_bytes_ > budget_ - segment_size)) {
+  if (!budget_->try_reserve(segment_size)) {
     return absl::ResourceExhaustedError(
         str_cat("a new segment of ", format_bytes(segment_size), " would pass the budget"));
   }
-  // Note: no lock is held across the upstream call (cudaMalloc can take milliseconds); the bytes in
-  // flight count against the budget meanwhile.
-  growing_bytes_ += segment_size;
+  // Note: no lock is held across the upstream call (cudaMalloc can take milliseconds); the
+  // segment's bytes are in the budget meanwhile.
   mu_.unlock();
   absl::StatusOr<void*> memory = upstream_->allocate(segment_size);
   mu_.lock();
-  growing_bytes_ -= segment_size;
   if (!memory.ok()) {
+    budget_->release(segment_size);
     return absl::Status(memory.status().code(),
                         str_cat(upstream_->name(), ": ", memory.status().message()));
   }
@@ -501,6 +500,7 @@ std::size_t BlockPool::release_cached_segments_locked() {
     stats_.reserved_bytes.add(-static_cast<std::int64_t>(segment->size));
     stats_.segments.add(-1);
     ++stats_.num_segment_frees;
+    budget_->release(segment->size);
     released += segment->size;
     delete_block_locked(segment->first);
     delete segment;
@@ -515,19 +515,15 @@ absl::StatusOr<std::size_t> BlockPool::trim() {
 }
 
 absl::Status BlockPool::set_budget(std::size_t budget) {
-  std::lock_guard<std::mutex> lock(mu_);
   if (budget == 0) {
     return absl::InvalidArgumentError(
         str_cat("budget of tier ", tier_name(config_.tier), " must be > 0"));
   }
-  budget_ = budget;
+  budget_->set_limit(budget);
   return absl::OkStatus();
 }
 
-std::size_t BlockPool::budget() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return budget_;
-}
+std::size_t BlockPool::budget() const { return budget_->limit(); }
 
 const BlockPool::Segment* BlockPool::find_segment_locked(const void* ptr) const {
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
@@ -612,11 +608,18 @@ std::string BlockPool::oom_message_locked(std::size_t size, std::size_t requeste
                                           const absl::Status& cause) const {
   TierStats s = stats_;
   compute_derived_locked(s);
+  const std::size_t limit = budget_->limit();
+  const std::size_t own = static_cast<std::size_t>(s.reserved_bytes.current);
+  const std::size_t all = budget_->reserved();
+  const std::size_t elsewhere = all > own ? all - own : 0;
   return str_cat("out of memory in tier ", tier_name(config_.tier), ": tried to allocate ",
                  format_bytes(size), " (", requested, " bytes asked); reserved ",
                  format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), ", allocated ",
                  format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), ", budget ",
-                 budget_ == kNoBudget ? std::string("unlimited") : format_bytes(budget_),
+                 limit == kNoBudget ? std::string("unlimited") : format_bytes(limit),
+                 elsewhere > 0 ? str_cat(" (", format_bytes(elsewhere),
+                                         " of it reserved by the pools it is shared with)")
+                               : std::string(),
                  ", largest free block ",
                  format_bytes(static_cast<std::size_t>(s.largest_free_block)),
                  cause.ok() ? std::string() : str_cat("; ", cause.message()));

@@ -35,7 +35,9 @@
 //     for good and says so, rather than give back memory a stream may still write;
 //   - before reporting out of memory the pool waits for pending events, returns cached (entirely
 //     free) segments to the upstream, and tries once more (num_alloc_retries counts this); a
-//     request whose segment alone is above the budget fails at once and changes nothing.
+//     request whose segment alone is above the budget fails at once and changes nothing;
+//   - the budget is a Budget (budget.h) the pool may share with others: a segment's bytes are
+//     taken from it before the upstream is asked and given back when the segment goes back.
 //
 // Errors: size 0, sizes above kMaxAllocationSize (SIZE_MAX among them), sizes whose rounding
 // overflows, and alignment 0, not a power of two or above kMaxAlignment are kInvalidArgument. Out
@@ -74,6 +76,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "allocator/budget.h"
 #include "allocator/stats.h"
 #include "allocator/stream_ops.h"
 #include "allocator/tier.h"
@@ -89,7 +92,6 @@ inline constexpr std::size_t kSmallSegmentSize = std::size_t{2} << 20;
 inline constexpr std::size_t kLargeSegmentGranularity = std::size_t{2} << 20;
 // 1 PiB: larger than any memory a tier can have, small enough that rounding never overflows.
 inline constexpr std::size_t kMaxAllocationSize = std::size_t{1} << 50;
-inline constexpr std::size_t kNoBudget = std::numeric_limits<std::size_t>::max();
 
 struct AllocOptions {
   // Power of two, 1 .. kMaxAlignment. Every block is aligned to kBlockGranularity anyway.
@@ -113,10 +115,12 @@ struct LiveAllocation {
 
 struct PoolConfig {
   Tier tier = Tier::kGpu;
-  // Cap on reserved bytes (segments held from the upstream).
+  // Cap on reserved bytes (segments held from the upstream), in a Budget of the pool's own...
   std::size_t budget = kNoBudget;
   // Keep owner tags for the leak report.
   bool track_allocations = false;
+  // ...or in a Budget it shares with other pools (then `budget` is ignored).
+  std::shared_ptr<Budget> shared_budget;
 };
 
 class BlockPool {
@@ -139,8 +143,10 @@ class BlockPool {
   // Returns every entirely free segment to the upstream. Returns the bytes released.
   [[nodiscard]] absl::StatusOr<std::size_t> trim();
 
+  // The limit of the pool's Budget (shared or not); must be > 0.
   [[nodiscard]] absl::Status set_budget(std::size_t budget);
   std::size_t budget() const;
+  const std::shared_ptr<Budget>& budget_account() const { return budget_; }
   TierStats stats() const;
   void reset_peak_stats();
   // Live blocks in allocation order (the leak report).
@@ -238,8 +244,8 @@ class BlockPool {
   // (a cycle-graph lookup and a thread-local read) on every Lock/Unlock, which was half of the
   // instructions of a pooled alloc+free pair (callgrind: ~1500 per pair before, see PERF notes).
   mutable std::mutex mu_;
-  std::size_t budget_ ABSL_GUARDED_BY(mu_);
-  std::size_t growing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // upstream calls in flight
+  // Taken before each upstream call, so segments on their way count too.
+  const std::shared_ptr<Budget> budget_;
   FreeSet small_free_ ABSL_GUARDED_BY(mu_);
   FreeSet large_free_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<const void*, Block*> live_ ABSL_GUARDED_BY(mu_);

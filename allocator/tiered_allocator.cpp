@@ -165,7 +165,10 @@ absl::Status TieredAllocator::set_budget(Tier tier, std::size_t budget) {
 TierStats TieredAllocator::stats(Tier tier) const { return pools_[tier_index(tier)]->stats(); }
 
 void TieredAllocator::reset_peak_stats() {
-  for (auto& pool : pools_) pool->reset_peak_stats();
+  for (auto& pool : pools_) {
+    pool->reset_peak_stats();
+    pool->budget_account()->reset_peak();
+  }
 }
 
 std::vector<LiveAllocation> TieredAllocator::leak_report() const {

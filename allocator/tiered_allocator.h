@@ -79,6 +79,11 @@ class TieredAllocator {
   [[nodiscard]] absl::StatusOr<std::size_t> trim(Tier tier);
   [[nodiscard]] absl::StatusOr<std::size_t> trim_all();
   [[nodiscard]] absl::Status set_budget(Tier tier, std::size_t budget);
+  // A tier's Budget, for pools outside the allocator that must stay within it too (the runtime's
+  // staging ring draws on the GPU's): its reserved() and peak() count them all.
+  const std::shared_ptr<Budget>& budget(Tier tier) const {
+    return pools_[tier_index(tier)]->budget_account();
+  }
 
   TierStats stats(Tier tier) const;
   void reset_peak_stats();

@@ -4,6 +4,7 @@
 
 #include "base/status.h"
 #include "base/strings.h"
+#include "base/units.h"
 #include "policies/builtin.h"
 #include "runtime/runtime.h"
 
@@ -15,19 +16,22 @@ namespace {
 // pinned budget is full, pageable memory, which goes through the runtime's bounce buffers.
 //
 // Note [Bulk over budget]: with offload_after_step, the tensors of the configured roles rest in
-// host memory between steps (from registration on) and begin_step brings them back, in bulk, as far
-// as the GPU budget allows:
-//   - everything fits: all of it comes back, and one host wait at the end (as reload_all makes)
-//     puts the data in place before the step starts;
-//   - what forward and backward need (parameters, gradients) fits but the optimizer states (and
-//     amsgrad's maximum, role other) do not: the states stay on the host and the optimizer step
-//     streams them a layer at a time, synchronously: the optimizer's acquire brings the layer in,
-//     and when the optimizer releases it its states go back and the host waits for that before the
-//     next layer comes in;
-//   - not even that fits: nothing comes back and the whole step streams a layer at a time through
-//     a one-slot staging ring, layer_prefetch at depth 0 (forward, backward and the optimizer step;
-//     a layer's copies wait for the previous layer's compute, nothing is fetched ahead).
-// Slower than layer_prefetch (less or no overlap) but the same kernels on the same values: the same
+// host memory between steps (from registration on) and come back for each step in one of three
+// ways, the first that fits the GPU budget, chosen by trying them in this order once per change in
+// the registry (on_prepare, at setup):
+//   - everything comes back at the start of a step, in bulk, and one host wait puts it in place
+//     (as reload_all does);
+//   - what forward and backward need (parameters, gradients) comes back, and the optimizer states
+//     (and amsgrad's maximum, role other) stream through a one-slot staging ring during the
+//     optimizer step: layer_prefetch at depth 0 over the states, without resident layers;
+//   - nothing comes back, and the whole step (forward, backward and the optimizer step) streams a
+//     layer at a time through a one-slot ring: layer_prefetch at depth 0 over every role.
+// A budget in which not even the last fits (one layer in one slot, beside what stays on the GPU) is
+// an error at setup. Each way's GPU memory is fixed once chosen (what comes back takes the same
+// blocks each step; the ring is reserved once), so a budget that trains keeps training, and a
+// larger one trains too: it can only pick an earlier way. Should what comes back not fit at the
+// start of a step after all (a different packing), bulk takes the next way from then on. Slower
+// than layer_prefetch (less or no overlap) but the same kernels on the same values: the same
 // numbers, in a GPU budget smaller than the states, or than the whole model.
 class Bulk final : public rt::ResidencyPolicy {
  public:
@@ -38,15 +42,20 @@ class Bulk final : public rt::ResidencyPolicy {
     return rests_on_host(spec.role) ? rt::Tier::kPinnedHost : spec.home;
   }
 
+  absl::Status on_register(rt::PolicyContext& rt, rt::TensorHandle h) override {
+    plan_ = Plan::kNone;  // chosen again for the tensors registered now
+    return streamer_ ? streamer_->on_register(rt, h) : absl::OkStatus();
+  }
+
+  absl::Status on_prepare(rt::PolicyContext& rt) override {
+    if (!config().offload_after_step || plan_ != Plan::kNone) return absl::OkStatus();
+    return choose(rt, Plan::kEverythingBack);
+  }
+
   absl::Status on_offload_all(rt::PolicyContext& rt) override {
     // A step streaming layers puts what it staged home first: staged tensors cannot move.
     if (layered_) STRATA_RETURN_IF_ERROR(layered_->on_end_optimizer_step(rt));
-    for (rt::TensorHandle h : rt.tensors()) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
-      if (!config().roles.contains(info.spec.role) || info.tier != rt::Tier::kGpu) continue;
-      STRATA_RETURN_IF_ERROR(to_host(rt, h));
-    }
-    return absl::OkStatus();
+    return to_host_all(rt, config().roles);
   }
 
   absl::Status on_reload_all(rt::PolicyContext& rt) override {
@@ -59,52 +68,17 @@ class Bulk final : public rt::ResidencyPolicy {
   }
 
   absl::Status on_begin_step(rt::PolicyContext& rt) override {
-    streaming_ = false;
-    if (layered_) STRATA_RETURN_IF_ERROR(layered_->on_begin_step(rt));
-    layered_ = nullptr;
     if (!config().offload_after_step) return absl::OkStatus();
-    // Note [Bulk over budget]: what forward and backward need comes back first, then the states.
-    // Parameters and gradients go back to their home tier, states to the GPU.
-    std::vector<std::pair<rt::TensorHandle, rt::Tier>> working;
-    std::vector<rt::TensorHandle> states;
-    std::size_t working_bytes = 0, state_bytes = 0;
-    for (rt::TensorHandle h : rt.tensors()) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
-      if (!rests_on_host(info.spec.role)) continue;
-      if (is_state(info.spec.role)) {
-        if (info.tier == rt::Tier::kGpu) continue;
-        states.push_back(h);
-        state_bytes += info.bytes;
-      } else if (info.tier != info.spec.home) {
-        working.emplace_back(h, info.spec.home);
-        if (info.spec.home == rt::Tier::kGpu) working_bytes += info.bytes;
-      }
+    if (plan_ == Plan::kNone) STRATA_RETURN_IF_ERROR(choose(rt, Plan::kEverythingBack));
+    absl::Status s = start(rt, plan_);
+    if (s.code() == absl::StatusCode::kResourceExhausted && plan_ != Plan::kStreamEverything) {
+      // What came back last step did not fit this time (Note [Bulk over budget]).
+      STRATA_RETURN_IF_ERROR(to_host_all(rt, config().roles));
+      STRATA_RETURN_IF_ERROR(rt.wait_all());
+      STRATA_RETURN_IF_ERROR(choose(rt, next(plan_)));
+      s = start(rt, plan_);
     }
-    const std::size_t budget = rt.gpu_pool_budget();
-    auto room = [&rt, budget] {
-      const auto allocated = static_cast<std::size_t>(rt.gpu_pool_stats().allocated_bytes.current);
-      return allocated > budget ? 0 : budget - allocated;
-    };
-    if (working_bytes > room()) return stream_layers(rt);
-    for (auto [h, home] : working) {
-      absl::Status s = rt.migrate(h, home);
-      // Rounding or fragmentation: what did not come back streams with the rest.
-      if (s.code() == absl::StatusCode::kResourceExhausted) return stream_layers(rt);
-      STRATA_RETURN_IF_ERROR(s);
-    }
-    if (state_bytes > room()) {
-      streaming_ = true;
-      states.clear();
-    }
-    for (rt::TensorHandle h : states) {
-      absl::Status s = rt.migrate(h, rt::Tier::kGpu);
-      if (s.code() == absl::StatusCode::kResourceExhausted) {
-        streaming_ = true;  // the rest stays on the host and streams
-        continue;
-      }
-      STRATA_RETURN_IF_ERROR(s);
-    }
-    return rt.wait_all();
+    return s;
   }
 
   absl::Status on_before_forward(rt::PolicyContext& rt, int layer) override {
@@ -120,17 +94,7 @@ class Bulk final : public rt::ResidencyPolicy {
   }
 
   absl::Status on_layer_released(rt::PolicyContext& rt, int layer) override {
-    if (layered_) return layered_->on_layer_released(rt, layer);
-    if (!streaming_) return absl::OkStatus();
-    for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
-      // The optimizer's acquire brought the states in; on a GPU their copies are usually still
-      // under way here, and a tensor in flight cannot move again until it has landed.
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
-      if (!is_state(info.spec.role) || info.tier != rt::Tier::kGpu) continue;
-      STRATA_RETURN_IF_ERROR(to_host(rt, h));
-    }
-    // The next layer needs the room these free, which they do once their copies complete.
-    return rt.wait_all();
+    return layered_ ? layered_->on_layer_released(rt, layer) : absl::OkStatus();
   }
 
   absl::Status on_end_optimizer_step(rt::PolicyContext& rt) override {
@@ -138,29 +102,94 @@ class Bulk final : public rt::ResidencyPolicy {
   }
 
   absl::Status on_end_step(rt::PolicyContext& rt) override {
+    if (layered_) STRATA_RETURN_IF_ERROR(layered_->on_end_step(rt));
     if (!config().offload_after_step) return absl::OkStatus();
     STRATA_RETURN_IF_ERROR(on_offload_all(rt));
     return rt.wait_all();
   }
 
  private:
+  enum class Plan { kNone, kEverythingBack, kStreamStates, kStreamEverything };
+  static Plan next(Plan p) {
+    return p == Plan::kEverythingBack ? Plan::kStreamStates : Plan::kStreamEverything;
+  }
+
   bool rests_on_host(rt::Role role) const {
     return config().offload_after_step && config().roles.contains(role);
   }
   static bool is_state(rt::Role role) {
     return role == rt::Role::kExpAvg || role == rt::Role::kExpAvgSq || role == rt::Role::kOther;
   }
-
-  // The third case of Note [Bulk over budget]: the rest of the step streams through the ring.
-  absl::Status stream_layers(rt::PolicyContext& rt) {
-    if (!streamer_) {
-      STRATA_ASSIGN_OR_RETURN(streamer_,
-                              make_layer_streamer({.prefetch_depth = 0, .roles = config().roles}));
+  // The roles a plan streams: none, the states, or every role.
+  rt::RoleSet streamed(Plan p) const {
+    if (p == Plan::kStreamEverything) return config().roles;
+    rt::RoleSet out;
+    if (p == Plan::kStreamStates) {
+      for (rt::Role r : {rt::Role::kExpAvg, rt::Role::kExpAvgSq, rt::Role::kOther}) {
+        if (config().roles.contains(r)) out = out | r;
+      }
     }
-    layered_ = streamer_.get();
-    // Whatever came back before the budget ran out has landed before the step uses it.
+    return out;
+  }
+
+  // Note [Bulk over budget]: tries the ways from `first` on, and keeps the first that fits. The
+  // data of the way kept stays where it is now (on the GPU), ready for the first step.
+  absl::Status choose(rt::PolicyContext& rt, Plan first) {
+    plan_ = Plan::kNone;
+    layered_ = nullptr;
+    STRATA_RETURN_IF_ERROR(rt.release_staging());  // a ring of an earlier way takes no room
+    absl::Status last;
+    for (Plan p = first;; p = next(p)) {
+      last = start(rt, p);
+      if (last.ok()) {
+        plan_ = p;
+        return absl::OkStatus();
+      }
+      if (last.code() != absl::StatusCode::kResourceExhausted) return last;
+      // Did not fit: everything back on the host before the next way is tried.
+      STRATA_RETURN_IF_ERROR(to_host_all(rt, config().roles));
+      STRATA_RETURN_IF_ERROR(rt.wait_all());
+      if (p == Plan::kStreamEverything) break;
+    }
+    return absl::Status(last.code(),
+                        str_cat("bulk: the GPU budget (", format_bytes(rt.gpu_budget()),
+                                ") has no room even to stream one layer at a time beside what "
+                                "stays on the GPU: ",
+                                last.message()));
+  }
+
+  // Brings back what plan `p` keeps on the GPU for the step and readies its streamer.
+  absl::Status start(rt::PolicyContext& rt, Plan p) {
+    layered_ = nullptr;
+    const rt::RoleSet stream = streamed(p);
+    for (rt::TensorHandle h : rt.tensors()) {
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
+      if (!rests_on_host(info.spec.role) || stream.contains(info.spec.role)) continue;
+      // Parameters and gradients go back to their home tier, states to the GPU.
+      const rt::Tier where = is_state(info.spec.role) ? rt::Tier::kGpu : info.spec.home;
+      if (info.tier != where) STRATA_RETURN_IF_ERROR(rt.migrate(h, where));
+    }
+    // Whatever came back has landed before the step uses it, or the ring is sized.
     STRATA_RETURN_IF_ERROR(rt.wait_all());
-    return layered_->on_begin_step(rt);
+    if (stream.empty()) return absl::OkStatus();
+    if (!streamer_ || streamer_roles_ != stream) {
+      STRATA_ASSIGN_OR_RETURN(streamer_,
+                              make_layer_streamer({.prefetch_depth = 0, .roles = stream}));
+      streamer_roles_ = stream;
+    }
+    STRATA_RETURN_IF_ERROR(streamer_->on_prepare(rt));
+    STRATA_RETURN_IF_ERROR(streamer_->on_begin_step(rt));
+    layered_ = streamer_.get();
+    return absl::OkStatus();
+  }
+
+  absl::Status to_host_all(rt::PolicyContext& rt, rt::RoleSet roles) {
+    for (rt::TensorHandle h : rt.tensors()) {
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
+      if (!roles.contains(info.spec.role) || info.tier != rt::Tier::kGpu) continue;
+      STRATA_RETURN_IF_ERROR(to_host(rt, h));
+    }
+    return absl::OkStatus();
   }
 
   // The tensor's info once a migration under way has landed: the runtime moves no tensor that is
@@ -180,10 +209,11 @@ class Bulk final : public rt::ResidencyPolicy {
     return s;
   }
 
-  bool streaming_ = false;  // Note [Bulk over budget], second case
-  // The third case: the layer streamer, made the first time it is needed and kept (its ring stays
-  // configured), and whether this step uses it.
+  Plan plan_ = Plan::kNone;  // Note [Bulk over budget]
+  // The streamer of the way chosen, made when first needed and kept (its ring stays reserved),
+  // and whether this step uses it.
   std::unique_ptr<rt::ResidencyPolicy> streamer_;
+  rt::RoleSet streamer_roles_;
   rt::ResidencyPolicy* layered_ = nullptr;
 };
 

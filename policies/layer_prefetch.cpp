@@ -35,7 +35,9 @@ using rt::RoleSet;
 class LayerPrefetch final : public rt::ResidencyPolicy {
  public:
   LayerPrefetch(const rt::PolicyConfig& c, bool keep_resident_layers)
-      : ResidencyPolicy(c), keep_resident_layers_(keep_resident_layers) {}
+      : ResidencyPolicy(c),
+        keep_resident_layers_(keep_resident_layers),
+        slots_cap_(static_cast<std::size_t>(c.prefetch_depth) + 1) {}
   std::string_view name() const override { return "layer_prefetch"; }
 
   rt::Tier placement(const rt::TensorSpec& spec) const override {
@@ -58,9 +60,11 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
+  absl::Status on_prepare(rt::PolicyContext& rt) override { return settle(rt); }
+
   absl::Status on_begin_step(rt::PolicyContext& rt) override {
     STRATA_RETURN_IF_ERROR(reset(rt));
-    return settle_residents(rt);
+    return settle(rt);
   }
 
   absl::Status on_before_forward(rt::PolicyContext& rt, int layer) override {
@@ -120,7 +124,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   absl::Status on_begin_optimizer_step(rt::PolicyContext& rt) override {
     STRATA_RETURN_IF_ERROR(reset(rt));
-    STRATA_RETURN_IF_ERROR(settle_residents(rt));
+    STRATA_RETURN_IF_ERROR(settle(rt));
     order_.clear();
     const std::vector<int> streamed = streamed_layers(rt, config().roles);
     for (int layer : rt.optimizer_layer_order()) {
@@ -192,50 +196,64 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return out;
   }
 
-  // Note [Resident layers]: moves whole layers into the main pool's room, once per change in the
-  // registry. Nothing may be staged.
-  absl::Status settle_residents(rt::PolicyContext& rt) {
-    if (!keep_resident_layers_ || settled_ || rt.gpu_budget() == alloc::kNoBudget) {
-      return absl::OkStatus();
+  // Note [Ring under a budget]: once per change in the registry, the ring takes as many slots as
+  // fit the GPU budget beside what the main pool holds, K + 1 at most and one at least (fewer
+  // slots prefetch less but stream the same bytes); a budget in which not even one slot fits is
+  // an error here, at setup. Then Note [Resident layers]: whole layers move into what is left, in
+  // ascending order, as many as fit (the allocator refuses what would pass the budget). Nothing
+  // may be staged meanwhile.
+  absl::Status settle(rt::PolicyContext& rt) {
+    if (settled_) return absl::OkStatus();
+    STRATA_RETURN_IF_ERROR(reset(rt));
+    const int wanted = static_cast<int>(std::min<std::size_t>(
+        config().prefetch_depth + 1,
+        std::max<std::size_t>(streamed_layers(rt, config().roles).size(), 1)));
+    absl::Status fit;
+    for (int slots = wanted; slots >= 1; --slots) {
+      slots_cap_ = static_cast<std::size_t>(slots);
+      fit = configure(rt);
+      if (fit.code() != absl::StatusCode::kResourceExhausted) break;
     }
-    STRATA_RETURN_IF_ERROR(configure(rt));  // the ring first: the main pool has what it leaves
-    const std::size_t budget = rt.gpu_pool_budget();
-    bool moved = false;
-    for (int layer : rt.layers()) {
-      std::vector<rt::TensorHandle> away;
-      std::size_t bytes = 0;
-      for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
-        STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
-        if (info.bytes == 0 || resident(info)) continue;
-        away.push_back(h);
-        bytes += info.bytes;
-      }
-      const auto allocated = static_cast<std::size_t>(rt.gpu_pool_stats().allocated_bytes.current);
-      if (away.empty() || allocated > budget || bytes > budget - allocated) continue;
-      for (rt::TensorHandle h : away) {
-        absl::Status s = rt.migrate(h, rt::Tier::kGpu);
-        // Block rounding or a segment that would pass the budget: the rest of it streams.
-        if (s.code() == absl::StatusCode::kResourceExhausted) break;
-        STRATA_RETURN_IF_ERROR(s);
-        moved = true;
-      }
+    if (!fit.ok()) {
+      return absl::Status(fit.code(),
+                          str_cat("layer_prefetch: the GPU budget (", format_bytes(rt.gpu_budget()),
+                                  ") has no room for even one staging slot beside "
+                                  "what stays on the GPU: ",
+                                  fit.message()));
     }
-    if (moved) {
-      // One host wait, the first step only: the ring's slot count and the forward order are
-      // computed from where the tensors are.
-      STRATA_RETURN_IF_ERROR(rt.wait_all());
-      parameter_layers_.reset();
-      STRATA_RETURN_IF_ERROR(configure(rt));
+    if (keep_resident_layers_ && rt.gpu_budget() != alloc::kNoBudget) {
+      STRATA_RETURN_IF_ERROR(settle_residents(rt));
     }
     settled_ = true;
     return absl::OkStatus();
   }
 
-  // K + 1 slots, or fewer when fewer layers stream.
+  // Note [Resident layers], the second part of settle.
+  absl::Status settle_residents(rt::PolicyContext& rt) {
+    bool moved = false;
+    for (int layer : rt.layers()) {
+      for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
+        STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+        if (info.bytes == 0 || resident(info)) continue;
+        absl::Status s = rt.migrate(h, rt::Tier::kGpu);
+        // No room left (a segment would pass the budget): the rest of this layer streams.
+        if (s.code() == absl::StatusCode::kResourceExhausted) break;
+        STRATA_RETURN_IF_ERROR(s);
+        moved = true;
+      }
+    }
+    if (!moved) return absl::OkStatus();
+    // One host wait, at setup: the ring's slot count and the forward order are computed from where
+    // the tensors are.
+    STRATA_RETURN_IF_ERROR(rt.wait_all());
+    parameter_layers_.reset();
+    return configure(rt);
+  }
+
+  // As many slots as settle found room for (K + 1 at most), or fewer when fewer layers stream.
   absl::Status configure(rt::PolicyContext& rt) {
     const std::size_t layers = streamed_layers(rt, config().roles).size();
-    slots_ = std::max<std::size_t>(
-        1, std::min<std::size_t>(config().prefetch_depth + 1, std::max<std::size_t>(layers, 1)));
+    slots_ = std::max<std::size_t>(1, std::min(slots_cap_, std::max<std::size_t>(layers, 1)));
     return rt.configure_staging(static_cast<int>(slots_), config().roles);
   }
 
@@ -340,6 +358,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   std::vector<int> staged_;          // layers this policy staged, oldest first
   std::size_t next_ = 0;             // next layer to stage in the current phase
   std::size_t slots_ = 1;            // slots of the ring
+  std::size_t slots_cap_;            // most slots the budget leaves room for (Note [Ring under...])
   bool in_forward_ = false;
   bool in_backward_ = false;
   int held_ = -1;  // layer held for forward or backward, -1 for none

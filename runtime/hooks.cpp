@@ -64,6 +64,19 @@ absl::Status Runtime::Impl::finish_optimizer_step(PolicyContext& ctx) {
   return absl::OkStatus();
 }
 
+absl::Status Runtime::prepare() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  if (im.step.in_step || im.step.in_optimizer_step) {
+    return misuse("prepare", "a step is under way; call it between steps");
+  }
+  STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
+  STRATA_RETURN_IF_ERROR(im.engine.poll());
+  PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
+  return im.policy->on_prepare(ctx);
+}
+
 absl::Status Runtime::begin_step() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
@@ -223,6 +236,8 @@ absl::Status PolicyContext::wait_all() { return runtime_.impl_->engine.wait_all(
 absl::Status PolicyContext::configure_staging(int slots, RoleSet roles) {
   return runtime_.impl_->staging.configure(slots, roles);
 }
+
+absl::Status PolicyContext::release_staging() { return runtime_.impl_->staging.release(); }
 
 absl::Status PolicyContext::stage_layer(int layer, std::optional<RoleSet> roles, StageOrder order) {
   return runtime_.impl_->staging.stage(layer, roles, order);

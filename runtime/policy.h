@@ -57,6 +57,8 @@ class PolicyContext {
   [[nodiscard]] absl::Status migrate(TensorHandle tensor, Tier dst);
   [[nodiscard]] absl::Status wait_all();
   [[nodiscard]] absl::Status configure_staging(int slots, RoleSet roles);
+  // Frees the staging ring (nothing may be staged), so its GPU memory is the main pool's to use.
+  [[nodiscard]] absl::Status release_staging();
   [[nodiscard]] absl::Status stage_layer(int layer, std::optional<RoleSet> roles = std::nullopt,
                                          StageOrder order = StageOrder::kRegistered);
   [[nodiscard]] absl::Status unstage_layer(int layer,
@@ -104,6 +106,11 @@ class ResidencyPolicy {
   [[nodiscard]] virtual absl::Status on_register(PolicyContext& rt, TensorHandle tensor) {
     return absl::OkStatus();
   }
+  // Lays out what the registered tensors need on the GPU under the budget (a staging ring, layers
+  // kept resident, what comes back each step), so that a budget too small is an error here, at
+  // setup, and never half way through a step. Runtime::prepare calls it; a policy also calls it
+  // itself before the first step after tensors were registered or unregistered.
+  [[nodiscard]] virtual absl::Status on_prepare(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_begin_step(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_end_step(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_before_forward(PolicyContext& rt, int layer) {

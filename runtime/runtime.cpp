@@ -97,7 +97,6 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
   a.device =
       device->is_simulated() ? alloc::DeviceBackend::kSimulated : alloc::DeviceBackend::kCuda;
   a.stream_ops = device;
-  const std::size_t gpu_budget = a.budgets[alloc::tier_index(Tier::kGpu)];
   std::unique_ptr<alloc::Upstream> staging_upstream;
   std::unique_ptr<alloc::Upstream> bounce_upstream;
   if (device->is_simulated()) {
@@ -114,17 +113,18 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
   const bool tracking = a.track_allocations;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<alloc::TieredAllocator> allocator,
                           alloc::TieredAllocator::create(std::move(a)));
-  // The staging pool holds one allocation, the ring, whose size configure_staging checks against
-  // the GPU budget (and takes out of the main pool's); a budget of its own would only add the
-  // segment rounding to that.
-  auto staging_pool =
-      std::make_unique<alloc::BlockPool>(alloc::PoolConfig{Tier::kGpu, alloc::kNoBudget, tracking},
-                                         std::move(staging_upstream), device);
+  // The staging pool holds one allocation, the ring, kept apart from the main pool so streaming
+  // never fragments it; it draws on the GPU tier's budget, so the two together never pass it.
+  auto staging_pool = std::make_unique<alloc::BlockPool>(
+      alloc::PoolConfig{.tier = Tier::kGpu,
+                        .track_allocations = tracking,
+                        .shared_budget = allocator->budget(Tier::kGpu)},
+      std::move(staging_upstream), device);
   auto bounce_pool = std::make_unique<alloc::BlockPool>(
       alloc::PoolConfig{Tier::kPinnedHost, alloc::kNoBudget, tracking}, std::move(bounce_upstream),
       device);
   auto impl = std::make_unique<Impl>(device, std::move(allocator), std::move(staging_pool),
-                                     std::move(bounce_pool), gpu_budget);
+                                     std::move(bounce_pool));
   impl->choice = choice;
   impl->policy = std::move(*policy);
   STRATA_RETURN_IF_ERROR(impl->engine.create_streams());
@@ -152,15 +152,14 @@ RuntimeStats Runtime::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   RuntimeStats s = impl_->engine.stats();
   s.host_syncs = impl_->engine.device().host_syncs();
+  const alloc::Budget& gpu = *impl_->allocator->budget(Tier::kGpu);
+  s.gpu_reserved_bytes = static_cast<std::int64_t>(gpu.reserved());
+  s.gpu_reserved_peak_bytes = static_cast<std::int64_t>(gpu.peak());
   return s;
 }
 
 std::size_t Runtime::Impl::gpu_budget_locked() const {
-  const std::size_t pool = allocator->pool(Tier::kGpu).budget();
-  if (pool == alloc::kNoBudget) return pool;
-  const std::size_t ring = staging.bytes();
-  // A ring that takes the whole budget leaves the pool one byte (configure_staging), not counted.
-  return ring > 0 && pool == 1 ? ring : pool + ring;
+  return allocator->budget(Tier::kGpu)->limit();
 }
 
 std::size_t Runtime::gpu_budget() const {

@@ -103,6 +103,10 @@ struct RuntimeStats {
   std::int64_t host_syncs = 0;         // host waits on the device
   std::int64_t staging_bytes = 0;      // bytes of the staging ring
   std::int64_t staged_peak_bytes = 0;  // most bytes of staged tensors on the GPU at once
+  // strata's GPU memory: segments reserved by the GPU tier's pool and the staging ring together,
+  // now and at most since the allocator's peaks were last reset; never above gpu_budget().
+  std::int64_t gpu_reserved_bytes = 0;
+  std::int64_t gpu_reserved_peak_bytes = 0;
   double h2d_gbps() const { return h2d_busy_ms > 0 ? timed_bytes_h2d / h2d_busy_ms / 1e6 : 0; }
   double d2h_gbps() const { return d2h_busy_ms > 0 ? timed_bytes_d2h / d2h_busy_ms / 1e6 : 0; }
 };
@@ -192,6 +196,12 @@ class Runtime {
   [[nodiscard]] absl::Status release_layer(int layer, RoleSet roles, StreamHandle stream);
 
   // --- hooks ---
+  // Lets the policy lay out, under the GPU budget, what the registered tensors need (a staging
+  // ring, layers kept on the GPU, ...; ResidencyPolicy::on_prepare), so that a budget too small
+  // is an error at setup, naming what does not fit, never half way through a step. Call it once
+  // everything is registered (Adam::create does); otherwise the first step does it. Between steps
+  // only (kFailedPrecondition otherwise).
+  [[nodiscard]] absl::Status prepare();
   [[nodiscard]] absl::Status begin_step();
   [[nodiscard]] absl::Status end_step();
   [[nodiscard]] absl::Status before_forward(int layer);
@@ -219,8 +229,8 @@ class Runtime {
   void set_compute_stream(StreamHandle stream);
 
   RuntimeStats stats() const;
-  // The GPU memory model state may take: the main GPU pool's budget and the staging ring together
-  // (the ring is carved out of the budget given at creation); alloc::kNoBudget for none.
+  // The GPU memory strata may reserve, the GPU tier's pool and the staging ring together (they draw
+  // on one alloc::Budget); alloc::kNoBudget for none.
   std::size_t gpu_budget() const;
   alloc::TieredAllocator& allocator();
   Device& device();

@@ -32,11 +32,10 @@ namespace strata::rt {
 struct Runtime::Impl {
   Impl(std::shared_ptr<Device> device, std::unique_ptr<alloc::TieredAllocator> allocator,
        std::unique_ptr<alloc::BlockPool> staging_pool,
-       std::unique_ptr<alloc::BlockPool> bounce_pool, std::size_t gpu_budget)
+       std::unique_ptr<alloc::BlockPool> bounce_pool)
       : allocator(std::move(allocator)),
         engine(std::move(device), *this->allocator, std::move(bounce_pool)),
-        staging(registry, engine, *this->allocator, std::move(staging_pool), gpu_budget),
-        gpu_budget(gpu_budget) {}
+        staging(registry, engine, *this->allocator, std::move(staging_pool)) {}
   ~Impl();
 
   // Where a step is (Note [Step states] in hooks.cpp).
@@ -75,7 +74,6 @@ struct Runtime::Impl {
   internal::MigrationEngine engine;
   internal::StagingRing staging;
   std::unique_ptr<ResidencyPolicy> policy;
-  const std::size_t gpu_budget;
   StepState step;
   int next_callback = 1;
   mutable std::mutex mu;

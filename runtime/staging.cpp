@@ -23,13 +23,8 @@ std::int64_t staged_size(const Entry& e) {
 }  // namespace
 
 StagingRing::StagingRing(Registry& registry, MigrationEngine& engine,
-                         alloc::TieredAllocator& allocator, std::unique_ptr<alloc::BlockPool> pool,
-                         std::size_t gpu_budget)
-    : registry_(registry),
-      engine_(engine),
-      allocator_(allocator),
-      pool_(std::move(pool)),
-      gpu_budget_(gpu_budget) {}
+                         alloc::TieredAllocator& allocator, std::unique_ptr<alloc::BlockPool> pool)
+    : registry_(registry), engine_(engine), allocator_(allocator), pool_(std::move(pool)) {}
 
 absl::Status StagingRing::wait_free_events() {
   // Each wait is dropped once done, so a failure part way leaves the rest for the next call.
@@ -62,43 +57,36 @@ absl::Status StagingRing::configure(int slots, RoleSet roles) {
     return absl::FailedPreconditionError("configure_staging while layers are staged");
   }
   const std::size_t total = largest * static_cast<std::size_t>(slots);
-  if (gpu_budget_ != alloc::kNoBudget && total > gpu_budget_) {
-    return absl::InvalidArgumentError(str_cat("the GPU budget (", format_bytes(gpu_budget_),
-                                              ") is smaller than the staging area: ", slots,
-                                              " slots of the largest layer's ", roles.to_string(),
-                                              " (", format_bytes(largest), " each, ",
-                                              format_bytes(total), " in all)"));
-  }
-  STRATA_RETURN_IF_ERROR(wait_free_events());
-  if (memory_ != nullptr) {
-    STRATA_RETURN_IF_ERROR(pool_->deallocate(memory_));
-    memory_ = nullptr;
-  }
-  if (gpu_budget_ != alloc::kNoBudget) {
-    // The old ring is gone: the main pool has the whole budget until the new one is taken.
-    STRATA_RETURN_IF_ERROR(allocator_.set_budget(Tier::kGpu, gpu_budget_));
-  }
+  STRATA_RETURN_IF_ERROR(free_memory());
   slots_.clear();
   slot_bytes_ = largest;
   roles_ = roles;
   next_slot_ = 0;
   engine_.stats().staging_bytes = static_cast<std::int64_t>(total);
   if (total == 0) return absl::OkStatus();
-  absl::StatusOr<void*> memory =
-      pool_->allocate(total, {.stream = engine_.h2d(), .owner = "runtime.staging"});
+  // The ring draws on the GPU budget with the main pool (Note [Staging ring] in runtime.h): what
+  // the main pool keeps cached goes back first if the ring does not fit beside it.
+  const alloc::AllocOptions where{.stream = engine_.h2d(), .owner = "runtime.staging"};
+  absl::StatusOr<void*> memory = pool_->allocate(total, where);
+  if (memory.status().code() == absl::StatusCode::kResourceExhausted) {
+    // Blocks freed behind stream events come back first (a host wait: this is setup), then the
+    // segments left entirely free.
+    if (allocator_.pool(Tier::kGpu).synchronize_pending().ok() &&
+        allocator_.trim(Tier::kGpu).ok()) {
+      memory = pool_->allocate(total, where);
+    }
+  }
   if (!memory.ok()) {
     slot_bytes_ = 0;
     engine_.stats().staging_bytes = 0;
-    return memory.status();
+    return absl::Status(memory.status().code(),
+                        str_cat("the staging ring (", slots, " slot(s) of the largest layer's ",
+                                roles.to_string(), ", ", format_bytes(largest),
+                                " each) does not "
+                                "fit: ",
+                                memory.status().message()));
   }
   memory_ = *memory;
-  if (gpu_budget_ != alloc::kNoBudget) {
-    // The main GPU pool and the staging area share the GPU budget.
-    // A pool budget must be > 0; a staging area that takes the whole budget leaves the main pool
-    // one byte, which no allocation fits.
-    STRATA_RETURN_IF_ERROR(
-        allocator_.set_budget(Tier::kGpu, std::max<std::size_t>(gpu_budget_ - total, 1)));
-  }
   slots_.resize(slots);
   for (int i = 0; i < slots; ++i) slots_[i].base = static_cast<std::byte*>(memory_) + largest * i;
   return absl::OkStatus();
@@ -310,6 +298,9 @@ void StagingRing::forget(Entry& e) {
 }
 
 absl::Status StagingRing::release() {
+  if (!staged_layers_.empty()) {
+    return absl::FailedPreconditionError("releasing the staging ring while layers are staged");
+  }
   STRATA_RETURN_IF_ERROR(wait_free_events());
   slots_.clear();
   staged_layers_.clear();
@@ -317,14 +308,17 @@ absl::Status StagingRing::release() {
   slot_bytes_ = 0;
   roles_ = RoleSet();
   engine_.stats().staging_bytes = 0;
-  if (memory_ != nullptr) {
-    STRATA_RETURN_IF_ERROR(pool_->deallocate(memory_));
-    memory_ = nullptr;
-    if (gpu_budget_ != alloc::kNoBudget) {
-      STRATA_RETURN_IF_ERROR(allocator_.set_budget(Tier::kGpu, gpu_budget_));
-    }
-  }
-  return absl::OkStatus();
+  return free_memory();
+}
+
+absl::Status StagingRing::free_memory() {
+  STRATA_RETURN_IF_ERROR(wait_free_events());
+  if (memory_ == nullptr) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(pool_->deallocate(memory_));
+  memory_ = nullptr;
+  // The next ring is another size, and what the staging pool kept cached would count against the
+  // GPU budget that the main pool shares: its segment goes back at once.
+  return pool_->trim().status();
 }
 
 void StagingRing::abandon() {

@@ -33,7 +33,7 @@ namespace strata::rt::internal {
 class StagingRing {
  public:
   StagingRing(Registry& registry, MigrationEngine& engine, alloc::TieredAllocator& allocator,
-              std::unique_ptr<alloc::BlockPool> pool, std::size_t gpu_budget);
+              std::unique_ptr<alloc::BlockPool> pool);
 
   absl::Status configure(int slots, RoleSet roles);
   absl::Status stage(int layer, std::optional<RoleSet> roles, StageOrder order);
@@ -71,6 +71,8 @@ class StagingRing {
   };
 
   absl::Status wait_free_events();
+  // Waits for everything that used the ring, frees it and gives its segment back.
+  absl::Status free_memory();
   // The layer's tensors of the staging roles with their offsets in a slot, and the bytes they take.
   std::vector<std::pair<Entry*, std::size_t>> layout_of(int layer, std::size_t& bytes) const;
 
@@ -78,7 +80,6 @@ class StagingRing {
   MigrationEngine& engine_;
   alloc::TieredAllocator& allocator_;
   std::unique_ptr<alloc::BlockPool> pool_;
-  const std::size_t gpu_budget_;
   RoleSet roles_;
   std::size_t slot_bytes_ = 0;
   void* memory_ = nullptr;

@@ -5,8 +5,8 @@
 // complete in a random order, so faults land while copies are queued and in flight.
 //
 // Sites: each upstream's allocations (the three tiers, the runtime's staging ring and bounce
-// buffers), failing once (the k-th upstream call and the pool's own retry of it, so the runtime
-// meets one failed allocation) or persistently (every call from the k-th on); each kind of device
+// buffers), failing from the k-th call on, either for the one runtime call that meets the first
+// failure (a shortage that passes, whatever the pool and the runtime retry meanwhile) or for good; each kind of device
 // call failing once; and sticky device errors (every call of every kind fails from the k-th copy,
 // an asynchronous error, or the k-th host wait on). For every site and k up to the calls that site
 // sees in the fault-free run, the k-th call fails. Every scenario call that fails is checked:
@@ -362,9 +362,9 @@ class ScenarioRun {
       auto u = std::make_unique<alloc::FaultInjectingUpstream>(std::move(upstream));
       made[index] = u.get();
       if (planned_ && !disarmed_ && site_.upstream == index) {
-        // Once: the k-th allocation and the pool's own retry of it fail (one failed allocation
-        // for the caller); persistently: every allocation from the k-th on.
-        u->fail_allocate_calls(k_, site_.kind == Site::kAllocPersistent ? 1 << 30 : 2);
+        // Every allocation from the k-th on fails; once: only until the runtime call that met
+        // the first failure returns (a shortage for one call, whatever retries it makes).
+        u->fail_allocate_calls(k_, 1 << 30);
       }
       u->set_on_inject([this] {
         ++upstream_injections_;
@@ -461,6 +461,7 @@ class ScenarioRun {
     const bool have_runtime = kind != Kind::kNoRuntime;
     const Meta before = have_runtime ? meta() : Meta{};
     absl::Status s = fn();
+    if (planned_ && site_.kind == Site::kAllocOnce && upstream_injections_ > 0) disarm();
     if (s.ok()) return;
     const int attempts = planned_ && site_.kind == Site::kSticky ? 3 : 1;
     for (int attempt = 0; attempt < attempts; ++attempt) {
