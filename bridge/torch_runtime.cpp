@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "base/status.h"
+#include "bridge/binding_state.h"
 #include "bridge/status.h"
 #include "c10/core/Storage.h"
 #include "c10/core/StorageImpl.h"
@@ -35,11 +36,6 @@ c10::DataPtr runtime_data_ptr(void* data, c10::Device device) {
 void detach_for_good(c10::StorageImpl& storage, c10::Device device, std::string why) {
   storage.set_data_ptr_noswap(c10::DataPtr(nullptr, device));
   storage.release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(why));
-}
-
-const c10::StorageImpl* storage_key(const at::Tensor& t) {
-  if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage()) return nullptr;
-  return t.storage().unsafeGetStorageImpl();
 }
 
 std::string describe(const at::Tensor& t) {
@@ -159,6 +155,36 @@ c10::ScalarType dtype_to_torch(rt::DType dtype) {
                str_cat("no torch dtype for DType ", static_cast<int>(dtype)));
 }
 
+namespace internal {
+
+const c10::StorageImpl* storage_key(const at::Tensor& t) {
+  if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage()) return nullptr;
+  return t.storage().unsafeGetStorageImpl();
+}
+
+// Every parameter of m with its default layer (see register_module), in named_parameters() order
+// within each layer; aliases are kept (they carry the names).
+std::vector<std::pair<std::string, std::pair<torch::Tensor, int>>> default_layers(
+    const torch::nn::Module& m) {
+  std::vector<std::pair<std::string, std::pair<torch::Tensor, int>>> out;
+  int layer = 0;
+  for (const auto& child : m.named_children()) {
+    for (const auto& p : child.value()->named_parameters(/*recurse=*/true)) {
+      out.push_back({str_cat(child.key(), ".", p.key()), {p.value(), layer}});
+    }
+    ++layer;
+  }
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    out.push_back({p.key(), {p.value(), layer}});
+  }
+  return out;
+}
+
+}  // namespace internal
+
+using internal::default_layers;
+using internal::storage_key;
+
 bool is_addressable(c10::Device device, rt::Tier tier, bool gpu_is_simulated) {
   if (device.is_cuda()) return tier != rt::Tier::kPageableHost;
   return tier != rt::Tier::kGpu || gpu_is_simulated;
@@ -170,43 +196,11 @@ rt::StreamHandle current_stream(c10::Device device) {
   return guard.getStream(device).native_handle();
 }
 
-struct TorchBinding::State {
-  struct Bound {
-    // Holding the storage keeps it (and so the key below) alive even when the user drops every
-    // tensor that uses it: the runtime still holds the data and may still report moves.
-    c10::Storage storage;
-    c10::Device device;
-    std::string name;
-    int layer = 0;
-    bool was_resizable = false;
-    bool accessible = false;
-    // Moves reported since the binding learned the handle; see register_one.
-    std::uint64_t moves = 0;
-  };
-
-  // Points b's storage at the runtime's copy, or at nothing where b's device cannot address it.
-  void point_at(Bound& b, rt::Tier tier, void* data, bool gpu_is_simulated) {
-    b.accessible = is_addressable(b.device, tier, gpu_is_simulated);
-    b.storage.unsafeGetStorageImpl()->set_data_ptr_noswap(
-        runtime_data_ptr(b.accessible ? data : nullptr, b.device));
-  }
-
-  // Never held across a call into the runtime: the runtime calls on_moved with its own lock held,
-  // so holding this one while waiting for the runtime's would deadlock.
-  mutable std::mutex mu;
-  absl::flat_hash_map<rt::TensorHandle, Bound> bound;
-  // Keyed by storage, not by tensor: every alias of a registered tensor (views, .detach(), a
-  // module's parameter and the tensor the user holds) shares it.
-  absl::flat_hash_map<const c10::StorageImpl*, rt::TensorHandle> by_storage;
-};
-
-struct TorchBinding::Planned {
-  torch::Tensor tensor;
-  std::string name;
-  int layer = 0;
-  rt::Role role = rt::Role::kOther;
-  std::optional<rt::Tier> home;
-};
+void TorchBinding::State::point_at(Bound& b, rt::Tier tier, void* data, bool gpu_is_simulated) {
+  b.accessible = is_addressable(b.device, tier, gpu_is_simulated);
+  b.storage.unsafeGetStorageImpl()->set_data_ptr_noswap(
+      runtime_data_ptr(b.accessible ? data : nullptr, b.device));
+}
 
 TorchBinding::TorchBinding(rt::Runtime& runtime)
     : runtime_(runtime),
@@ -214,6 +208,7 @@ TorchBinding::TorchBinding(rt::Runtime& runtime)
       state_(std::make_unique<State>()) {
   callback_id_ = runtime_.add_on_moved(
       [this](rt::TensorHandle h, rt::Tier tier, void* data) { on_moved(h, tier, data); });
+  before_step_id_ = runtime_.add_before_optimizer_step([this] { return check_gradients(); });
   // Torch computes on its current stream; the runtime's hooks fence copies behind it (Note
   // [Compute fence] in runtime.cpp).
   if (!gpu_is_simulated_) {
@@ -223,6 +218,7 @@ TorchBinding::TorchBinding(rt::Runtime& runtime)
 
 TorchBinding::~TorchBinding() {
   runtime_.remove_on_moved(callback_id_);
+  runtime_.remove_before_optimizer_step(before_step_id_);
   const std::lock_guard<std::mutex> lock(state_->mu);
   for (auto& [handle, b] : state_->bound) {
     detach_for_good(*b.storage.unsafeGetStorageImpl(), b.device,
@@ -313,7 +309,18 @@ rt::TensorHandle TorchBinding::register_tensor(torch::Tensor& t, const std::stri
 
 std::vector<rt::TensorHandle> TorchBinding::register_all(const std::vector<Planned>& plan) {
   // Refuse bad tensors before anything is registered; what is left to fail is the runtime.
-  for (const Planned& p : plan) check(validate(p.tensor, p.name, gpu_is_simulated_).status());
+  for (const Planned& p : plan) {
+    {
+      const std::lock_guard<std::mutex> lock(state_->mu);
+      if (auto it = state_->by_storage.find(storage_key(p.tensor));
+          it != state_->by_storage.end()) {
+        check(absl::AlreadyExistsError(
+            str_cat("cannot register '", p.name, "': its storage is already registered as '",
+                    state_->bound.at(it->second).name, "' with this TorchBinding")));
+      }
+    }
+    check(validate(p.tensor, p.name, gpu_is_simulated_).status());
+  }
   std::vector<rt::TensorHandle> done;
   done.reserve(plan.size());
   try {
@@ -330,24 +337,6 @@ std::vector<rt::TensorHandle> TorchBinding::register_all(const std::vector<Plann
 }
 
 namespace {
-
-// Every parameter of m with its default layer (see register_module), in named_parameters() order
-// within each layer; aliases are kept (they carry the names).
-std::vector<std::pair<std::string, std::pair<torch::Tensor, int>>> default_layers(
-    const torch::nn::Module& m) {
-  std::vector<std::pair<std::string, std::pair<torch::Tensor, int>>> out;
-  int layer = 0;
-  for (const auto& child : m.named_children()) {
-    for (const auto& p : child.value()->named_parameters(/*recurse=*/true)) {
-      out.push_back({str_cat(child.key(), ".", p.key()), {p.value(), layer}});
-    }
-    ++layer;
-  }
-  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
-    out.push_back({p.key(), {p.value(), layer}});
-  }
-  return out;
-}
 
 std::string list_names(const std::vector<std::string>& names) {
   constexpr std::size_t kMaxListed = 16;
@@ -399,32 +388,6 @@ std::vector<rt::TensorHandle> TorchBinding::register_module(
   return register_all(plan);
 }
 
-std::vector<rt::TensorHandle> TorchBinding::register_gradients(torch::nn::Module& m,
-                                                               std::optional<rt::Tier> home) {
-  std::vector<Planned> plan;
-  absl::flat_hash_set<const c10::StorageImpl*> seen;
-  for (auto& [name, tensor_layer] : default_layers(m)) {
-    const torch::Tensor& param = tensor_layer.first;
-    const torch::Tensor& grad = param.grad();
-    if (!grad.defined()) {
-      check(absl::FailedPreconditionError(
-          str_cat("register_gradients: parameter '", name,
-                  "' has no gradient; run a backward pass (or set its .grad()) first")));
-    }
-    int layer = tensor_layer.second;
-    {
-      const std::lock_guard<std::mutex> lock(state_->mu);
-      if (auto it = state_->by_storage.find(storage_key(param)); it != state_->by_storage.end()) {
-        layer = state_->bound.at(it->second).layer;
-      }
-    }
-    const c10::StorageImpl* key = storage_key(grad);
-    if (key != nullptr && !seen.insert(key).second) continue;
-    plan.push_back({grad, str_cat(name, ".grad"), layer, rt::Role::kGradient, home});
-  }
-  return register_all(plan);
-}
-
 absl::Status TorchBinding::unregister_handle(rt::TensorHandle h, bool keep_values) {
   c10::Storage storage;
   c10::Device device = c10::kCPU;
@@ -456,6 +419,7 @@ absl::Status TorchBinding::unregister_handle(rt::TensorHandle h, bool keep_value
   STRATA_RETURN_IF_ERROR(runtime_.unregister(h));
 
   const std::lock_guard<std::mutex> lock(state_->mu);
+  forget_gradient(storage.unsafeGetStorageImpl());
   state_->by_storage.erase(storage.unsafeGetStorageImpl());
   state_->bound.erase(h);
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();

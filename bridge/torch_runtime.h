@@ -125,9 +125,11 @@ class TorchBinding {
   // layer: the one it is registered under with this binding, else the default layer of
   // register_module. Every gradient must be defined (kFailedPrecondition otherwise, before
   // anything is registered). All or nothing, like register_module. Autograd then accumulates into
-  // the bound gradients in place; clearing them with zero_grad(/*set_to_none=*/true) would detach
-  // the parameters from them, so zero them in place (zero_grad(false)) instead. `home` as in
-  // register_module.
+  // the bound gradients in place. Zero them in place (zero_grad(false)): with
+  // zero_grad(/*set_to_none=*/true), LibTorch's default, backward makes new gradients, which the
+  // binding copies into the bound ones before each optimizer step (Note [Gradients the model
+  // replaced] in gradients.cpp); a parameter left with no gradient, or given new storage (set_data,
+  // module->to()), fails the step with an error naming it. `home` as in register_module.
   std::vector<rt::TensorHandle> register_gradients(torch::nn::Module& m,
                                                    std::optional<rt::Tier> home = {});
 
@@ -162,6 +164,12 @@ class TorchBinding {
   absl::Status unregister_handle(rt::TensorHandle h, bool keep_values);
   int callback_id_ = 0;
   void on_moved(rt::TensorHandle h, rt::Tier tier, void* data) noexcept;
+  // Before every optimizer step (gradients.cpp): the bound gradients and parameters are still the
+  // model's, or the step fails naming the one that is not.
+  int before_step_id_ = 0;
+  absl::Status check_gradients() noexcept;
+  // Drops what register_gradients kept of a parameter or gradient being unregistered (lock held).
+  void forget_gradient(const c10::StorageImpl* storage);
 
   rt::Runtime& runtime_;
   const bool gpu_is_simulated_;

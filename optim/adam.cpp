@@ -153,6 +153,9 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
     }
   }
   adam->steps_.assign(adam->groups_.size(), 0);
+  // The policy lays out the states under the GPU budget now, so a budget too small is an error
+  // here, at setup, rather than at the first step; `adam` takes its states back if it fails.
+  STRATA_RETURN_IF_ERROR(runtime.prepare());
   return adam;
 }
 

@@ -54,8 +54,10 @@ class Adam {
   // kResourceExhausted for a layer whose parameters, gradients and moments together exceed the
   // GPU budget (the kernel reads GPU memory only, so such a layer could never be stepped). Then
   // registers the states, all or nothing: if one cannot be registered (a name taken, no room),
-  // those registered before it are unregistered again. Note [Adam owns its states]: the Adam
-  // unregisters them when it is destroyed, so the runtime must outlive it.
+  // those registered before it are unregistered again. Finally the runtime's policy lays the
+  // states out under the GPU budget (Runtime::prepare), so a budget too small is an error here
+  // (kResourceExhausted naming what does not fit), not at the first step. Note [Adam owns its
+  // states]: the Adam unregisters them when it is destroyed, so the runtime must outlive it.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Adam>> create(rt::Runtime& runtime,
                                                                     AdamOptions options);
   // Unregisters the states this optimizer registered (the runtime must outlive it).

@@ -145,6 +145,7 @@ absl::Status Runtime::begin_optimizer_step() {
     return misuse("begin_optimizer_step",
                   "the optimizer step begun last has not ended; call end_optimizer_step first");
   }
+  for (const auto& [id, fn] : im.before_optimizer_step) STRATA_RETURN_IF_ERROR(fn());
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   PolicyContext ctx(*this);
   STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));

@@ -6,7 +6,18 @@
 #include "base/strings.h"
 #include "runtime/runtime.h"
 
-ABSL_FLAG(std::string, strata_policy, "",
+namespace strata::rt {
+
+bool AbslParseFlag(absl::string_view text, PolicyFlag* flag, std::string* error) {
+  flag->name = std::string(text.data(), text.size());
+  return true;
+}
+
+std::string AbslUnparseFlag(const PolicyFlag& flag) { return flag.name.value_or(""); }
+
+}  // namespace strata::rt
+
+ABSL_FLAG(strata::rt::PolicyFlag, strata_policy, strata::rt::PolicyFlag{},
           "Residency policy of the strata runtime (keep_on_gpu, bulk, layer_prefetch); "
           "RuntimeOptions::policy wins over it, and it over STRATA_POLICY");
 
@@ -45,8 +56,8 @@ absl::StatusOr<std::unique_ptr<ResidencyPolicy>> PolicyRegistry::create(
 
 PolicyChoice choose_policy_name(const std::optional<std::string>& option) {
   if (option.has_value()) return {*option, "RuntimeOptions::policy"};
-  const std::string flag = absl::GetFlag(FLAGS_strata_policy);
-  if (!flag.empty()) return {flag, "--strata_policy"};
+  const PolicyFlag flag = absl::GetFlag(FLAGS_strata_policy);
+  if (flag.name.has_value()) return {*flag.name, "--strata_policy"};
   if (const char* env = std::getenv("STRATA_POLICY")) return {env, "STRATA_POLICY"};
   return {std::string(kDefaultPolicy), "default"};
 }

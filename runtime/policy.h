@@ -30,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "allocator/stats.h"
 #include "allocator/stream_ops.h"
 #include "runtime/tensor.h"
@@ -158,6 +159,14 @@ class PolicyRegistry {
  private:
   std::map<std::string, PolicyFactory, std::less<>> factories_;
 };
+
+// The value of --strata_policy: not given, or the name given (an empty one, `--strata_policy=`,
+// is an error when the runtime is made, as an empty STRATA_POLICY is).
+struct PolicyFlag {
+  std::optional<std::string> name;
+};
+bool AbslParseFlag(absl::string_view text, PolicyFlag* flag, std::string* error);
+std::string AbslUnparseFlag(const PolicyFlag& flag);
 
 // The name to use: `option` if set, else --strata_policy if given, else STRATA_POLICY if set, else
 // kDefaultPolicy. Returns it unchecked (PolicyRegistry::create checks it); `source` says where it

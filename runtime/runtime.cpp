@@ -143,6 +143,18 @@ void Runtime::remove_on_moved(int id) {
   impl_->engine.on_moved().erase(id);
 }
 
+int Runtime::add_before_optimizer_step(std::function<absl::Status()> fn) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const int id = impl_->next_callback++;
+  impl_->before_optimizer_step[id] = std::move(fn);
+  return id;
+}
+
+void Runtime::remove_before_optimizer_step(int id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->before_optimizer_step.erase(id);
+}
+
 void Runtime::set_compute_stream(StreamHandle stream) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->engine.set_compute(stream);  // nullptr is the legacy default stream, not "unset"

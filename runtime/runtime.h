@@ -222,6 +222,12 @@ class Runtime {
   // must not call the runtime. Returns an id for remove_on_moved.
   int add_on_moved(std::function<void(TensorHandle, Tier, void*)> fn);
   void remove_on_moved(int id);
+  // Calls fn() at the start of every optimizer step (begin_optimizer_step), before the policy
+  // stages anything; an error fails the step before anything changed. fn runs with the runtime's
+  // lock held and must not call the runtime. The bridge checks there that a model's gradients
+  // are still the ones strata holds. Returns an id for remove_before_optimizer_step.
+  int add_before_optimizer_step(std::function<absl::Status()> fn);
+  void remove_before_optimizer_step(int id);
 
   // The stream the training loop computes on (default: compute_stream()). Every hook makes the
   // copy streams wait for the work queued on it so far, so data a kernel still uses is never moved

@@ -17,6 +17,8 @@
 //   }
 #pragma once
 
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -76,6 +78,7 @@ struct Runtime::Impl {
   std::unique_ptr<ResidencyPolicy> policy;
   StepState step;
   int next_callback = 1;
+  std::map<int, std::function<absl::Status()>> before_optimizer_step;
   mutable std::mutex mu;
 };
 

@@ -10,13 +10,18 @@
 //                          --seq=64 --batch=8] [--compare] [--json=FILE] [--chart=FILE.svg]
 //
 // Exit codes: 0 trained (with --compare: at least two strata policies trained with bitwise equal
-// losses); 1 a run failed (out of memory, a leak, losses that differ); 2 bad usage (an unknown
-// policy or flag value, a GPU budget too small for one layer).
+// losses); 1 a run failed (a leak, losses that differ or cannot be compared, an error during
+// training); 2 bad usage (an unknown policy or flag value, an output file that cannot be written,
+// a GPU budget in which the policy cannot lay out even one layer: found at setup, before any
+// step).
 #include <torch/torch.h>
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
@@ -72,6 +77,29 @@ int usage_error(const std::string& message) {
 }
 
 bool gpu_present() { return alloc::cuda_device_count() > 0 && torch::cuda::is_available(); }
+
+// A file --json or --chart will write must be writable before training starts, not after.
+std::string check_writable(const std::string& flag, const std::string& path) {
+  if (path.empty()) return "";
+  const std::filesystem::path p(path);
+  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : ".";
+  std::error_code ec;
+  if (std::filesystem::is_directory(p, ec)) return str_cat(flag, ": '", path, "' is a directory");
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return str_cat(flag, ": the folder of '", path, "' does not exist");
+  }
+  const std::filesystem::path probe = std::filesystem::exists(p, ec) ? p : dir;
+  if (access(probe.c_str(), W_OK) != 0)
+    return str_cat(flag, ": '", probe.string(), "' is not writable");
+  return "";
+}
+
+// Exit codes: a run that failed at setup because of what was asked for (a GPU budget too small for
+// the policy, a bad option the runtime refused) is bad usage; anything else is a failed run.
+bool usage_failure(const RunResult& r) {
+  return r.failed_at_setup && (absl::StartsWith(r.error, "RESOURCE_EXHAUSTED") ||
+                               absl::StartsWith(r.error, "INVALID_ARGUMENT"));
+}
 
 std::string gpu_name() {
 #ifdef STRATA_HAS_CUDA
@@ -160,14 +188,20 @@ int run(int argc, char** argv) {
     o.gpu_budget = *budget;
   }
 
+  for (const auto& [flag, path] : {std::pair{"--json", absl::GetFlag(FLAGS_json)},
+                                   std::pair{"--chart", absl::GetFlag(FLAGS_chart)}}) {
+    if (std::string bad = check_writable(flag, path); !bad.empty()) return usage_error(bad);
+  }
+
   // The policy: checked here, before any model is built, so a typo costs nothing.
   const rt::PolicyChoice choice = rt::choose_policy_name(std::nullopt);
   const std::vector<std::string> policies = policy::builtin_policies().names();
   if (std::find(policies.begin(), policies.end(), choice.name) == policies.end()) {
     std::string valid;
     for (const std::string& p : policies) str_append(&valid, valid.empty() ? "" : ", ", p);
-    return usage_error(str_cat("unknown policy '", choice.name, "' (from ", choice.source,
-                               "); valid policies: ", valid));
+    return usage_error(str_cat(choice.name.empty() ? std::string("empty policy name")
+                                                   : str_cat("unknown policy '", choice.name, "'"),
+                               " (from ", choice.source, "); valid policies: ", valid));
   }
 
   // A budget below one layer's step working set could train under no policy.
@@ -193,10 +227,14 @@ int run(int argc, char** argv) {
       static_cast<long long>(m.heads), static_cast<long long>(m.vocab),
       static_cast<long long>(m.batch), static_cast<long long>(m.seq), params / 4 / 1e6,
       format_bytes(params).c_str(), format_bytes(2 * params).c_str());
+  // keep_on_gpu moves nothing, whatever the roles say.
+  const bool moves = report.compare || choice.name != "keep_on_gpu";
   std::printf(
       "strata GPU budget: %s; moved or streamed: %s\n",
       o.gpu_budget == static_cast<std::size_t>(-1) ? "none" : format_bytes(o.gpu_budget).c_str(),
-      o.roles.to_string().c_str());
+      moves ? str_cat(o.roles.to_string(), report.compare ? " (keep_on_gpu moves nothing)" : "")
+                  .c_str()
+            : "nothing (keep_on_gpu keeps everything on the GPU)");
   std::fflush(stdout);
 
   const StepCallback progress = [&](const RunResult& run, const StepRecord& step) {
@@ -238,8 +276,8 @@ int run(int argc, char** argv) {
   }
   if (report.compare) {
     ok = ok && report.comparison.losses_identical;
-  } else {
-    ok = ok && report.runs.front().ok;
+  } else if (!report.runs.front().ok) {
+    return usage_failure(report.runs.front()) ? kExitUsage : kExitFailed;
   }
   return ok ? 0 : kExitFailed;
 }

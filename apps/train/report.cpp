@@ -121,11 +121,9 @@ std::int64_t peak_gpu_bytes(const RunResult& run) {
   return peak;
 }
 std::int64_t peak_strata_gpu_bytes(const RunResult& run) {
-  const StepRecord* peak = nullptr;
-  for (const StepRecord& s : run.steps) {
-    if (peak == nullptr || s.peak_gpu_bytes > peak->peak_gpu_bytes) peak = &s;
-  }
-  return peak == nullptr ? 0 : peak->strata_gpu_bytes;
+  std::int64_t peak = run.setup_gpu_bytes;
+  for (const StepRecord& s : run.steps) peak = std::max(peak, s.strata_gpu_bytes);
+  return peak;
 }
 
 Comparison compare_runs(const std::vector<RunResult>& runs) {
@@ -204,8 +202,15 @@ std::string summary_table(const Report& report) {
     const Comparison& c = report.comparison;
     std::string names;
     for (const std::string& n : c.compared) str_append(&names, names.empty() ? "" : ", ", n);
-    str_append(&out, "\nlosses identical across strata policies (", names,
-               "): ", c.losses_identical ? "yes, bitwise" : "NO", "\n");
+    if (c.compared.size() < 2) {
+      str_append(&out, "\nlosses not compared: ",
+                 c.compared.empty() ? std::string("no strata policy trained")
+                                    : str_cat("only one strata policy trained (", names, ")"),
+                 "; a comparison needs two\n");
+    } else {
+      str_append(&out, "\nlosses identical across strata policies (", names,
+                 "): ", c.losses_identical ? "yes, bitwise" : "NO", "\n");
+    }
     if (c.max_loss_diff_vs_torch >= 0) {
       str_append(&out,
                  "largest loss difference from PyTorch's AdamW: ", exact(c.max_loss_diff_vs_torch),
@@ -234,7 +239,8 @@ std::string to_json(const Report& report) {
     str_append(&j, "    {\"name\": ", json_quoted(r.name),
                ", \"kind\": ", r.strata ? "\"strata\"" : "\"torch\"",
                ", \"ok\": ", r.ok ? "true" : "false",
-               ", \"error\": ", r.ok ? std::string("null") : json_quoted(r.error), ",\n");
+               ", \"error\": ", r.ok ? std::string("null") : json_quoted(r.error),
+               ", \"failed_at_setup\": ", r.failed_at_setup ? "true" : "false", ",\n");
     str_append(&j, "     \"median_step_ms\": ", exact(median_step_ms(r)),
                ", \"median_optimizer_ms\": ", exact(median_optimizer_ms(r)),
                ", \"peak_gpu_bytes\": ", peak_gpu_bytes(r),
@@ -400,8 +406,11 @@ std::string to_svg(const Report& report) {
              xml_escaped(note), ".</text>\n");
   if (report.compare) {
     const Comparison& c = report.comparison;
-    std::string line = str_cat("Losses identical across the strata policies that trained: ",
-                               c.losses_identical ? "yes, bitwise" : "NO");
+    std::string line =
+        c.compared.size() < 2
+            ? std::string("Losses not compared: fewer than two strata policies trained")
+            : str_cat("Losses identical across the strata policies that trained: ",
+                      c.losses_identical ? "yes, bitwise" : "NO");
     if (c.max_loss_diff_vs_torch >= 0) {
       str_append(&line,
                  "; largest difference from PyTorch's AdamW: ", exact(c.max_loss_diff_vs_torch));

@@ -41,7 +41,8 @@ Comparison compare_runs(const std::vector<RunResult>& runs);
 double median_step_ms(const RunResult& run);
 double median_optimizer_ms(const RunResult& run);
 std::int64_t peak_gpu_bytes(const RunResult& run);
-// The part of it in strata's GPU tier and staging ring, at the same step.
+// strata's own GPU memory (its GPU tier and staging ring) at its peak, setup included: what the GPU
+// budget bounds.
 std::int64_t peak_strata_gpu_bytes(const RunResult& run);
 
 std::string progress_line(const RunResult& run, const StepRecord& step, int total_steps);

@@ -96,7 +96,7 @@ std::string message_of(const std::exception& e) {
 
 // The strata run proper; throws (c10::Error) on failure, which run_strata records.
 void train_strata(const TrainOptions& o, const std::string& policy, const StepCallback& on_step,
-                  RunResult& result) {
+                  RunResult& result, bool& started) {
   rt::RuntimeOptions ro;
   ro.policy = policy;
   ro.policy_config.prefetch_depth = o.prefetch_depth;
@@ -131,7 +131,10 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       const std::size_t g = GptImpl::decays(p.key()) ? 0 : 1;
       ao.groups[g].params.push_back({binding.handle(p.value()), binding.handle(p.value().grad())});
     }
+    // Adam registers its states and lets the policy lay everything out under the GPU budget: a
+    // budget too small fails here, at setup.
     adam = bridge::unwrap(optim::Adam::create(rt, std::move(ao)));
+    result.setup_gpu_bytes = rt.stats().gpu_reserved_peak_bytes;
     for (rt::TensorHandle h : rt.tensors()) {
       rt::TensorInfo info = bridge::unwrap(rt.info(h));
       if (info.spec.role == rt::Role::kExpAvg || info.spec.role == rt::Role::kExpAvgSq) {
@@ -159,6 +162,7 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       for (torch::Tensor& g : grads_of_layer[layer]) g.zero_();
     };
 
+    started = true;
     for (int step = 1; step <= o.steps; ++step) {
       const Batch batch = batch_for(o, step);
       rt.allocator().reset_peak_stats();
@@ -204,8 +208,7 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       if (h2d_ms > 0) r.h2d_gbps = (after.timed_bytes_h2d - before.timed_bytes_h2d) / h2d_ms / 1e6;
       if (d2h_ms > 0) r.d2h_gbps = (after.timed_bytes_d2h - before.timed_bytes_d2h) / d2h_ms / 1e6;
       r.waited_ms = (after.prefetch_stall_ns - before.prefetch_stall_ns) / 1e6;
-      r.strata_gpu_bytes =
-          rt.allocator().stats(rt::Tier::kGpu).reserved_bytes.peak + after.staging_bytes;
+      r.strata_gpu_bytes = after.gpu_reserved_peak_bytes;
       r.peak_gpu_bytes = r.strata_gpu_bytes + torch_peak_bytes(o);
       for (rt::Tier tier : alloc::kAllTiers) {
         r.fragmentation[alloc::tier_index(tier)] = rt.allocator().stats(tier).fragmentation;
@@ -222,13 +225,8 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
     result.allocator_table = rt.allocator().format_stats();
     result.allocator_json = rt.allocator().stats_json();
 
-    // Tear down in order: the optimizer's states, then the bound gradients and parameters; what
-    // the allocator still holds after that is a leak.
-    for (const auto& p : model->named_parameters(/*recurse=*/true)) {
-      for (rt::TensorHandle h : bridge::unwrap(adam->state(binding.handle(p.value())))) {
-        bridge::check(rt.unregister(h));
-      }
-    }
+    // Tear down in order: the optimizer (which unregisters its states), then the bound gradients
+    // and parameters; what the allocator still holds after that is a leak.
     adam.reset();
     for (torch::Tensor& p : model->parameters()) {
       binding.unregister(p.mutable_grad());
@@ -317,10 +315,12 @@ RunResult run_strata(const TrainOptions& options, const std::string& policy,
   RunResult result;
   result.name = policy;
   result.strata = true;
+  bool started = false;
   try {
-    train_strata(options, policy, on_step, result);
+    train_strata(options, policy, on_step, result, started);
   } catch (const std::exception& e) {
     result.ok = false;
+    result.failed_at_setup = !started;
     result.error = message_of(e);
     // Parameters and gradients that stay on the GPU can be what does not fit.
     if (policy != "keep_on_gpu" && !options.roles.contains(rt::Role::kParameter) &&

@@ -49,9 +49,9 @@ struct StepRecord {
   std::int64_t d2h_bytes = 0;
   double h2d_gbps = 0;  // over the time the copy streams were busy (0: nothing timed)
   double d2h_gbps = 0;
-  double waited_ms = 0;                         // time compute waited on prefetches, on the GPU
-  std::int64_t peak_gpu_bytes = 0;              // strata's GPU tier + staging ring + torch's own
-  std::int64_t strata_gpu_bytes = 0;            // of which strata's (within its GPU budget)
+  double waited_ms = 0;               // time compute waited on prefetches, on the GPU
+  std::int64_t peak_gpu_bytes = 0;    // strata's GPU memory and torch's own, at their peaks
+  std::int64_t strata_gpu_bytes = 0;  // of which strata's (GPU tier and staging ring, <= budget)
   double fragmentation[alloc::kNumTiers] = {};  // strata runs: per tier, at the end of the step
 };
 
@@ -60,6 +60,9 @@ struct RunResult {
   bool strata = true;
   bool ok = false;
   std::string error;  // when !ok
+  // The run failed before its first step began: building the runtime, binding the model, making
+  // the optimizer (where the policy lays itself out under the GPU budget).
+  bool failed_at_setup = false;
   std::vector<StepRecord> steps;
   // strata runs:
   std::string allocator_table;  // per-tier statistics at the end of training
@@ -69,7 +72,8 @@ struct RunResult {
   std::int64_t host_syncs = 0;  // the runtime's own host waits
   std::int64_t staged_peak_bytes = 0;
   std::int64_t staging_bytes = 0;
-  std::int64_t state_bytes = 0;  // Adam moments registered
+  std::int64_t setup_gpu_bytes = 0;  // strata's GPU memory at its peak during setup
+  std::int64_t state_bytes = 0;      // Adam moments registered
 };
 
 // Called after each step with the run so far (for progress lines).

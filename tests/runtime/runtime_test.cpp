@@ -6,7 +6,7 @@
 #include "absl/flags/flag.h"
 #include "tests/runtime/runtime_test_util.h"
 
-ABSL_DECLARE_FLAG(std::string, strata_policy);
+ABSL_DECLARE_FLAG(strata::rt::PolicyFlag, strata_policy);
 
 namespace strata::rt {
 namespace {
@@ -230,19 +230,28 @@ TEST(GuardTest, ReleasesOnTwoStreamsAreBothWaitedFor) {
 }
 
 TEST(PolicyChoiceTest, OptionThenFlagThenEnvironmentThenDefault) {
-  absl::SetFlag(&FLAGS_strata_policy, "");
+  absl::SetFlag(&FLAGS_strata_policy, PolicyFlag{});
   unsetenv("STRATA_POLICY");
   EXPECT_EQ(choose_policy_name(std::nullopt).name, "layer_prefetch");
   EXPECT_EQ(choose_policy_name(std::nullopt).source, "default");
   setenv("STRATA_POLICY", "bulk", 1);
   EXPECT_EQ(choose_policy_name(std::nullopt).name, "bulk");
   EXPECT_EQ(choose_policy_name(std::nullopt).source, "STRATA_POLICY");
-  absl::SetFlag(&FLAGS_strata_policy, "keep_on_gpu");
+  absl::SetFlag(&FLAGS_strata_policy, PolicyFlag{"keep_on_gpu"});
   EXPECT_EQ(choose_policy_name(std::nullopt).name, "keep_on_gpu");
   EXPECT_EQ(choose_policy_name(std::nullopt).source, "--strata_policy");
   EXPECT_EQ(choose_policy_name(std::string("bulk")).name, "bulk");
   EXPECT_EQ(choose_policy_name(std::string("bulk")).source, "RuntimeOptions::policy");
-  absl::SetFlag(&FLAGS_strata_policy, "");
+  // Given but empty (--strata_policy=) is an error, as an empty STRATA_POLICY is.
+  absl::SetFlag(&FLAGS_strata_policy, PolicyFlag{""});
+  EXPECT_EQ(choose_policy_name(std::nullopt).name, "");
+  EXPECT_EQ(choose_policy_name(std::nullopt).source, "--strata_policy");
+  RuntimeOptions options;
+  options.device = DeviceKind::kSimulated;
+  EXPECT_EQ(Runtime::create(std::move(options), policy::builtin_policies()).status().message(),
+            "empty policy name; valid policies: bulk, keep_on_gpu, layer_prefetch (policy chosen "
+            "by --strata_policy)");
+  absl::SetFlag(&FLAGS_strata_policy, PolicyFlag{});
   unsetenv("STRATA_POLICY");
 }
 
