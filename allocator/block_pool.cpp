@@ -612,17 +612,17 @@ std::string BlockPool::oom_message_locked(std::size_t size, std::size_t requeste
   const std::size_t own = static_cast<std::size_t>(s.reserved_bytes.current);
   const std::size_t all = budget_->reserved();
   const std::size_t elsewhere = all > own ? all - own : 0;
-  return str_cat("out of memory in tier ", tier_name(config_.tier), ": tried to allocate ",
-                 format_bytes(size), " (", requested, " bytes asked); reserved ",
-                 format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), ", allocated ",
-                 format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), ", budget ",
-                 limit == kNoBudget ? std::string("unlimited") : format_bytes(limit),
-                 elsewhere > 0 ? str_cat(" (", format_bytes(elsewhere),
-                                         " of it reserved by the pools it is shared with)")
-                               : std::string(),
-                 ", largest free block ",
-                 format_bytes(static_cast<std::size_t>(s.largest_free_block)),
-                 cause.ok() ? std::string() : str_cat("; ", cause.message()));
+  return str_cat(
+      "out of memory in tier ", tier_name(config_.tier), ": tried to allocate ", format_bytes(size),
+      " (", requested, " bytes asked); reserved ",
+      format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), ", allocated ",
+      format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), ", budget ",
+      limit == kNoBudget ? std::string("unlimited") : format_bytes(limit), config_.budget_note,
+      elsewhere > 0 ? str_cat(" (", format_bytes(elsewhere),
+                              " of it reserved by the pools it is shared with)")
+                    : std::string(),
+      ", largest free block ", format_bytes(static_cast<std::size_t>(s.largest_free_block)),
+      cause.ok() ? std::string() : str_cat("; ", cause.message()));
 }
 
 std::vector<LiveAllocation> BlockPool::live_allocations() const {

@@ -121,6 +121,8 @@ struct PoolConfig {
   bool track_allocations = false;
   // ...or in a Budget it shares with other pools (then `budget` is ignored).
   std::shared_ptr<Budget> shared_budget;
+  // Said after the budget in an out-of-memory message (where a default budget came from).
+  std::string budget_note;
 };
 
 class BlockPool {

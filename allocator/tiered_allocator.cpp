@@ -1,6 +1,10 @@
 #include "allocator/tiered_allocator.h"
 
 #include <cstdio>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <utility>
 
 #include "base/status.h"
 #include "base/strings.h"
@@ -20,7 +24,58 @@ std::string_view device_backend_name(DeviceBackend backend) {
   return "unknown";
 }
 
+namespace {
+
+// MemTotal and MemAvailable from /proc/meminfo, in bytes; nullopt where they cannot be read.
+struct HostMemory {
+  std::size_t total = 0;
+  std::size_t available = 0;
+};
+std::optional<HostMemory> read_host_memory() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return std::nullopt;
+  HostMemory m;
+  char key[64];
+  unsigned long long kib = 0;
+  while (std::fscanf(f, "%63s %llu kB", key, &kib) == 2) {
+    if (std::strcmp(key, "MemTotal:") == 0) m.total = static_cast<std::size_t>(kib) * 1024;
+    if (std::strcmp(key, "MemAvailable:") == 0) m.available = static_cast<std::size_t>(kib) * 1024;
+  }
+  std::fclose(f);
+  if (m.total == 0 || m.available == 0) return std::nullopt;
+  return m;
+}
+
+// Note [Host budgets]: the default budget of a host tier, and what an out-of-memory message says
+// of it.
+std::pair<std::size_t, std::string> machine_budget(Tier tier) {
+  const std::optional<HostMemory> m = read_host_memory();
+  if (!m.has_value()) return {kNoBudget, ""};
+  const std::string set = "; AllocatorOptions::budgets sets another";
+  if (tier == Tier::kPinnedHost) {
+    return {std::min(m->total / 2, m->available),
+            str_cat(" (the default for pinned memory: half of the machine's ",
+                    format_bytes(m->total), ", at most the ", format_bytes(m->available),
+                    " available when the allocator was made", set, ")")};
+  }
+  return {m->available,
+          str_cat(" (the default for pageable memory: the ", format_bytes(m->available),
+                  " the machine had available when the allocator was made", set, ")")};
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<TieredAllocator>> TieredAllocator::create(AllocatorOptions options) {
+  std::array<std::string, kNumTiers> notes;
+  for (Tier tier : kAllTiers) {
+    std::size_t& budget = options.budgets[tier_index(tier)];
+    if (budget != kMachineBudget) continue;
+    if (tier == Tier::kGpu || options.upstreams[tier_index(tier)] != nullptr) {
+      budget = kNoBudget;  // an upstream of the caller's is not the machine's memory
+    } else {
+      std::tie(budget, notes[tier_index(tier)]) = machine_budget(tier);
+    }
+  }
   for (Tier tier : kAllTiers) {
     const int i = tier_index(tier);
     if (options.budgets[i] == 0) {
@@ -97,7 +152,10 @@ absl::StatusOr<std::unique_ptr<TieredAllocator>> TieredAllocator::create(Allocat
       }
     }
     self->pools_[i] =
-        std::make_unique<BlockPool>(PoolConfig{tier, options.budgets[i], options.track_allocations},
+        std::make_unique<BlockPool>(PoolConfig{.tier = tier,
+                                               .budget = options.budgets[i],
+                                               .track_allocations = options.track_allocations,
+                                               .budget_note = notes[i]},
                                     std::move(upstream), self->stream_ops_);
   }
 

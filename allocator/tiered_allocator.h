@@ -42,6 +42,15 @@ enum class DeviceBackend {
 
 std::string_view device_backend_name(DeviceBackend backend);
 
+// Note [Host budgets]: host memory that runs out does not fail an allocation, it brings the
+// kernel's out-of-memory killer (or, pinned, stalls the machine), so the host tiers have budgets by
+// default, read from /proc/meminfo when the allocator is made: pinned host memory at most half of
+// the machine's memory and no more than is available then; pageable memory no more than is
+// available then. A request above one is an out-of-memory error naming the default and how to set
+// another. Where the machine's memory cannot be read, or a tier has an upstream of the caller's,
+// there is no default budget.
+inline constexpr std::size_t kMachineBudget = kNoBudget - 1;
+
 struct AllocatorOptions {
   DeviceBackend device = DeviceBackend::kAuto;
   int cuda_device = 0;
@@ -51,8 +60,9 @@ struct AllocatorOptions {
   // cudaHostAlloc on an H200 (3.1-3.3 vs 2.5-2.8 GB/s, unpinning twice as fast) with the same copy
   // bandwidth (55.2 GB/s each way); bench/results has the run.
   PinnedMethod pinned_method = PinnedMethod::kMmapRegister;
-  // Cap on each tier's reserved bytes; kNoBudget for none.
-  std::array<std::size_t, kNumTiers> budgets = {kNoBudget, kNoBudget, kNoBudget};
+  // Cap on each tier's reserved bytes: kNoBudget for none, kMachineBudget (the host tiers'
+  // default) for one derived from the machine's memory (Note [Host budgets]).
+  std::array<std::size_t, kNumTiers> budgets = {kNoBudget, kMachineBudget, kMachineBudget};
   // Bytes reserved in each tier at creation (one segment each), e.g. to pin host memory once up
   // front. Must not exceed the tier's budget.
   std::array<std::size_t, kNumTiers> initial_reservation = {0, 0, 0};
