@@ -11,9 +11,8 @@
 namespace strata::policy {
 namespace {
 
-// Phase switches: everything of the configured roles to host memory and back, all copies queued at
-// once so the link stays busy. Pinned memory first (it streams at full link speed); when the
-// pinned budget is full, pageable memory, which goes through the runtime's bounce buffers.
+// bulk keeps every tensor at its home tier; its phase switches are the runtime's (Note [Phase
+// switches] in runtime/phase.cpp), every role to host memory and back in bulk.
 //
 // Note [Bulk over budget]: with offload_after_step, the tensors of the configured roles rest in
 // host memory between steps (from registration on) and come back for each step in one of three
@@ -52,19 +51,14 @@ class Bulk final : public rt::ResidencyPolicy {
     return choose(rt, Plan::kEverythingBack);
   }
 
+  // Phase switches (Note [Phase switches] in runtime/phase.cpp): a step streaming layers puts
+  // what it staged home first (staged tensors cannot move), and takes its ring again after.
   absl::Status on_offload_all(rt::PolicyContext& rt) override {
-    // A step streaming layers puts what it staged home first: staged tensors cannot move.
-    if (layered_) STRATA_RETURN_IF_ERROR(layered_->on_end_optimizer_step(rt));
-    return to_host_all(rt, config().roles);
+    return layered_ ? layered_->on_offload_all(rt) : absl::OkStatus();
   }
 
   absl::Status on_reload_all(rt::PolicyContext& rt) override {
-    for (rt::TensorHandle h : rt.tensors()) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, settled_info(rt, h));
-      if (!config().roles.contains(info.spec.role) || info.tier == info.spec.home) continue;
-      STRATA_RETURN_IF_ERROR(rt.migrate(h, info.spec.home));
-    }
-    return absl::OkStatus();
+    return layered_ ? layered_->on_reload_all(rt) : absl::OkStatus();
   }
 
   absl::Status on_begin_step(rt::PolicyContext& rt) override {
@@ -104,7 +98,8 @@ class Bulk final : public rt::ResidencyPolicy {
   absl::Status on_end_step(rt::PolicyContext& rt) override {
     if (layered_) STRATA_RETURN_IF_ERROR(layered_->on_end_step(rt));
     if (!config().offload_after_step) return absl::OkStatus();
-    STRATA_RETURN_IF_ERROR(on_offload_all(rt));
+    // Everything of the roles rests on the host until the next step.
+    STRATA_RETURN_IF_ERROR(to_host_all(rt, config().roles));
     return rt.wait_all();
   }
 

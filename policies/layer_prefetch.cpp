@@ -143,6 +143,17 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // A step that ends without an optimizer step (evaluation) leaves nothing held or staged.
   absl::Status on_end_step(rt::PolicyContext& rt) override { return reset(rt); }
 
+  // Phase switches (Note [Phase switches] in runtime/phase.cpp): nothing staged or held while the
+  // runtime moves tensors; then the ring comes back as it was (the resident layers are back in the
+  // main pool by then), or as settle finds room for it.
+  absl::Status on_offload_all(rt::PolicyContext& rt) override { return reset(rt); }
+  absl::Status on_reload_all(rt::PolicyContext& rt) override {
+    absl::Status s = configure(rt);
+    if (s.code() != absl::StatusCode::kResourceExhausted) return s;
+    settled_ = false;
+    return settle(rt);
+  }
+
   absl::Status on_end_optimizer_step(rt::PolicyContext& rt) override {
     // Layers the optimizer did not release (it stopped early) go home too.
     STRATA_RETURN_IF_ERROR(reset(rt));

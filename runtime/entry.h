@@ -55,6 +55,7 @@ struct Entry {
   // reads it, a write-back copies into it, a discard just returns to it.
   Location rest;
   void* reported = nullptr;  // the address on_moved last reported
+  bool offloaded = false;    // moved to the host by offload_all, back at reload_all
 };
 
 }  // namespace strata::rt::internal

@@ -33,6 +33,9 @@ absl::Status misuse(std::string_view hook, std::string_view what) {
   return absl::FailedPreconditionError(str_cat(hook, ": ", what));
 }
 
+constexpr std::string_view kOffloaded =
+    "tensors are offloaded (offload_all); call reload_all first";
+
 }  // namespace
 
 // Layers 0 up to the highest registered one exist (a layer with nothing registered is an empty
@@ -85,6 +88,7 @@ absl::Status Runtime::begin_step() {
   if (im.step.in_optimizer_step) {
     return misuse("begin_step", "an optimizer step is under way; call end_optimizer_step first");
   }
+  if (im.step.offloaded) return misuse("begin_step", kOffloaded);
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   PolicyContext ctx(*this);
@@ -145,6 +149,7 @@ absl::Status Runtime::begin_optimizer_step() {
     return misuse("begin_optimizer_step",
                   "the optimizer step begun last has not ended; call end_optimizer_step first");
   }
+  if (im.step.offloaded) return misuse("begin_optimizer_step", kOffloaded);
   for (const auto& [id, fn] : im.before_optimizer_step) STRATA_RETURN_IF_ERROR(fn());
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   PolicyContext ctx(*this);
@@ -180,23 +185,6 @@ absl::Status Runtime::end_optimizer_step() {
   (void)im.engine.poll();
   return absl::OkStatus();
 }
-
-absl::Status Runtime::phase_switch(const char* hook, bool offload) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& im = *impl_;
-  if (im.step.in_optimizer_step) {
-    return misuse(hook, "the optimizer step has not ended; call end_optimizer_step first");
-  }
-  STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
-  STRATA_RETURN_IF_ERROR(im.engine.poll());
-  PolicyContext ctx(*this);
-  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
-  STRATA_RETURN_IF_ERROR(offload ? im.policy->on_offload_all(ctx) : im.policy->on_reload_all(ctx));
-  return im.engine.wait_all();
-}
-
-absl::Status Runtime::offload_all() { return phase_switch("offload_all", /*offload=*/true); }
-absl::Status Runtime::reload_all() { return phase_switch("reload_all", /*offload=*/false); }
 
 std::vector<int> Runtime::optimizer_layer_order() const {
   std::lock_guard<std::mutex> lock(impl_->mu);

@@ -130,6 +130,9 @@ class ResidencyPolicy {
   [[nodiscard]] virtual absl::Status on_end_optimizer_step(PolicyContext& rt) {
     return absl::OkStatus();
   }
+  // Phase switches (Note [Phase switches] in runtime/phase.cpp): before offload_all moves
+  // tensors, the policy puts home what it staged and releases what it holds; after reload_all
+  // brought them back, it reserves again what it needs (its staging ring) and resumes.
   [[nodiscard]] virtual absl::Status on_offload_all(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_reload_all(PolicyContext& rt) { return absl::OkStatus(); }
   // The order in which the optimizer walks layers; default ascending.

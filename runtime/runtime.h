@@ -87,6 +87,14 @@ struct RuntimeOptions {
       wrap_internal_upstream;
 };
 
+// What offload_all moves, and what it does with the GPU memory it empties.
+struct OffloadOptions {
+  RoleSet roles = RoleSet::all();
+  // Keep the emptied GPU memory in strata's pools, for a faster reload, instead of giving it back
+  // to the driver for another engine (a rollout) to use.
+  bool keep_cached = false;
+};
+
 struct RuntimeStats {
   std::int64_t migrated_bytes_h2d = 0;  // queued host -> GPU
   std::int64_t migrated_bytes_d2h = 0;  // queued GPU -> host
@@ -208,10 +216,17 @@ class Runtime {
   [[nodiscard]] absl::Status after_backward(int layer);
   [[nodiscard]] absl::Status begin_optimizer_step();
   [[nodiscard]] absl::Status end_optimizer_step();
-  // Phase switches: every tensor of the policy's roles to host memory and back. Both return once
-  // the data is in place (one host wait each).
-  [[nodiscard]] absl::Status offload_all();
+  // Phase switches, under every policy (Note [Phase switches] in phase.cpp): offload_all moves
+  // every registered tensor of `options.roles` that is on the GPU to host memory (pinned while it
+  // has room, pageable after), waits for the copies, then gives the GPU memory it emptied (the GPU
+  // tier's free segments and the staging ring) back to the driver, unless options.keep_cached;
+  // reload_all brings back what offload_all moved and lets the policy resume where it was. Until
+  // then a step cannot begin (kFailedPrecondition); tensors can still be read. A tensor held by an
+  // acquire cannot move: offload_all fails naming it, having moved nothing of it.
+  [[nodiscard]] absl::Status offload_all(OffloadOptions options = {});
   [[nodiscard]] absl::Status reload_all();
+  // Whether offload_all moved tensors that reload_all has not brought back.
+  bool offloaded() const;
   std::vector<int> optimizer_layer_order() const;
 
   // Calls fn(tensor, tier, address) on the host whenever the address that compute should use for a
@@ -255,8 +270,6 @@ class Runtime {
   explicit Runtime(std::unique_ptr<Impl> impl);
   // before_forward / after_backward (hooks.cpp).
   absl::Status layer_hook(const char* hook, int layer, bool forward);
-  // offload_all / reload_all (hooks.cpp).
-  absl::Status phase_switch(const char* hook, bool offload);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -6,6 +6,7 @@
 //   staging.{h,cpp}     the staging ring and its slot layouts
 //   guards.cpp          acquire and release, holds
 //   hooks.cpp           the step hooks, the step's state, and the PolicyContext
+//   phase.cpp           phase switches: offload_all, reload_all
 //   runtime.cpp         creation, teardown, statistics
 //
 // Functions named *_locked run with `mu` held and are what PolicyContext calls.
@@ -46,6 +47,8 @@ struct Runtime::Impl {
     bool in_optimizer_step = false;
     // end_optimizer_step was called but the policy could not finish its end of step.
     bool optimizer_unfinished = false;
+    // offload_all moved tensors that reload_all has not brought back (Note [Phase switches]).
+    bool offloaded = false;
   };
 
   // registry.cpp

@@ -7,7 +7,8 @@
 //   build/bin/strata-train [--strata_policy=layer_prefetch] [--strata_gpu_budget=8GiB]
 //                          [--strata_roles=optimizer_states|all] [--steps=20] [--layers=4
 //                          --d_model=128 --heads=4 --vocab=256
-//                          --seq=64 --batch=8] [--compare] [--json=FILE] [--chart=FILE.svg]
+//                          --seq=64 --batch=8] [--phase_switch_every=N] [--compare]
+//                          [--json=FILE] [--chart=FILE.svg]
 //
 // Exit codes: 0 trained (with --compare: at least two strata policies trained with bitwise equal
 // losses); 1 a run failed (a leak, losses that differ or cannot be compared, an error during
@@ -60,6 +61,10 @@ ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate");
 ABSL_FLAG(int, prefetch_depth, 1, "layer_prefetch: layers fetched ahead (K)");
 ABSL_FLAG(uint64_t, seed, 7, "seed of the initial weights and of the synthetic data");
 ABSL_FLAG(std::string, device, "auto", "auto (the GPU if there is one), cuda, or simulated");
+ABSL_FLAG(int, phase_switch_every, 0,
+          "after every N-th step, a phase switch as an RL trainer makes one for its rollout: "
+          "offload_all, a stand-in for the rollout engine allocating the freed GPU memory through "
+          "torch, reload_all (0: none)");
 ABSL_FLAG(bool, compare, false,
           "train under every strata policy and PyTorch's AdamW baselines, side by side");
 ABSL_FLAG(std::string, json, "", "write everything measured to this JSON file");
@@ -158,6 +163,8 @@ int run(int argc, char** argv) {
   }
   if (!(o.lr > 0)) return usage_error("--lr must be positive");
   if (o.prefetch_depth < 0) return usage_error("--prefetch_depth must be 0 or more");
+  o.phase_switch_every = absl::GetFlag(FLAGS_phase_switch_every);
+  if (o.phase_switch_every < 0) return usage_error("--phase_switch_every must be 0 or more");
 
   // Every policy must see the same numbers: deterministic kernels where torch has a choice, and a
   // fixed cuBLAS workspace (read when cuBLAS starts, so before any GPU work).
@@ -239,6 +246,9 @@ int run(int argc, char** argv) {
 
   const StepCallback progress = [&](const RunResult& run, const StepRecord& step) {
     std::printf("%s\n", progress_line(run, step, o.steps).c_str());
+    if (!run.phase_switches.empty() && run.phase_switches.back().after_step == step.step) {
+      std::printf("%s\n", phase_switch_line(run, run.phase_switches.back()).c_str());
+    }
     std::fflush(stdout);
   };
   if (report.compare) {

@@ -175,6 +175,26 @@ std::string progress_line(const RunResult& run, const StepRecord& s, int total_s
   return line;
 }
 
+std::string phase_switch_line(const RunResult& run, const PhaseSwitchRecord& s) {
+  std::string line =
+      str_cat("[", run.name, "] phase switch after step ", s.after_step, ": offload ",
+              fixed(s.offload_ms, 1), " ms (", format_bytes(s.offloaded_bytes), ")");
+  if (s.offload_floor_ms > 0)
+    str_append(&line, " = ", fixed(s.offload_ms / s.offload_floor_ms, 3), " x its link floor");
+  str_append(&line, ", reload ", fixed(s.reload_ms, 1), " ms (", format_bytes(s.reloaded_bytes),
+             ")");
+  if (s.reload_floor_ms > 0)
+    str_append(&line, " = ", fixed(s.reload_ms / s.reload_floor_ms, 3), " x");
+  str_append(&line, "; GPU memory ", format_bytes(s.gpu_bytes_before_offload), " -> ",
+             format_bytes(s.gpu_reserved_after_offload_bytes));
+  if (s.driver_freed_bytes >= 0) {
+    str_append(&line, ", the driver saw ", format_bytes(s.driver_freed_bytes), " freed");
+  }
+  str_append(&line, "; rollout stand-in took ", format_bytes(s.rollout_stand_in_bytes));
+  if (run.strata) str_append(&line, "; pinned allocations ", s.pinned_allocations);
+  return line;
+}
+
 std::string summary_table(const Report& report) {
   char row[512];
   std::string out;
@@ -197,6 +217,30 @@ std::string summary_table(const Report& report) {
                   fixed(median_optimizer_ms(r), 2).c_str(), format_bytes(last.h2d_bytes).c_str(),
                   format_bytes(last.d2h_bytes).c_str(), peak.c_str());
     out += row;
+  }
+  if (report.options.phase_switch_every > 0) {
+    str_append(&out, "\nphase switches every ", report.options.phase_switch_every,
+               " steps (median over each run's switches):\n");
+    for (const RunResult& r : report.runs) {
+      if (!r.ok || r.phase_switches.empty()) continue;
+      auto median = [&](auto field) {
+        std::vector<double> v;
+        for (const PhaseSwitchRecord& s : r.phase_switches) v.push_back(field(s));
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      const double off = median([](const PhaseSwitchRecord& s) { return s.offload_ms; });
+      const double on = median([](const PhaseSwitchRecord& s) { return s.reload_ms; });
+      const double left = median([](const PhaseSwitchRecord& s) {
+        return static_cast<double>(s.gpu_reserved_after_offload_bytes);
+      });
+      char line[256];
+      std::snprintf(line, sizeof(line),
+                    "  %-22s offload %10s ms  reload %10s ms  GPU memory left %12s\n",
+                    r.name.c_str(), fixed(off, 2).c_str(), fixed(on, 2).c_str(),
+                    format_bytes(static_cast<std::int64_t>(left)).c_str());
+      out += line;
+    }
   }
   if (report.compare) {
     const Comparison& c = report.comparison;
@@ -232,6 +276,7 @@ std::string to_json(const Report& report) {
       ", \"weight_decay\": ", exact(o.weight_decay), ", \"seed\": ", o.seed,
       ", \"gpu_budget_bytes\": ", budget ? std::to_string(o.gpu_budget) : std::string("null"),
       ", \"prefetch_depth\": ", o.prefetch_depth, ", \"roles\": ", json_quoted(o.roles.to_string()),
+      ", \"phase_switch_every\": ", o.phase_switch_every,
       ", \"parameter_bytes\": ", parameter_bytes(o.model), "},\n");
   j += "  \"runs\": [\n";
   for (std::size_t i = 0; i < report.runs.size(); ++i) {
@@ -254,6 +299,25 @@ std::string to_json(const Report& report) {
           ", \"leak_report\": ", json_quoted(r.leak_report),
           ",\n     \"allocator\": ", r.allocator_json.empty() ? "null" : r.allocator_json, ",\n");
     }
+    j += "     \"phase_switches\": [";
+    for (std::size_t k = 0; k < r.phase_switches.size(); ++k) {
+      const PhaseSwitchRecord& s = r.phase_switches[k];
+      str_append(&j, k == 0 ? "\n" : ",\n", "       {\"after_step\": ", s.after_step,
+                 ", \"offload_ms\": ", exact(s.offload_ms), ", \"reload_ms\": ", exact(s.reload_ms),
+                 ", \"offloaded_bytes\": ", s.offloaded_bytes,
+                 ", \"reloaded_bytes\": ", s.reloaded_bytes,
+                 ", \"gpu_bytes_before_offload\": ", s.gpu_bytes_before_offload,
+                 ", \"gpu_reserved_after_offload_bytes\": ", s.gpu_reserved_after_offload_bytes,
+                 ", \"driver_freed_bytes\": ",
+                 s.driver_freed_bytes >= 0 ? std::to_string(s.driver_freed_bytes) : "null",
+                 ", \"rollout_stand_in_bytes\": ", s.rollout_stand_in_bytes,
+                 ", \"pinned_allocations\": ", s.pinned_allocations,
+                 ", \"link_h2d_gbps\": ", exact(s.link_h2d_gbps),
+                 ", \"link_d2h_gbps\": ", exact(s.link_d2h_gbps),
+                 ", \"offload_floor_ms\": ", exact(s.offload_floor_ms),
+                 ", \"reload_floor_ms\": ", exact(s.reload_floor_ms), "}");
+    }
+    j += r.phase_switches.empty() ? "],\n" : "\n     ],\n";
     j += "     \"steps\": [";
     for (std::size_t k = 0; k < r.steps.size(); ++k) {
       const StepRecord& s = r.steps[k];

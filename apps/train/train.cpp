@@ -7,6 +7,8 @@
 #include <memory>
 #include <optional>
 
+#include "apps/train/phase_switch.h"
+#include "apps/train/torch_device.h"
 #include "bridge/status.h"
 #include "bridge/torch_runtime.h"
 #include "optim/adam.h"
@@ -19,30 +21,6 @@
 
 namespace strata::apps {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-torch::Device device_of(const TrainOptions& o) {
-  return o.cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-}
-
-void synchronize(const TrainOptions& o) {
-  if (o.cuda) torch::cuda::synchronize();
-}
-
-// torch sets up its CUDA allocator lazily, on the first CUDA tensor; its statistics calls fail
-// ("Invalid device argument") before that, so the first of them sets it up.
-void init_torch_cuda(const TrainOptions& o) {
-#ifdef STRATA_HAS_CUDA
-  if (o.cuda) at::globalContext().lazyInitDevice(at::kCUDA);
-#else
-  (void)o;
-#endif
-}
 
 // torch's own GPU memory (activations, temporaries; everything for a PyTorch run).
 void reset_torch_peak(const TrainOptions& o) {
@@ -60,12 +38,6 @@ std::int64_t torch_peak_bytes(const TrainOptions& o) {
   }
 #endif
   return 0;
-}
-void release_torch_cache(const TrainOptions& o) {
-  init_torch_cuda(o);
-#ifdef STRATA_HAS_CUDA
-  if (o.cuda) c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
 }
 
 // The same model, from the same seed, on the run's device.
@@ -214,6 +186,20 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
         r.fragmentation[alloc::tier_index(tier)] = rt.allocator().stats(tier).fragmentation;
       }
       result.steps.push_back(r);
+      if (o.phase_switch_every > 0 && step % o.phase_switch_every == 0) {
+        const PhaseSwitchOps ops{
+            .offload = [&] { bridge::check(rt.offload_all()); },
+            .reload = [&] { bridge::check(rt.reload_all()); },
+            .gpu_bytes = [&] { return rt.stats().gpu_reserved_bytes; },
+            .moved_bytes =
+                [&] {
+                  const rt::RuntimeStats s = rt.stats();
+                  return std::pair{s.migrated_bytes_h2d, s.migrated_bytes_d2h};
+                },
+            .pinned_allocations =
+                [&] { return rt.allocator().stats(rt::Tier::kPinnedHost).num_segment_allocs; }};
+        result.phase_switches.push_back(phase_switch(o, step, ops));
+      }
       if (on_step) on_step(result, r);
     }
 
@@ -246,6 +232,51 @@ void move_states(torch::optim::AdamW& optimizer, torch::Device device) {
   }
 }
 
+// A PyTorch trainer's phase switch at its best: parameters, gradients and (when resident) Adam
+// states to host memory with non_blocking copies (torch pins the destinations and caches them),
+// torch's cache emptied; back the same way. set_data keeps each parameter's identity, under
+// which the optimizer keeps its state.
+PhaseSwitchOps torch_phase_switch(const TrainOptions& o, Gpt& model, torch::optim::AdamW& optimizer,
+                                  bool states_resident,
+                                  std::pair<std::int64_t, std::int64_t>& moved) {
+  auto move_all = [&o, &model, &optimizer, states_resident, &moved](bool to_host) {
+    const torch::Device to = to_host ? torch::Device(torch::kCPU) : device_of(o);
+    std::int64_t& counter = to_host ? moved.second : moved.first;
+    auto move = [&](const torch::Tensor& t) {
+      if (o.cuda) counter += static_cast<std::int64_t>(t.nbytes());
+      return t.to(to, /*non_blocking=*/true);
+    };
+    for (torch::Tensor& p : model->parameters()) {
+      p.set_data(move(p.data()));
+      if (p.grad().defined()) p.mutable_grad() = move(p.grad());
+    }
+    if (states_resident) {
+      for (auto& [key, state] : optimizer.state()) {
+        auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
+        s.exp_avg(move(s.exp_avg()));
+        s.exp_avg_sq(move(s.exp_avg_sq()));
+      }
+    }
+    synchronize(o);
+    if (to_host) release_torch_cache(o);
+  };
+  return PhaseSwitchOps{.offload = [move_all] { move_all(true); },
+                        .reload = [move_all] { move_all(false); },
+                        .gpu_bytes =
+                            [&o] {
+#ifdef STRATA_HAS_CUDA
+                              if (o.cuda) {
+                                return c10::cuda::CUDACachingAllocator::getDeviceStats(0)
+                                    .allocated_bytes[static_cast<std::size_t>(
+                                        c10::CachingAllocator::StatType::AGGREGATE)]
+                                    .current;
+                              }
+#endif
+                              return std::int64_t{0};
+                            },
+                        .moved_bytes = [&moved] { return moved; }};
+}
+
 void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback& on_step,
                  RunResult& result) {
   release_torch_cache(o);
@@ -264,6 +295,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   torch::optim::AdamW optimizer(std::move(groups), AdamWOptions(o.lr));
   const torch::Device device = device_of(o);
   const torch::Device host(torch::kCPU);
+  std::pair<std::int64_t, std::int64_t> moved;  // by phase switches: host -> GPU, GPU -> host
 
   for (int step = 1; step <= o.steps; ++step) {
     const Batch batch = batch_for(o, step);
@@ -297,6 +329,11 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     }
     r.peak_gpu_bytes = torch_peak_bytes(o);
     result.steps.push_back(r);
+    if (o.phase_switch_every > 0 && step % o.phase_switch_every == 0) {
+      const bool states_resident = which == TorchBaseline::kResident;
+      result.phase_switches.push_back(
+          phase_switch(o, step, torch_phase_switch(o, model, optimizer, states_resident, moved)));
+    }
     if (on_step) on_step(result, r);
   }
   result.ok = true;

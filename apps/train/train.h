@@ -38,6 +38,8 @@ struct TrainOptions {
   // What bulk moves and layer_prefetch streams; with parameters and gradients too, a model larger
   // than the GPU budget trains (Note [Bulk over budget] in policies/bulk.cpp).
   rt::RoleSet roles = rt::RoleSet::optimizer_states();
+  // After every N-th step, a phase switch (apps/train/phase_switch.h); 0: none.
+  int phase_switch_every = 0;
 };
 
 struct StepRecord {
@@ -55,6 +57,29 @@ struct StepRecord {
   double fragmentation[alloc::kNumTiers] = {};  // strata runs: per tier, at the end of the step
 };
 
+// One phase switch (apps/train/phase_switch.h).
+struct PhaseSwitchRecord {
+  int after_step = 0;
+  double offload_ms = 0;             // until the data is on the host and the GPU memory handed back
+  double reload_ms = 0;              // until everything is back and training can go on
+  std::int64_t offloaded_bytes = 0;  // GPU -> host during the offload
+  std::int64_t reloaded_bytes = 0;   // host -> GPU during the reload
+  // The run's own GPU memory (strata: its GPU tier and staging ring) before and after the offload.
+  std::int64_t gpu_bytes_before_offload = 0;
+  std::int64_t gpu_reserved_after_offload_bytes = 0;
+  // Free GPU memory as cudaMemGetInfo sees it, after the offload minus before; -1 without a GPU.
+  std::int64_t driver_freed_bytes = -1;
+  // What the rollout's stand-in took through torch and gave back while training was away.
+  std::int64_t rollout_stand_in_bytes = 0;
+  std::int64_t pinned_allocations = 0;  // strata's pinned segments allocated by the switch
+  // The link right before the switch (raw pinned copies, GPU only), and the time its bytes need
+  // at those rates: the floors of offload_ms and reload_ms.
+  double link_h2d_gbps = 0;
+  double link_d2h_gbps = 0;
+  double offload_floor_ms = 0;
+  double reload_floor_ms = 0;
+};
+
 struct RunResult {
   std::string name;  // the policy, or "torch_adamw_resident" / "torch_adamw_to"
   bool strata = true;
@@ -64,6 +89,7 @@ struct RunResult {
   // the optimizer (where the policy lays itself out under the GPU budget).
   bool failed_at_setup = false;
   std::vector<StepRecord> steps;
+  std::vector<PhaseSwitchRecord> phase_switches;  // with TrainOptions::phase_switch_every
   // strata runs:
   std::string allocator_table;  // per-tier statistics at the end of training
   std::string allocator_json;

@@ -1,0 +1,100 @@
+// runtime/phase.cpp: phase switches, Runtime::offload_all and Runtime::reload_all, the same under
+// every policy.
+//
+// Note [Phase switches]: between training phases (an RL trainer's rollout) everything training
+// keeps on the GPU goes to host memory, and the GPU memory it held goes back to the driver, so that
+// another engine can take it; then it all comes back. offload_all:
+//   1. lets the policy put home what it staged and release what it holds (on_offload_all);
+//   2. waits for copies in flight, then queues a move of every tensor of the roles asked for that
+//      is in the GPU tier's pool to pinned memory (pageable where pinned has no room), and marks it
+//      offloaded; a tensor that cannot move (held by an acquire) fails the call, and what moved
+//      stays moved, marked, for reload_all;
+//   3. waits for the copies (one host wait), then, unless keep_cached, frees the staging ring and
+//      gives every entirely free segment of the GPU tier back to the driver.
+// reload_all moves every tensor marked offloaded back to the GPU tier's pool (it may call
+// cudaMalloc; it pins no host memory, the host blocks go back to their pool), waits, and lets the
+// policy reserve its ring again (on_reload_all) and resume where it was. Until then no step can
+// begin; reading tensors (a checkpoint) can. reload_all with nothing offloaded does nothing.
+#include "base/status.h"
+#include "base/strings.h"
+#include "runtime/runtime_impl.h"
+
+namespace strata::rt {
+
+using internal::Entry;
+
+absl::Status Runtime::offload_all(OffloadOptions options) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  if (im.step.in_optimizer_step) {
+    return absl::FailedPreconditionError(
+        "offload_all: the optimizer step has not ended; call end_optimizer_step first");
+  }
+  STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
+  STRATA_RETURN_IF_ERROR(im.engine.poll());
+  PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
+  STRATA_RETURN_IF_ERROR(im.policy->on_offload_all(ctx));
+  // A tensor still arriving somewhere moves once it has landed.
+  STRATA_RETURN_IF_ERROR(im.engine.wait_all());
+  for (const auto& e : im.registry.entries()) {
+    if (!options.roles.contains(e->spec.role) || e->loc.tier != Tier::kGpu || e->bytes == 0) {
+      continue;
+    }
+    if (e->loc.slot >= 0) {
+      return absl::FailedPreconditionError(str_cat("offload_all: tensor '", e->spec.name,
+                                                   "' is staged (layer ", e->spec.layer,
+                                                   "); unstage_layer first"));
+    }
+    absl::Status s = im.engine.migrate(*e, Tier::kPinnedHost);
+    if (s.code() == absl::StatusCode::kResourceExhausted) {
+      s = im.engine.migrate(*e, Tier::kPageableHost);
+    }
+    if (!s.ok()) {
+      return absl::Status(s.code(), str_cat("offload_all: ", s.message(),
+                                            " (what moved before it stays offloaded; "
+                                            "reload_all brings it back)"));
+    }
+    e->offloaded = true;
+    im.step.offloaded = true;
+  }
+  STRATA_RETURN_IF_ERROR(im.engine.wait_all());
+  // The blocks the copies read are reusable (kept) or can go back to the driver (trimmed) only
+  // once no copy or kernel can still use them.
+  STRATA_RETURN_IF_ERROR(im.allocator->pool(Tier::kGpu).synchronize_pending());
+  if (options.keep_cached) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(im.staging.release());
+  return im.allocator->trim(Tier::kGpu).status();
+}
+
+absl::Status Runtime::reload_all() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  if (im.step.in_optimizer_step) {
+    return absl::FailedPreconditionError(
+        "reload_all: the optimizer step has not ended; call end_optimizer_step first");
+  }
+  STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
+  STRATA_RETURN_IF_ERROR(im.engine.poll());
+  STRATA_RETURN_IF_ERROR(im.engine.wait_all());
+  for (const auto& e : im.registry.entries()) {
+    if (!e->offloaded) continue;
+    if (absl::Status s = im.engine.migrate(*e, Tier::kGpu); !s.ok()) {
+      return absl::Status(s.code(), str_cat("reload_all: ", s.message(),
+                                            " (what came back before it stays; call reload_all "
+                                            "again once there is room)"));
+    }
+    e->offloaded = false;
+  }
+  STRATA_RETURN_IF_ERROR(im.engine.wait_all());
+  im.step.offloaded = false;
+  PolicyContext ctx(*this);
+  return im.policy->on_reload_all(ctx);
+}
+
+bool Runtime::offloaded() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->step.offloaded;
+}
+
+}  // namespace strata::rt
