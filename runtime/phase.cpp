@@ -13,8 +13,10 @@
 //      gives every entirely free segment of the GPU tier back to the driver.
 // reload_all moves every tensor marked offloaded back to the GPU tier's pool (it may call
 // cudaMalloc; it pins no host memory, the host blocks go back to their pool), waits, and lets the
-// policy reserve its ring again (on_reload_all) and resume where it was. Until then no step can
-// begin; reading tensors (a checkpoint) can. reload_all with nothing offloaded does nothing.
+// policy reserve its ring again (on_reload_all) and resume where it was. From offload_all until
+// reload_all no step can begin, even when nothing was on the GPU to move (a step would take GPU
+// memory for the policy's ring); reading tensors (a checkpoint) can. reload_all with nothing
+// offloaded does nothing.
 #include "base/status.h"
 #include "base/strings.h"
 #include "runtime/runtime_impl.h"
@@ -35,6 +37,9 @@ absl::Status Runtime::offload_all(OffloadOptions options) {
   PolicyContext ctx(*this);
   STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
   STRATA_RETURN_IF_ERROR(im.policy->on_offload_all(ctx));
+  // The policy has let go of its ring: from here on the phase is offloaded, even when nothing of
+  // the roles is on the GPU to move, until reload_all.
+  im.step.offloaded = true;
   // A tensor still arriving somewhere moves once it has landed.
   STRATA_RETURN_IF_ERROR(im.engine.wait_all());
   for (const auto& e : im.registry.entries()) {
@@ -56,7 +61,6 @@ absl::Status Runtime::offload_all(OffloadOptions options) {
                                             "reload_all brings it back)"));
     }
     e->offloaded = true;
-    im.step.offloaded = true;
   }
   STRATA_RETURN_IF_ERROR(im.engine.wait_all());
   // The blocks the copies read are reusable (kept) or can go back to the driver (trimmed) only
@@ -74,6 +78,7 @@ absl::Status Runtime::reload_all() {
     return absl::FailedPreconditionError(
         "reload_all: the optimizer step has not ended; call end_optimizer_step first");
   }
+  if (!im.step.offloaded) return absl::OkStatus();  // nothing to bring back
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   STRATA_RETURN_IF_ERROR(im.engine.wait_all());

@@ -93,6 +93,9 @@ GTEST_FILTER='*Gpu*:-*TwoToTheThirtyOne*' san_run optim_kernel "$BUILD/bin/optim
 if [ -x "$BUILD/bin/bridge_test" ]; then
   LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run bridge_gpu "$BUILD/bin/bridge_test"
 fi
+if [ -x "$BUILD/bin/bridge_phase_switch_test" ]; then
+  LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run bridge_phase_switch "$BUILD/bin/bridge_phase_switch_test"
+fi
 LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run optim_adam "$BUILD/bin/optim_adam_test"
 STRATA_SOAK_STEPS=200 GTEST_FILTER='*Gpu*' san_run soak "$BUILD/bin/reliability_soak_test"
 
