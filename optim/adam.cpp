@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -16,11 +17,25 @@
 namespace strata::optim {
 namespace {
 
+// The kernel's element type of a runtime dtype; nullopt for one Adam does not step.
+std::optional<ElemType> elem_type(rt::DType dtype) {
+  switch (dtype) {
+    case rt::DType::kFloat32:
+      return ElemType::kF32;
+    case rt::DType::kBFloat16:
+      return ElemType::kBF16;
+    case rt::DType::kFloat16:
+      return ElemType::kF16;
+    default:
+      return std::nullopt;
+  }
+}
+
 absl::Status check_tensor(const rt::TensorInfo& info, rt::Role role, std::string_view what) {
-  if (info.spec.dtype != rt::DType::kFloat32) {
-    return absl::InvalidArgumentError(str_cat("Adam: ", what, " '", info.spec.name, "' is ",
-                                              rt::dtype_name(info.spec.dtype),
-                                              "; Adam steps float32 tensors"));
+  if (!elem_type(info.spec.dtype)) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: ", what, " '", info.spec.name, "' is ", rt::dtype_name(info.spec.dtype),
+                "; Adam steps float32, bfloat16 and float16 tensors"));
   }
   if (info.spec.role != role) {
     return absl::InvalidArgumentError(str_cat("Adam: ", what, " '", info.spec.name, "' has role ",
@@ -84,6 +99,7 @@ std::string Adam::name_in(const Slot& s, rt::TensorHandle h) {
   if (h == s.grad) return s.grad_name;
   if (h == s.exp_avg) return str_cat(s.param_name, ".exp_avg");
   if (h == s.exp_avg_sq) return str_cat(s.param_name, ".exp_avg_sq");
+  if (h == s.master) return str_cat(s.param_name, ".master");
   return str_cat(s.param_name, ".max_exp_avg_sq");
 }
 
@@ -107,6 +123,12 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       STRATA_ASSIGN_OR_RETURN(rt::TensorInfo d, runtime.info(grad));
       STRATA_RETURN_IF_ERROR(check_tensor(p, rt::Role::kParameter, "parameter"));
       STRATA_RETURN_IF_ERROR(check_tensor(d, rt::Role::kGradient, "gradient"));
+      if (d.spec.dtype != p.spec.dtype && d.spec.dtype != rt::DType::kFloat32) {
+        return absl::InvalidArgumentError(
+            str_cat("Adam: gradient '", d.spec.name, "' is ", rt::dtype_name(d.spec.dtype),
+                    " and its parameter '", p.spec.name, "' ", rt::dtype_name(p.spec.dtype),
+                    "; a gradient is in its parameter's dtype or float32"));
+      }
       if (p.spec.shape != d.spec.shape || p.spec.layer != d.spec.layer) {
         return absl::InvalidArgumentError(str_cat("Adam: gradient '", d.spec.name,
                                                   "' does not match parameter '", p.spec.name,
@@ -116,8 +138,11 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
         return absl::InvalidArgumentError(
             str_cat("Adam: parameter '", p.spec.name, "' is listed twice"));
       }
-      const std::size_t moments = adam->groups_[g].hyper.amsgrad ? 3 : 2;
-      adam->step_bytes_[p.spec.layer] += p.bytes + d.bytes + moments * p.bytes;
+      // Moments (and a low-precision parameter's master copy) are float32.
+      const std::size_t numel = p.bytes / rt::dtype_size(p.spec.dtype);
+      const std::size_t states =
+          (adam->groups_[g].hyper.amsgrad ? 3 : 2) + (p.spec.dtype == rt::DType::kFloat32 ? 0 : 1);
+      adam->step_bytes_[p.spec.layer] += p.bytes + d.bytes + states * numel * sizeof(float);
     }
   }
   STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime, adam->step_bytes_));
@@ -126,25 +151,46 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
     for (auto [param, grad] : adam->groups_[g].params) {
       rt::TensorInfo p = *runtime.info(param);
-      Slot slot{param, grad, {},           {},
-                {},    g,    p.spec.layer, static_cast<std::int64_t>(p.bytes / sizeof(float))};
+      const rt::TensorInfo d = *runtime.info(grad);
+      Slot slot;
+      slot.param = param;
+      slot.grad = grad;
+      slot.group = g;
+      slot.layer = p.spec.layer;
+      slot.numel = static_cast<std::int64_t>(p.bytes / rt::dtype_size(p.spec.dtype));
+      slot.param_type = *elem_type(p.spec.dtype);
+      slot.grad_type = *elem_type(d.spec.dtype);
       slot.param_name = p.spec.name;
-      slot.grad_name = runtime.info(grad)->spec.name;
-      auto add_state = [&](std::string_view suffix,
-                           rt::Role role) -> absl::StatusOr<rt::TensorHandle> {
+      slot.grad_name = d.spec.name;
+      auto add_state = [&](std::string_view suffix, rt::Role role,
+                           const void* values) -> absl::StatusOr<rt::TensorHandle> {
         rt::TensorSpec spec = p.spec;
         spec.name = str_cat(p.spec.name, ".", suffix);
         spec.role = role;
-        absl::StatusOr<rt::TensorHandle> h = runtime.register_tensor(spec, nullptr);  // zeros
+        spec.dtype = rt::DType::kFloat32;
+        absl::StatusOr<rt::TensorHandle> h = runtime.register_tensor(spec, values);
         if (h.ok()) adam->owned_.push_back(*h);
         return h;
       };
-      STRATA_ASSIGN_OR_RETURN(slot.exp_avg, add_state("exp_avg", rt::Role::kExpAvg));
-      STRATA_ASSIGN_OR_RETURN(slot.exp_avg_sq, add_state("exp_avg_sq", rt::Role::kExpAvgSq));
+      STRATA_ASSIGN_OR_RETURN(slot.exp_avg, add_state("exp_avg", rt::Role::kExpAvg, nullptr));
+      STRATA_ASSIGN_OR_RETURN(slot.exp_avg_sq,
+                              add_state("exp_avg_sq", rt::Role::kExpAvgSq, nullptr));
       if (adam->groups_[g].hyper.amsgrad) {
-        STRATA_ASSIGN_OR_RETURN(slot.max_exp_avg_sq, add_state("max_exp_avg_sq", rt::Role::kOther));
+        STRATA_ASSIGN_OR_RETURN(slot.max_exp_avg_sq,
+                                add_state("max_exp_avg_sq", rt::Role::kOther, nullptr));
       }
-      for (rt::TensorHandle h : {slot.exp_avg, slot.exp_avg_sq, slot.max_exp_avg_sq}) {
+      if (slot.param_type != ElemType::kF32) {
+        // The master copy starts as the parameter's values, exactly (every bfloat16 and float16
+        // value is a float32 value).
+        std::vector<std::uint16_t> low(static_cast<std::size_t>(slot.numel));
+        STRATA_RETURN_IF_ERROR(runtime.read(param, low.data()));
+        std::vector<float> master(low.size());
+        for (std::size_t i = 0; i < low.size(); ++i)
+          master[i] = load_elem(low.data(), slot.param_type, static_cast<std::int64_t>(i));
+        STRATA_ASSIGN_OR_RETURN(slot.master,
+                                add_state("master", rt::Role::kMasterParam, master.data()));
+      }
+      for (rt::TensorHandle h : slot.states()) {
         if (h.valid()) adam->slot_of_state_[h.id] = adam->slots_.size();
       }
       adam->slot_of_param_[param.id] = adam->slots_.size();
@@ -174,8 +220,10 @@ absl::Status Adam::set_lr(std::size_t group, float lr) {
 absl::StatusOr<std::vector<rt::TensorHandle>> Adam::state(rt::TensorHandle param) const {
   for (const Slot& s : slots_) {
     if (s.param == param) {
-      std::vector<rt::TensorHandle> out = {s.exp_avg, s.exp_avg_sq};
-      if (s.max_exp_avg_sq.valid()) out.push_back(s.max_exp_avg_sq);
+      std::vector<rt::TensorHandle> out;
+      for (rt::TensorHandle h : s.states()) {
+        if (h.valid()) out.push_back(h);
+      }
       return out;
     }
   }
@@ -187,7 +235,8 @@ absl::Status Adam::check_can_step() {
   const std::uint64_t unregistrations = runtime_.unregistrations();
   if (unregistrations == checked_unregistrations_) return check_fits_gpu(runtime_, step_bytes_);
   for (const Slot& s : slots_) {
-    for (rt::TensorHandle h : {s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq}) {
+    for (rt::TensorHandle h :
+         {s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.master}) {
       if (!h.valid()) continue;
       if (!runtime_.is_registered(h)) {
         return absl::FailedPreconditionError(
@@ -321,21 +370,24 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
       for (std::size_t index : pipelined ? arrived : it->second) {
         const Slot* s = &slots_[index];
         AdamTensor t;
-        void* ptrs[5] = {};
-        const rt::TensorHandle hs[5] = {s->param, s->grad, s->exp_avg, s->exp_avg_sq,
-                                        s->max_exp_avg_sq};
-        for (int k = 0; k < 5; ++k) {
+        void* ptrs[6] = {};
+        const rt::TensorHandle hs[6] = {s->param,      s->grad,           s->exp_avg,
+                                        s->exp_avg_sq, s->max_exp_avg_sq, s->master};
+        for (int k = 0; k < 6; ++k) {
           if (!hs[k].valid()) continue;
           absl::StatusOr<void*> p = rt.acquire(hs[k], rt::Tier::kGpu, stream);
           if (!p.ok()) return p.status();  // step() releases what is held
           held.push_back(hs[k]);
           ptrs[k] = *p;
         }
-        t.param = static_cast<float*>(ptrs[0]);
-        t.grad = static_cast<const float*>(ptrs[1]);
+        t.param = ptrs[0];
+        t.grad = ptrs[1];
         t.exp_avg = static_cast<float*>(ptrs[2]);
         t.exp_avg_sq = static_cast<float*>(ptrs[3]);
         t.max_exp_avg_sq = static_cast<float*>(ptrs[4]);
+        t.master = static_cast<float*>(ptrs[5]);
+        t.param_type = s->param_type;
+        t.grad_type = s->grad_type;
         t.numel = s->numel;
         if (pipelined) {
           STRATA_RETURN_IF_ERROR(launch({t}, {index}, s->group));

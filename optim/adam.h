@@ -1,7 +1,9 @@
 // optim/adam.h: Adam / AdamW as a client of the runtime.
 //
 // Adam registers each parameter's moments with the runtime (roles exp_avg, exp_avg_sq, and
-// max_exp_avg_sq as role other with amsgrad), so the policy decides where they live. step() walks
+// max_exp_avg_sq as role other with amsgrad), and for a bfloat16 or float16 parameter its float32
+// master copy (role master_param, initialized from the parameter), so the policy decides where they
+// live (Note [Mixed precision] in adam_math.h). step() walks
 // the layers in the policy's order, acquires each layer's tensors on the GPU for the compute
 // stream, queues the fused kernel there (the CPU kernel, as a host function, on the simulated
 // device) and releases them, which lets the policy write the layer back and prefetch the next one.
@@ -17,6 +19,7 @@
 //   STRATA_RETURN_IF_ERROR(adam->step());
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <istream>
 #include <map>
@@ -34,7 +37,8 @@
 namespace strata::optim {
 
 struct ParamGroup {
-  // (parameter, its gradient), both registered with the runtime: float32, same shape and layer.
+  // (parameter, its gradient), both registered with the runtime: float32, bfloat16 or float16
+  // (the gradient in the parameter's dtype or float32), same shape and layer.
   std::vector<std::pair<rt::TensorHandle, rt::TensorHandle>> params;
   AdamHyper hyper;
 };
@@ -48,7 +52,8 @@ struct AdamOptions {
 class Adam {
  public:
   // Checks every parameter and gradient before registering any state: kInvalidArgument for a
-  // dtype other than float32, a shape or layer mismatch, a tensor of the wrong role, a parameter
+  // dtype other than float32, bfloat16 or float16 (or a gradient in another low-precision dtype
+  // than its parameter's), a shape or layer mismatch, a tensor of the wrong role, a parameter
   // listed twice, hyperparameters torch would refuse (lr or weight_decay negative or not finite, a
   // beta outside [0, 1), eps not positive; NaN anywhere); kNotFound for an unregistered handle;
   // kResourceExhausted for a layer whose parameters, gradients and moments together exceed the
@@ -83,7 +88,8 @@ class Adam {
   std::int64_t step_count(std::size_t group) const { return steps_.at(group); }
   const AdamHyper& hyper(std::size_t group) const { return groups_.at(group).hyper; }
   std::size_t num_groups() const { return groups_.size(); }
-  // The state tensors of a parameter: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad).
+  // The state tensors of a parameter: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad, and
+  // the master copy of a bfloat16 or float16 parameter).
   [[nodiscard]] absl::StatusOr<std::vector<rt::TensorHandle>> state(rt::TensorHandle param) const;
 
   // Checkpoints: every group's step counter and hyperparameters and every state tensor, read
@@ -100,11 +106,17 @@ class Adam {
 
  private:
   struct Slot {
-    rt::TensorHandle param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;
+    rt::TensorHandle param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master;
     std::size_t group = 0;
     int layer = 0;
     std::int64_t numel = 0;
+    ElemType param_type = ElemType::kF32;
+    ElemType grad_type = ElemType::kF32;
     std::string param_name, grad_name;  // for messages: handles outlive their tensors
+    // The optimizer's state tensors of this parameter, valid or not, in checkpoint order.
+    std::array<rt::TensorHandle, 4> states() const {
+      return {exp_avg, exp_avg_sq, max_exp_avg_sq, master};
+    }
   };
   // The name a tensor of the slot was registered under.
   static std::string name_in(const Slot& s, rt::TensorHandle h);

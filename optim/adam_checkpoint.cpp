@@ -128,7 +128,7 @@ absl::Status Adam::save(std::ostream& out) {
   }
   std::vector<rt::TensorHandle> tensors;
   for (const Slot& s : slots_) {
-    for (rt::TensorHandle h : {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq}) {
+    for (rt::TensorHandle h : s.states()) {
       if (h.valid()) tensors.push_back(h);
     }
   }
@@ -198,7 +198,9 @@ absl::Status Adam::load(std::istream& in) {
     }
   }
   std::size_t states = 0;
-  for (const Slot& s : slots_) states += s.max_exp_avg_sq.valid() ? 3 : 2;
+  for (const Slot& s : slots_) {
+    for (rt::TensorHandle h : s.states()) states += h.valid() ? 1 : 0;
+  }
   std::uint32_t count = 0;
   if (!r.pod(count)) return truncated();
   if (count != states) {

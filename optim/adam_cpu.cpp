@@ -15,10 +15,7 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
     const AdamTensor& x = tensors[t];
     const std::int64_t lo = std::max<std::int64_t>(begin - base, 0);
     const std::int64_t hi = std::min<std::int64_t>(end - base, x.numel);
-    for (std::int64_t i = lo; i < hi; ++i) {
-      adam_element(x.param[i], x.grad[i], x.exp_avg[i], x.exp_avg_sq[i],
-                   x.max_exp_avg_sq != nullptr ? x.max_exp_avg_sq + i : nullptr, s, inv);
-    }
+    for (std::int64_t i = lo; i < hi; ++i) adam_tensor_element(x, i, s, inv);
     base += x.numel;
   }
 }

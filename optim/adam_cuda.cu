@@ -11,18 +11,14 @@ constexpr int kMaxBlocks = 320;
 constexpr std::int64_t kChunk = 65536;  // elements per block; a multiple of 4 keeps float4 aligned
 constexpr int kThreads = 512;
 
-// Passed by value: 2.8 KB, under the 4 KB kernel-argument limit of older toolchains.
+// Passed by value: 3.0 KB, under the 4 KB kernel-argument limit of older toolchains.
 struct Meta {
-  float* p[kMaxTensors];
-  const float* g[kMaxTensors];
-  float* m[kMaxTensors];
-  float* v[kMaxTensors];
-  float* vmax[kMaxTensors];
-  std::int64_t n[kMaxTensors];
-  bool vec[kMaxTensors];  // all pointers 16-byte aligned
+  AdamTensor t[kMaxTensors];
+  bool vec[kMaxTensors];  // float32 throughout, no master, all pointers 16-byte aligned
   unsigned char block_tensor[kMaxBlocks];
   int block_chunk[kMaxBlocks];
 };
+static_assert(sizeof(Meta) <= 4096, "kernel arguments are limited to 4 KB");
 
 __device__ __forceinline__ void update4(float4& p, const float4& g, float4& m, float4& v,
                                         const AdamScalars& s, float inv) {
@@ -37,13 +33,13 @@ __global__ void __launch_bounds__(kThreads)
   if (found_inf != nullptr && *found_inf != 0.0f) return;
   const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
   const int t = meta.block_tensor[blockIdx.x];
+  const AdamTensor& x = meta.t[t];
   const std::int64_t begin = static_cast<std::int64_t>(meta.block_chunk[blockIdx.x]) * kChunk;
-  const std::int64_t end = begin + kChunk < meta.n[t] ? begin + kChunk : meta.n[t];
-  float* p = meta.p[t];
-  const float* g = meta.g[t];
-  float* m = meta.m[t];
-  float* v = meta.v[t];
-  float* vmax = meta.vmax[t];
+  const std::int64_t end = begin + kChunk < x.numel ? begin + kChunk : x.numel;
+  float* p = static_cast<float*>(x.param);
+  const float* g = static_cast<const float*>(x.grad);
+  float* m = x.exp_avg;
+  float* v = x.exp_avg_sq;
   std::int64_t i = begin + threadIdx.x * 4;
   if (meta.vec[t] && !s.amsgrad) {
     for (; i + 3 < end; i += static_cast<std::int64_t>(blockDim.x) * 4) {
@@ -64,7 +60,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   for (std::int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    adam_element(p[j], g[j], m[j], v[j], vmax != nullptr ? vmax + j : nullptr, s, inv);
+    adam_tensor_element(x, j, s, inv);
   }
 }
 
@@ -96,14 +92,10 @@ cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const A
           if (cudaError_t err = launch(); err != cudaSuccess) return err;
         }
         const int slot = tensors_in++;
-        meta.p[slot] = x.param;
-        meta.g[slot] = x.grad;
-        meta.m[slot] = x.exp_avg;
-        meta.v[slot] = x.exp_avg_sq;
-        meta.vmax[slot] = x.max_exp_avg_sq;
-        meta.n[slot] = x.numel;
-        meta.vec[slot] = aligned16(x.param) && aligned16(x.grad) && aligned16(x.exp_avg) &&
-                         aligned16(x.exp_avg_sq);
+        meta.t[slot] = x;
+        meta.vec[slot] = x.param_type == ElemType::kF32 && x.grad_type == ElemType::kF32 &&
+                         x.master == nullptr && aligned16(x.param) && aligned16(x.grad) &&
+                         aligned16(x.exp_avg) && aligned16(x.exp_avg_sq);
       }
       meta.block_tensor[blocks] = static_cast<unsigned char>(tensors_in - 1);
       meta.block_chunk[blocks] = static_cast<int>(c);

@@ -1,4 +1,6 @@
-// optim/adam_kernels.h: Adam / AdamW over lists of fp32 tensors, on the CPU and on the GPU.
+// optim/adam_kernels.h: Adam / AdamW over lists of tensors, on the CPU and on the GPU: float32
+// moments, and float32, bfloat16 or float16 parameters (through a float32 master copy) and
+// gradients (Note [Mixed precision] in adam_math.h).
 //
 // The tensor-list launcher is kept apart from the per-element math (optim/adam_math.h). The CUDA
 // kernel walks many tensors in one launch (apex's multi_tensor_apply idea: each block takes a chunk
@@ -26,13 +28,28 @@
 namespace strata::optim {
 
 struct AdamTensor {
-  float* param = nullptr;
-  const float* grad = nullptr;
+  void* param = nullptr;       // of param_type
+  const void* grad = nullptr;  // of grad_type
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   float* max_exp_avg_sq = nullptr;  // amsgrad only
   std::int64_t numel = 0;
+  // A bfloat16 or float16 parameter's float32 master copy, which the step updates and the
+  // parameter is rounded from (Note [Mixed precision] in adam_math.h); null for float32.
+  float* master = nullptr;
+  ElemType param_type = ElemType::kF32;
+  ElemType grad_type = ElemType::kF32;
 };
+
+// One element of a tensor's step, the same on the CPU and the GPU.
+STRATA_HD void adam_tensor_element(const AdamTensor& x, std::int64_t i, const AdamScalars& s,
+                                   float inv_grad_scale) {
+  float p = x.master != nullptr ? x.master[i] : load_elem(x.param, x.param_type, i);
+  adam_element(p, load_elem(x.grad, x.grad_type, i), x.exp_avg[i], x.exp_avg_sq[i],
+               x.max_exp_avg_sq != nullptr ? x.max_exp_avg_sq + i : nullptr, s, inv_grad_scale);
+  if (x.master != nullptr) x.master[i] = p;
+  store_elem(x.param, x.param_type, i, p);
+}
 
 // Splits the elements of all tensors over `threads` host threads (1: the calling thread only).
 // Deterministic: every element is computed the same way whatever the split.

@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define STRATA_HD __host__ __device__ __forceinline__
@@ -25,6 +26,102 @@
 #endif
 
 namespace strata::optim {
+
+// Note [Mixed precision]: parameters and gradients may be float32, bfloat16 or float16; the math
+// is float32 always. A bfloat16 or float16 parameter is stepped through its float32 master copy
+// (optimizer state), and the parameter is the master rounded to nearest even. The conversions are
+// written out in integer arithmetic here, so the CPU kernel and the CUDA kernel give the same bits
+// (torch's c10::BFloat16 and c10::Half round the same way; NaN becomes the canonical quiet NaN).
+enum class ElemType : std::uint8_t { kF32, kBF16, kF16 };
+
+STRATA_HD std::uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+STRATA_HD float bits_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+STRATA_HD std::uint16_t float_to_bf16(float f) {
+  std::uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+STRATA_HD float bf16_to_float(std::uint16_t h) { return bits_float(std::uint32_t{h} << 16); }
+
+STRATA_HD std::uint16_t float_to_f16(float f) {
+  const std::uint32_t x = float_bits(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  const std::uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);   // NaN
+  if (ax >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520: inf
+  if (ax >= 0x38800000u) {  // a normal half: rebias the exponent (127 -> 15), round the mantissa
+    return static_cast<std::uint16_t>(sign |
+                                      ((ax - 0x38000000u + 0x0fffu + ((ax >> 13) & 1u)) >> 13));
+  }
+  // A subnormal half (or zero): the value in units of 2^-24, rounded to nearest even.
+  const std::uint32_t e = ax >> 23;
+  const std::uint32_t shift = 126u - e;  // >= 14 here
+  if (e == 0 || shift >= 32) return static_cast<std::uint16_t>(sign);
+  const std::uint32_t mant = (ax & 0x7fffffu) | 0x800000u;
+  std::uint32_t q = mant >> shift;
+  const std::uint32_t rem = mant & ((1u << shift) - 1u);
+  const std::uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<std::uint16_t>(sign | q);
+}
+
+STRATA_HD float f16_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  const std::uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  if (exp == 31) return bits_float(sign | 0x7f800000u | (mant << 13));
+  return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+STRATA_HD float load_elem(const void* base, ElemType type, std::int64_t i) {
+  switch (type) {
+    case ElemType::kBF16:
+      return bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    case ElemType::kF16:
+      return f16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    default:
+      return static_cast<const float*>(base)[i];
+  }
+}
+
+STRATA_HD void store_elem(void* base, ElemType type, std::int64_t i, float v) {
+  switch (type) {
+    case ElemType::kBF16:
+      static_cast<std::uint16_t*>(base)[i] = float_to_bf16(v);
+      break;
+    case ElemType::kF16:
+      static_cast<std::uint16_t*>(base)[i] = float_to_f16(v);
+      break;
+    default:
+      static_cast<float*>(base)[i] = v;
+  }
+}
+
+STRATA_HD std::size_t elem_size(ElemType type) { return type == ElemType::kF32 ? 4 : 2; }
 
 struct AdamHyper {
   float lr = 1e-3f;

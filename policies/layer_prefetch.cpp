@@ -167,7 +167,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // The optimizer writes parameters and moments; it only reads gradients.
   RoleSet write_back() const {
     RoleSet out;
-    for (Role r : {Role::kParameter, Role::kExpAvg, Role::kExpAvgSq, Role::kOther}) {
+    for (Role r :
+         {Role::kParameter, Role::kExpAvg, Role::kExpAvgSq, Role::kMasterParam, Role::kOther}) {
       if (config().roles.contains(r)) out = out | r;
     }
     return out;

@@ -294,6 +294,10 @@ std::size_t Runtime::Impl::layer_bytes_locked(int layer, RoleSet roles) const {
 absl::Status Runtime::read(TensorHandle tensor, void* host_dst) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Entry * e, impl_->registry.get(tensor));
+  if (host_dst == nullptr && e->bytes > 0) {
+    return absl::InvalidArgumentError(
+        str_cat("read '", e->spec.name, "': the destination is null"));
+  }
   STRATA_RETURN_IF_ERROR(impl_->engine.wait_entry(*e));
   STRATA_RETURN_IF_ERROR(impl_->engine.wait_ready_on_host(*e));
   if (e->bytes == 0) return absl::OkStatus();
@@ -303,6 +307,9 @@ absl::Status Runtime::read(TensorHandle tensor, void* host_dst) {
 absl::Status Runtime::write(TensorHandle tensor, const void* host_src) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   STRATA_ASSIGN_OR_RETURN(Entry * e, impl_->registry.get(tensor));
+  if (host_src == nullptr && e->bytes > 0) {
+    return absl::InvalidArgumentError(str_cat("write '", e->spec.name, "': the source is null"));
+  }
   if (e->holds > 0) {
     return absl::FailedPreconditionError(
         str_cat("write '", e->spec.name, "': held by ", e->holds, " acquire(s)"));

@@ -15,6 +15,8 @@ std::string_view role_name(Role role) {
       return "exp_avg";
     case Role::kExpAvgSq:
       return "exp_avg_sq";
+    case Role::kMasterParam:
+      return "master_param";
     case Role::kOther:
       return "other";
   }
@@ -25,8 +27,9 @@ absl::StatusOr<Role> parse_role(std::string_view name) {
   for (int i = 0; i < kNumRoles; ++i) {
     if (name == role_name(static_cast<Role>(i))) return static_cast<Role>(i);
   }
-  return absl::InvalidArgumentError(str_cat(
-      "unknown role '", name, "'; valid roles: parameter, gradient, exp_avg, exp_avg_sq, other"));
+  return absl::InvalidArgumentError(
+      str_cat("unknown role '", name,
+              "'; valid roles: parameter, gradient, exp_avg, exp_avg_sq, master_param, other"));
 }
 
 std::string RoleSet::to_string() const {

@@ -25,8 +25,10 @@ namespace strata::rt {
 
 using alloc::Tier;
 
-enum class Role : std::uint8_t { kParameter, kGradient, kExpAvg, kExpAvgSq, kOther };
-inline constexpr int kNumRoles = 5;
+// kMasterParam: the float32 master copy of a bfloat16 or float16 parameter, which Adam keeps as
+// optimizer state and steps (optim/adam.h).
+enum class Role : std::uint8_t { kParameter, kGradient, kExpAvg, kExpAvgSq, kMasterParam, kOther };
+inline constexpr int kNumRoles = 6;
 std::string_view role_name(Role role);
 absl::StatusOr<Role> parse_role(std::string_view name);
 
@@ -37,9 +39,12 @@ class RoleSet {
   constexpr RoleSet(std::initializer_list<Role> roles) {
     for (Role r : roles) bits_ |= bit(r);
   }
-  static constexpr RoleSet optimizer_states() { return {Role::kExpAvg, Role::kExpAvgSq}; }
+  static constexpr RoleSet optimizer_states() {
+    return {Role::kExpAvg, Role::kExpAvgSq, Role::kMasterParam};
+  }
   static constexpr RoleSet all() {
-    return {Role::kParameter, Role::kGradient, Role::kExpAvg, Role::kExpAvgSq, Role::kOther};
+    return {Role::kParameter, Role::kGradient,    Role::kExpAvg,
+            Role::kExpAvgSq,  Role::kMasterParam, Role::kOther};
   }
   constexpr bool contains(Role r) const { return (bits_ & bit(r)) != 0; }
   constexpr bool empty() const { return bits_ == 0; }

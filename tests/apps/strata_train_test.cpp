@@ -154,7 +154,8 @@ TEST(StrataTrainTest, StreamingEveryRoleTrainsAModelLargerThanTheBudgetWithTheSa
   Outcome o =
       run_train(model + "--compare --strata_roles=all --strata_gpu_budget=8MiB --json=" + streamed);
   EXPECT_EQ(o.exit_code, 0) << o.output;
-  EXPECT_TRUE(contains(o.output, "moved or streamed: parameter,gradient,exp_avg,exp_avg_sq,other"))
+  EXPECT_TRUE(contains(
+      o.output, "moved or streamed: parameter,gradient,exp_avg,exp_avg_sq,master_param,other"))
       << o.output;
   EXPECT_TRUE(contains(o.output, "[keep_on_gpu] FAILED: RESOURCE_EXHAUSTED")) << o.output;
   EXPECT_TRUE(contains(o.output, "(bulk, layer_prefetch): yes, bitwise")) << o.output;

@@ -172,7 +172,7 @@ TEST_F(GpuAdamKernelTest, GpuMatchesTheCpuKernelOnManyTensorsAndTails) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     double worst = 0;
     for (std::size_t t = 0; t < host.size(); ++t) {
-      std::vector<float> p = download(gpu[t].param, host[t].p.size());
+      std::vector<float> p = download(static_cast<const float*>(gpu[t].param), host[t].p.size());
       for (std::size_t i = 0; i < p.size(); ++i) {
         worst = std::max(worst, std::abs(static_cast<double>(p[i]) - host[t].p[i]) /
                                     (1e-6 + 1e-5 * std::abs(host[t].p[i])));

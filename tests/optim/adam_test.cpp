@@ -534,8 +534,8 @@ TEST(AdamBadInputTest, RejectedBeforeAnythingIsRegistered) {
   TensorHandle p = *runtime->register_tensor(spec("p", 0, Role::kParameter, 10));
   TensorHandle g = *runtime->register_tensor(spec("p.grad", 0, Role::kGradient, 10));
   TensorHandle g_short = *runtime->register_tensor(spec("short.grad", 0, Role::kGradient, 9));
-  TensorHandle half =
-      *runtime->register_tensor(spec("h", 0, Role::kParameter, 10, rt::DType::kFloat16));
+  TensorHandle dbl =
+      *runtime->register_tensor(spec("d", 0, Role::kParameter, 10, rt::DType::kFloat64));
   TensorHandle not_grad = *runtime->register_tensor(spec("x", 0, Role::kOther, 10));
   const std::size_t before = runtime->tensors().size();
   auto expect = [&](std::vector<std::pair<TensorHandle, TensorHandle>> params,
@@ -549,8 +549,8 @@ TEST(AdamBadInputTest, RejectedBeforeAnythingIsRegistered) {
   };
   expect({{p, g_short}}, absl::StatusCode::kInvalidArgument,
          "Adam: gradient 'short.grad' does not match parameter 'p' in shape or layer");
-  expect({{half, g}}, absl::StatusCode::kInvalidArgument,
-         "Adam: parameter 'h' is float16; Adam steps float32 tensors");
+  expect({{dbl, g}}, absl::StatusCode::kInvalidArgument,
+         "Adam: parameter 'd' is float64; Adam steps float32, bfloat16 and float16 tensors");
   expect({{p, not_grad}}, absl::StatusCode::kInvalidArgument,
          "Adam: gradient 'x' has role other, not gradient");
   expect({{p, g}, {p, g}}, absl::StatusCode::kInvalidArgument,
@@ -606,7 +606,8 @@ TEST(AdamBadInputTest, AnUnregisteredTensorStopsTheStepBeforeAnyLaunch) {
   ASSERT_TRUE(runtime->unregister(g1).ok());
   absl::Status s = adam->step();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_EQ(s.message(), "Adam: tensor 'p1.grad' (layer 1) was unregistered after the optimizer was made");
+  EXPECT_EQ(s.message(),
+            "Adam: tensor 'p1.grad' (layer 1) was unregistered after the optimizer was made");
   EXPECT_EQ(adam->step_count(0), 0);
   EXPECT_EQ(rt::testing::read_all(*runtime, p0), before) << "layer 0 must not have been stepped";
 }

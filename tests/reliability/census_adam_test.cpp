@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "base/units.h"
 #include "gtest/gtest.h"
 #include "optim/adam.h"
-#include "base/units.h"
 #include "tests/census.h"
 #include "tests/runtime/runtime_test_util.h"
 
@@ -79,13 +79,22 @@ class AdamCensusTest : public ::testing::Test {
 
 TEST_F(AdamCensusTest, Create) {
   TensorHandle short_grad = *rt().register_tensor(spec("s.grad", 0, Role::kGradient, 999));
+  TensorHandle dbl =
+      *rt().register_tensor(spec("d", 0, Role::kParameter, 1000, rt::DType::kFloat64));
   TensorHandle half =
       *rt().register_tensor(spec("h", 0, Role::kParameter, 1000, rt::DType::kFloat16));
+  TensorHandle bf16_grad =
+      *rt().register_tensor(spec("b.grad", 0, Role::kGradient, 1000, rt::DType::kBFloat16));
   before_ = bytes_of(rt());
   expect_refused("Adam: a gradient whose shape differs", create({{w_, short_grad}}), kInvalid,
                  "Adam: gradient 's.grad' does not match parameter 'w' in shape or layer");
-  expect_refused("Adam: a dtype it does not step", create({{half, g_}}), kInvalid,
-                 "Adam: parameter 'h' is float16; Adam steps float32 tensors");
+  expect_refused("Adam: a dtype it does not step", create({{dbl, g_}}), kInvalid,
+                 "Adam: parameter 'd' is float64; Adam steps float32, bfloat16 and float16 "
+                 "tensors");
+  expect_refused("Adam: a gradient in another low-precision dtype than its parameter's",
+                 create({{half, bf16_grad}}), kInvalid,
+                 "Adam: gradient 'b.grad' is bfloat16 and its parameter 'h' float16; a gradient "
+                 "is in its parameter's dtype or float32");
   expect_refused("Adam: a gradient of the wrong role", create({{w_, w_}}), kInvalid,
                  "Adam: gradient 'w' has role parameter, not gradient");
   expect_refused("Adam: a parameter listed twice", create({{w_, g_}, {w_, g_}}), kInvalid,

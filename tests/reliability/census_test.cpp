@@ -132,6 +132,10 @@ TEST_F(CensusTest, Guards) {
   const StreamHandle s = rt()->compute_stream();
   expect_refused("release what is not acquired", rt()->release(w_, s), kPrecondition,
                  "release 'w': it is not acquired");
+  expect_refused("read into a null destination", rt()->read(w_, nullptr), kInvalid,
+                 "read 'w': the destination is null");
+  expect_refused("write from a null source", rt()->write(w_, nullptr), kInvalid,
+                 "write 'w': the source is null");
   ASSERT_TRUE(rt()->acquire(w_, Tier::kGpu, s).ok());
   std::vector<float> values(1000);
   expect_refused("unregister while held", rt()->unregister(w_), kPrecondition,
@@ -273,7 +277,7 @@ TEST(PolicyCensusTest, LayerPrefetchBudgetSmallerThanOneLayer) {
       rt->register_tensor(spec("big.exp_avg", 0, Role::kExpAvg, 2 * 1024 * 1024)).status(),
       kInvalid,
       "layer_prefetch: the GPU budget (4.00 MiB) is smaller than one layer: layer 0 has "
-      "8.00 MiB of exp_avg,exp_avg_sq");
+      "8.00 MiB of exp_avg,exp_avg_sq,master_param");
   EXPECT_TRUE(rt->tensors().empty());
   for (Tier t : alloc::kAllTiers) EXPECT_EQ(rt->allocator().stats(t).allocated_bytes.current, 0);
 }

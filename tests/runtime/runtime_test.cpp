@@ -305,7 +305,7 @@ TEST(PolicyChoiceTest, GpuBudgetSmallerThanOneLayer) {
   EXPECT_EQ(
       v.status().message(),
       "layer_prefetch: the GPU budget (8.00 MiB) is smaller than one layer: layer 0 has 12.00 "
-      "MiB of exp_avg,exp_avg_sq");
+      "MiB of exp_avg,exp_avg_sq,master_param");
   EXPECT_EQ(rt->find("l0.v").status().code(), absl::StatusCode::kNotFound) << "registration undone";
   // Two slots of one 4 MiB layer fit 8 MiB exactly; a depth needing three does not.
   ASSERT_TRUE(rt->begin_optimizer_step().ok());
@@ -386,9 +386,9 @@ TEST_F(BadRuntimeInputTest, ReleaseWithoutAcquire) {
 }
 TEST_F(BadRuntimeInputTest, UnstagedLayerIsANoOpAndUnknownRoleFails) {
   EXPECT_TRUE(rt_->unstage_layer(42).ok());
-  EXPECT_EQ(
-      parse_role("momentum").status().message(),
-      "unknown role 'momentum'; valid roles: parameter, gradient, exp_avg, exp_avg_sq, other");
+  EXPECT_EQ(parse_role("momentum").status().message(),
+            "unknown role 'momentum'; valid roles: parameter, gradient, exp_avg, exp_avg_sq, "
+            "master_param, other");
 }
 
 TEST(LeakTest, UnregisteringEverythingLeavesNoLiveBytes) {
