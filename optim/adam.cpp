@@ -82,7 +82,29 @@ absl::Status Adam::check_hyper(const AdamHyper& h, std::size_t group) {
 Adam::Adam(rt::Runtime& runtime, AdamOptions options)
     : runtime_(runtime), options_(std::move(options)) {}
 
+std::int64_t Adam::step_count(std::size_t group) const {
+  if (!skips_possible_) return steps_.at(group);
+  // The kernels may still be counting this step's skip.
+  (void)runtime_.device().stream_synchronize(runtime_.compute_stream());
+  return steps_.at(group) - skipped_[group];
+}
+
+absl::Status Adam::reset_skipped() {
+  if (skips_possible_) {
+    STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(runtime_.compute_stream()));
+  }
+  std::fill(skipped_, skipped_ + std::max<std::size_t>(groups_.size(), 1), 0);
+  skips_possible_ = false;
+  return absl::OkStatus();
+}
+
 Adam::~Adam() {
+  if (skipped_ != nullptr) {
+    if (skips_possible_) {
+      (void)runtime_.device().stream_synchronize(runtime_.compute_stream());
+    }
+    (void)runtime_.allocator().deallocate(rt::Tier::kPinnedHost, skipped_);
+  }
   // Note [Adam owns its states]: what create registered goes with the optimizer, so a new one over
   // the same parameters can register them again; a state the user unregistered already is fine.
   for (rt::TensorHandle h : owned_) {
@@ -199,6 +221,13 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
     }
   }
   adam->steps_.assign(adam->groups_.size(), 0);
+  STRATA_ASSIGN_OR_RETURN(void* skipped,
+                          runtime.allocator().allocate(
+                              rt::Tier::kPinnedHost,
+                              std::max<std::size_t>(adam->groups_.size(), 1) * sizeof(std::int64_t),
+                              {.owner = "Adam: skipped steps"}));
+  adam->skipped_ = static_cast<std::int64_t*>(skipped);
+  STRATA_RETURN_IF_ERROR(adam->reset_skipped());
   // The policy lays out the states under the GPU budget now, so a budget too small is an error
   // here, at setup, rather than at the first step; `adam` takes its states back if it fails.
   STRATA_RETURN_IF_ERROR(runtime.prepare());
@@ -260,6 +289,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
                                               begin.message()));
   }
   for (std::int64_t& s : steps_) ++s;
+  if (found_inf != nullptr) skips_possible_ = true;
   // Note [A failed step]: parameters are stepped one launch after another, so a step that fails
   // part way has stepped those launched before the failure (last_step_parameters() lists them).
   // What it guarantees: no tensor is left held, the policy's end of step runs (staged states go
@@ -270,6 +300,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   std::vector<rt::TensorHandle> held;
   int failed_layer = -1;
   absl::Status status = step_layers(grad_scale, found_inf, held, failed_layer);
+  if (status.ok() && found_inf != nullptr) status = count_skipped(found_inf);
   if (status.ok()) {
     // Every layer is stepped; the policy's end of step is resumable, so one failure is retried.
     absl::Status end = rt.end_optimizer_step();
@@ -317,6 +348,7 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
   std::vector<AdamScalars> scalars;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     scalars.push_back(adam_scalars(groups_[g].hyper, steps_[g]));
+    if (skips_possible_) scalars.back().skipped = skipped_ + g;
   }
   const rt::StreamHandle stream = rt.compute_stream();
   const bool simulated = rt.device().is_simulated();
@@ -408,6 +440,31 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
   }
   return absl::OkStatus();
+}
+
+// After the step's kernels, on their stream: a step its flag skipped does not count.
+absl::Status Adam::count_skipped(const float* found_inf) {
+  rt::Runtime& rt = runtime_;
+  const rt::StreamHandle stream = rt.compute_stream();
+  const int groups = static_cast<int>(groups_.size());
+  std::int64_t* skipped = skipped_;
+  if (rt.device().is_simulated()) {
+    return rt.device().enqueue_host(stream, [skipped, groups, found_inf] {
+      if (*found_inf == 0.0f) return;
+      for (int g = 0; g < groups; ++g) ++skipped[g];
+    });
+  }
+#ifdef STRATA_HAS_CUDA
+  const cudaError_t err =
+      adam_count_skipped_cuda(skipped, groups, found_inf, static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    return absl::InternalError(
+        str_cat("Adam: counting a skipped step failed: ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+#else
+  return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
+#endif
 }
 
 const std::vector<std::size_t>& Adam::arrival_order(int layer) {

@@ -85,7 +85,9 @@ class Adam {
   std::vector<int> last_step_layers() const;
 
   [[nodiscard]] absl::Status set_lr(std::size_t group, float lr);
-  std::int64_t step_count(std::size_t group) const { return steps_.at(group); }
+  // Steps taken by the group: a step that a found_inf flag skipped does not count (Note [Skipped
+  // steps] in adam_math.h). Once a step was given a flag, this waits for the compute stream.
+  std::int64_t step_count(std::size_t group) const;
   const AdamHyper& hyper(std::size_t group) const { return groups_.at(group).hyper; }
   std::size_t num_groups() const { return groups_.size(); }
   // The state tensors of a parameter: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad, and
@@ -152,6 +154,15 @@ class Adam {
   std::vector<std::size_t> arrival_order_;
   // Bytes each layer needs on the GPU during its step: parameters, gradients and moments.
   std::map<int, std::size_t> step_bytes_;
+  // Note [Skipped steps]: per group, the steps a found_inf flag skipped, counted where the kernels
+  // run (pinned host memory the GPU writes through unified addressing, 8 bytes a group); read
+  // only once a step was given a flag.
+  std::int64_t* skipped_ = nullptr;
+  bool skips_possible_ = false;
+  // Waits for the compute stream, then sets the skipped counts to zero (a loaded checkpoint's
+  // counters are exact).
+  absl::Status reset_skipped();
+  absl::Status count_skipped(const float* found_inf);
   // Runtime::unregistrations() when every handle was last found registered.
   std::uint64_t checked_unregistrations_ = ~std::uint64_t{0};
 };

@@ -122,7 +122,7 @@ absl::Status Adam::save(std::ostream& out) {
   w.pod(static_cast<std::uint32_t>(groups_.size()));
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const AdamHyper& h = groups_[g].hyper;
-    w.pod(steps_[g]);
+    w.pod(step_count(g));
     for (float f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay}) w.pod(f);
     for (bool b : {h.decoupled, h.amsgrad, h.maximize}) w.pod(static_cast<std::uint8_t>(b));
   }
@@ -263,6 +263,7 @@ absl::Status Adam::load(std::istream& in) {
     }
     return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
   }
+  STRATA_RETURN_IF_ERROR(reset_skipped());
   steps_ = steps;
   for (std::uint32_t g = 0; g < groups; ++g) groups_[g].hyper = hypers[g];
   return absl::OkStatus();

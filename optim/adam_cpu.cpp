@@ -22,8 +22,10 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
 
 }  // namespace
 
-void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
+void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& scalars,
                    float inv_grad_scale, int threads) {
+  AdamScalars s = scalars;
+  settle_step(s);  // Note [Skipped steps]
   std::int64_t total = 0;
   for (std::size_t t = 0; t < count; ++t) total += tensors[t].numel;
   // Threads only pay off on large lists; below ~1M elements one thread is faster than spawning.

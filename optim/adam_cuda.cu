@@ -31,6 +31,19 @@ __device__ __forceinline__ void update4(float4& p, const float4& g, float4& m, f
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(Meta meta, AdamScalars s, const float* grad_scale, const float* found_inf) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;
+  if (s.skipped != nullptr) {
+    // Note [Skipped steps]: the count lives in pinned host memory; one read per block.
+    __shared__ float step_size, bias_correction2_sqrt;
+    if (threadIdx.x == 0) {
+      AdamScalars settled = s;
+      settle_step(settled);
+      step_size = settled.step_size;
+      bias_correction2_sqrt = settled.bias_correction2_sqrt;
+    }
+    __syncthreads();
+    s.step_size = step_size;
+    s.bias_correction2_sqrt = bias_correction2_sqrt;
+  }
   const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
   const int t = meta.block_tensor[blockIdx.x];
   const AdamTensor& x = meta.t[t];
@@ -66,7 +79,18 @@ __global__ void __launch_bounds__(kThreads)
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15) == 0; }
 
+__global__ void count_skipped_kernel(std::int64_t* skipped, int groups, const float* found_inf) {
+  if (static_cast<int>(threadIdx.x) < groups && *found_inf != 0.0f) ++skipped[threadIdx.x];
+}
+
 }  // namespace
+
+cudaError_t adam_count_skipped_cuda(std::int64_t* skipped, int groups, const float* found_inf,
+                                    cudaStream_t stream) {
+  if (groups <= 0) return cudaSuccess;
+  count_skipped_kernel<<<1, ((groups + 31) / 32) * 32, 0, stream>>>(skipped, groups, found_inf);
+  return cudaGetLastError();
+}
 
 cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
                            const float* grad_scale, const float* found_inf, cudaStream_t stream) {

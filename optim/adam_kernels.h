@@ -61,6 +61,10 @@ void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScala
 // (a mixed-precision step that overflowed), and gradients are divided by *grad_scale.
 cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
                            const float* grad_scale, const float* found_inf, cudaStream_t stream);
+// Adds 1 to skipped[0..groups) when *found_inf != 0 (Note [Skipped steps] in adam_math.h); queued
+// after a step's kernels. `skipped` is device-accessible memory (pinned host memory).
+cudaError_t adam_count_skipped_cuda(std::int64_t* skipped, int groups, const float* found_inf,
+                                    cudaStream_t stream);
 #endif
 
 }  // namespace strata::optim

@@ -146,7 +146,24 @@ struct AdamScalars {
   bool decoupled;
   bool amsgrad;
   bool maximize;
+  // Note [Skipped steps]: a step that found_inf skipped does not count (as torch's fused AdamW
+  // takes it back), but only the device knows which steps were skipped. When `skipped` is set
+  // (after a step was given a found_inf flag), the bias corrections come from
+  // t = step - *skipped, read where the kernel runs (settle_step), not from the host's count.
+  std::int64_t step = 0;
+  const std::int64_t* skipped = nullptr;
 };
+
+// The bias corrections for the step actually taken (Note [Skipped steps]); the host computes the
+// same expression in adam_scalars, so with nothing skipped the bits are the same.
+STRATA_HD void settle_step(AdamScalars& s) {
+  if (s.skipped == nullptr) return;
+  const double t = static_cast<double>(s.step - *s.skipped);
+  const double bc1 = 1.0 - pow(static_cast<double>(s.beta1), t);
+  const double bc2 = 1.0 - pow(static_cast<double>(s.beta2), t);
+  s.step_size = static_cast<float>(s.lr / bc1);
+  s.bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
+}
 
 inline AdamScalars adam_scalars(const AdamHyper& h, std::int64_t step) {
   const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(step));
@@ -160,7 +177,8 @@ inline AdamScalars adam_scalars(const AdamHyper& h, std::int64_t step) {
                      static_cast<float>(std::sqrt(bc2)),
                      h.decoupled,
                      h.amsgrad,
-                     h.maximize};
+                     h.maximize,
+                     step};
 }
 
 STRATA_HD void adam_element(float& p, float grad, float& m, float& v, float* v_max,
