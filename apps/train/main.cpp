@@ -7,7 +7,8 @@
 //   build/bin/strata-train [--strata_policy=layer_prefetch] [--strata_gpu_budget=8GiB]
 //                          [--strata_roles=optimizer_states|all] [--steps=20] [--layers=4
 //                          --d_model=128 --heads=4 --vocab=256
-//                          --seq=64 --batch=8] [--phase_switch_every=N] [--compare]
+//                          --seq=64 --batch=8] [--dtype=float32|bfloat16|float16]
+//                          [--clip_grad_norm=1.0] [--phase_switch_every=N] [--compare]
 //                          [--json=FILE] [--chart=FILE.svg]
 //
 // Exit codes: 0 trained (with --compare: at least two strata policies trained with bitwise equal
@@ -20,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -61,6 +63,12 @@ ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate");
 ABSL_FLAG(int, prefetch_depth, 1, "layer_prefetch: layers fetched ahead (K)");
 ABSL_FLAG(uint64_t, seed, 7, "seed of the initial weights and of the synthetic data");
 ABSL_FLAG(std::string, device, "auto", "auto (the GPU if there is one), cuda, or simulated");
+ABSL_FLAG(std::string, dtype, "float32",
+          "parameters and gradients: float32, or bfloat16 / float16 with float32 master weights "
+          "(float16 with dynamic loss scaling, as torch.amp.GradScaler)");
+ABSL_FLAG(double, clip_grad_norm, 1.0,
+          "clip gradients to this global 2-norm each step, as torch.nn.utils.clip_grad_norm_ "
+          "(0: off)");
 ABSL_FLAG(int, phase_switch_every, 0,
           "after every N-th step, a phase switch as an RL trainer makes one for its rollout: "
           "offload_all, a stand-in for the rollout engine allocating the freed GPU memory through "
@@ -164,6 +172,20 @@ int run(int argc, char** argv) {
   if (!(o.lr > 0)) return usage_error("--lr must be positive");
   if (o.prefetch_depth < 0) return usage_error("--prefetch_depth must be 0 or more");
   o.phase_switch_every = absl::GetFlag(FLAGS_phase_switch_every);
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (dtype == "float32") {
+    o.dtype = torch::kFloat;
+  } else if (dtype == "bfloat16") {
+    o.dtype = torch::kBFloat16;
+  } else if (dtype == "float16") {
+    o.dtype = torch::kHalf;
+  } else {
+    return usage_error(str_cat("--dtype must be float32, bfloat16 or float16, not '", dtype, "'"));
+  }
+  o.clip_grad_norm = absl::GetFlag(FLAGS_clip_grad_norm);
+  if (!(o.clip_grad_norm >= 0) || std::isinf(o.clip_grad_norm)) {
+    return usage_error("--clip_grad_norm must be a finite number >= 0 (0: off)");
+  }
   if (o.phase_switch_every < 0) return usage_error("--phase_switch_every must be 0 or more");
 
   // Every policy must see the same numbers: deterministic kernels where torch has a choice, and a
@@ -236,6 +258,9 @@ int run(int argc, char** argv) {
       format_bytes(params).c_str(), format_bytes(2 * params).c_str());
   // keep_on_gpu moves nothing, whatever the roles say.
   const bool moves = report.compare || choice.name != "keep_on_gpu";
+  std::printf("dtype: %s%s; gradient clipping: %s\n", dtype.c_str(),
+              o.dtype == torch::kFloat ? "" : " parameters and gradients, float32 master weights",
+              o.clip_grad_norm > 0 ? str_cat("global norm ", o.clip_grad_norm).c_str() : "off");
   std::printf(
       "strata GPU budget: %s; moved or streamed: %s\n",
       o.gpu_budget == static_cast<std::size_t>(-1) ? "none" : format_bytes(o.gpu_budget).c_str(),

@@ -160,6 +160,9 @@ std::string progress_line(const RunResult& run, const StepRecord& s, int total_s
   std::string line =
       str_cat("[", run.name, "] step ", s.step, "/", total_steps, "  loss ", fixed(s.loss, 4),
               "  step ", fixed(s.step_ms, 1), " ms  optim ", fixed(s.optimizer_ms, 1), " ms");
+  if (s.grad_norm > 0) str_append(&line, "  norm ", fixed(s.grad_norm, 3));
+  if (s.loss_scale != 1.0f)
+    str_append(&line, "  scale ", s.loss_scale, s.skipped ? " (skipped)" : "");
   if (run.strata || s.h2d_bytes + s.d2h_bytes > 0) {
     str_append(&line, "  H2D ", format_bytes(s.h2d_bytes), " D2H ", format_bytes(s.d2h_bytes));
   }
@@ -173,6 +176,10 @@ std::string progress_line(const RunResult& run, const StepRecord& s, int total_s
                fixed(s.fragmentation[1], 3), "/", fixed(s.fragmentation[2], 3));
   }
   return line;
+}
+
+std::string dtype_name(torch::Dtype dtype) {
+  return dtype == torch::kBFloat16 ? "bfloat16" : dtype == torch::kHalf ? "float16" : "float32";
 }
 
 std::string phase_switch_line(const RunResult& run, const PhaseSwitchRecord& s) {
@@ -277,6 +284,8 @@ std::string to_json(const Report& report) {
       ", \"gpu_budget_bytes\": ", budget ? std::to_string(o.gpu_budget) : std::string("null"),
       ", \"prefetch_depth\": ", o.prefetch_depth, ", \"roles\": ", json_quoted(o.roles.to_string()),
       ", \"phase_switch_every\": ", o.phase_switch_every,
+      ", \"dtype\": ", json_quoted(dtype_name(o.dtype)),
+      ", \"clip_grad_norm\": ", exact(o.clip_grad_norm),
       ", \"parameter_bytes\": ", parameter_bytes(o.model), "},\n");
   j += "  \"runs\": [\n";
   for (std::size_t i = 0; i < report.runs.size(); ++i) {
@@ -323,7 +332,9 @@ std::string to_json(const Report& report) {
       const StepRecord& s = r.steps[k];
       str_append(&j, k == 0 ? "\n" : ",\n", "       {\"step\": ", s.step,
                  ", \"loss\": ", exact(s.loss), ", \"step_ms\": ", exact(s.step_ms),
-                 ", \"optimizer_ms\": ", exact(s.optimizer_ms), ", \"h2d_bytes\": ", s.h2d_bytes,
+                 ", \"optimizer_ms\": ", exact(s.optimizer_ms),
+                 ", \"grad_norm\": ", exact(s.grad_norm), ", \"loss_scale\": ", exact(s.loss_scale),
+                 ", \"skipped\": ", s.skipped ? "true" : "false", ", \"h2d_bytes\": ", s.h2d_bytes,
                  ", \"d2h_bytes\": ", s.d2h_bytes, ", \"h2d_gbps\": ", exact(s.h2d_gbps),
                  ", \"d2h_gbps\": ", exact(s.d2h_gbps), ", \"waited_ms\": ", exact(s.waited_ms),
                  ", \"peak_gpu_bytes\": ", s.peak_gpu_bytes,

@@ -46,6 +46,8 @@ std::int64_t peak_gpu_bytes(const RunResult& run);
 std::int64_t peak_strata_gpu_bytes(const RunResult& run);
 
 std::string progress_line(const RunResult& run, const StepRecord& step, int total_steps);
+// "float32", "bfloat16", "float16"
+std::string dtype_name(torch::Dtype dtype);
 // What a phase switch freed and cost, against the link floor of its bytes where it was measured.
 std::string phase_switch_line(const RunResult& run, const PhaseSwitchRecord& s);
 // One row per run: status, final loss, median step and optimizer times, traffic, peak GPU memory.

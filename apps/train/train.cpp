@@ -9,6 +9,7 @@
 
 #include "apps/train/phase_switch.h"
 #include "apps/train/torch_device.h"
+#include "bridge/grad_stats.h"
 #include "bridge/status.h"
 #include "bridge/torch_runtime.h"
 #include "optim/adam.h"
@@ -40,13 +41,33 @@ std::int64_t torch_peak_bytes(const TrainOptions& o) {
   return 0;
 }
 
-// The same model, from the same seed, on the run's device.
+// The same model, from the same seed (drawn in float32, then converted), on the run's device.
 Gpt make_model(const TrainOptions& o) {
   torch::manual_seed(o.seed);
   Gpt model(o.model);
-  model->to(device_of(o));
+  model->to(device_of(o), o.dtype);
   return model;
 }
+
+// torch.amp.GradScaler's dynamic loss scale, kept on the device with its growth tracker (float16
+// runs; a scale of 1 that never changes otherwise).
+struct LossScaler {
+  bool enabled;
+  torch::Tensor scale;   // float32 scalar
+  torch::Tensor growth;  // int32 scalar
+  explicit LossScaler(const TrainOptions& o) : enabled(o.dtype == torch::kHalf) {
+    const auto on = torch::TensorOptions().device(device_of(o));
+    scale = torch::full({}, enabled ? kInitialLossScale : 1.0, on.dtype(torch::kFloat));
+    growth = torch::zeros({}, on.dtype(torch::kInt));
+  }
+  torch::Tensor scaled(const torch::Tensor& loss) const { return enabled ? loss * scale : loss; }
+  // Backs off after a step whose gradients overflowed, grows after a run of clean ones.
+  void update(const torch::Tensor& found_inf) {
+    if (enabled) {
+      at::_amp_update_scale_(scale, growth, found_inf, 2.0, 0.5, kLossScaleGrowthInterval);
+    }
+  }
+};
 
 struct Batch {
   torch::Tensor inputs, targets;
@@ -56,9 +77,10 @@ Batch batch_for(const TrainOptions& o, int step) {
   return {tokens.slice(1, 0, -1), tokens.slice(1, 1)};
 }
 
+// In float32 whatever the model's dtype, as mixed-precision training computes its loss.
 torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                              targets.reshape({-1}));
+  return torch::nn::functional::cross_entropy(
+      logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
 }
 
 std::string message_of(const std::exception& e) {
@@ -134,6 +156,11 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       for (torch::Tensor& g : grads_of_layer[layer]) g.zero_();
     };
 
+    // Clipping and the float16 overflow check take each layer's part as its backward finishes,
+    // before the policy sends its gradients away (bridge/grad_stats.h).
+    bridge::GradientStats stats;
+    LossScaler scaler(o);
+    torch::Tensor grad_scale, found_inf;  // alive until the step that reads them has run
     started = true;
     for (int step = 1; step <= o.steps; ++step) {
       const Batch batch = batch_for(o, step);
@@ -142,6 +169,7 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       const rt::RuntimeStats before = rt.stats();
       const Clock::time_point start = Clock::now();
 
+      stats.reset();
       bridge::check(rt.begin_step());
       // Each layer's after_backward runs as soon as its backward is done, so that a policy
       // streaming parameters and gradients can send them out and bring the next layer in while
@@ -149,17 +177,28 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       torch::Tensor logits = model->forward(
           batch.inputs, [&](int layer) { bridge::check(rt.before_forward(layer)); },
           [&](int layer) {
+            stats.add_layer(layer, grads_of_layer[layer]);
             bridge::check(rt.after_backward(layer));
             zero_gradients(layer - 1);  // Note [Zeroing streamed gradients]
           });
       torch::Tensor loss = loss_of(logits, batch.targets);
       zero_gradients(model->num_layers() - 1);
-      loss.backward();
+      scaler.scaled(loss).backward();
+      stats.add_layer(0, grads_of_layer[0]);
       bridge::check(rt.after_backward(0));
+      const torch::Tensor loss_scale = scaler.enabled ? scaler.scale : torch::Tensor();
+      grad_scale = o.clip_grad_norm > 0 || scaler.enabled
+                       ? stats.grad_scale(loss_scale, o.clip_grad_norm).clone()
+                       : torch::Tensor();
+      found_inf = scaler.enabled ? stats.found_inf() : torch::Tensor();
+      const torch::Tensor grad_norm = stats.total_norm(loss_scale);
+      const torch::Tensor step_scale = scaler.scale.clone();
       synchronize(o);
       const Clock::time_point optimizer_start = Clock::now();
-      bridge::check(adam->step());
+      bridge::check(adam->step(grad_scale.defined() ? grad_scale.data_ptr<float>() : nullptr,
+                               found_inf.defined() ? found_inf.data_ptr<float>() : nullptr));
       synchronize(o);
+      if (found_inf.defined()) scaler.update(found_inf);
       const double optimizer_ms = ms_since(optimizer_start);
       bridge::check(rt.end_step());
       const float loss_value = loss.item<float>();
@@ -173,6 +212,9 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       r.loss = loss_value;
       r.step_ms = step_ms;
       r.optimizer_ms = optimizer_ms;
+      r.grad_norm = grad_norm.item<float>();
+      r.loss_scale = step_scale.item<float>();
+      r.skipped = found_inf.defined() && found_inf.item<float>() != 0.0f;
       r.h2d_bytes = after.migrated_bytes_h2d - before.migrated_bytes_h2d;
       r.d2h_bytes = after.migrated_bytes_d2h - before.migrated_bytes_d2h;
       const double h2d_ms = after.h2d_busy_ms - before.h2d_busy_ms;
@@ -236,10 +278,11 @@ void move_states(torch::optim::AdamW& optimizer, torch::Device device) {
 // states to host memory with non_blocking copies (torch pins the destinations and caches them),
 // torch's cache emptied; back the same way. set_data keeps each parameter's identity, under
 // which the optimizer keeps its state.
-PhaseSwitchOps torch_phase_switch(const TrainOptions& o, Gpt& model, torch::optim::AdamW& optimizer,
-                                  bool states_resident,
+PhaseSwitchOps torch_phase_switch(const TrainOptions& o, Gpt& model,
+                                  std::vector<torch::Tensor>& masters,
+                                  torch::optim::AdamW& optimizer, bool states_resident,
                                   std::pair<std::int64_t, std::int64_t>& moved) {
-  auto move_all = [&o, &model, &optimizer, states_resident, &moved](bool to_host) {
+  auto move_all = [&o, &model, &masters, &optimizer, states_resident, &moved](bool to_host) {
     const torch::Device to = to_host ? torch::Device(torch::kCPU) : device_of(o);
     std::int64_t& counter = to_host ? moved.second : moved.first;
     auto move = [&](const torch::Tensor& t) {
@@ -249,6 +292,10 @@ PhaseSwitchOps torch_phase_switch(const TrainOptions& o, Gpt& model, torch::opti
     for (torch::Tensor& p : model->parameters()) {
       p.set_data(move(p.data()));
       if (p.grad().defined()) p.mutable_grad() = move(p.grad());
+    }
+    for (torch::Tensor& m : masters) {
+      m.set_data(move(m.data()));
+      if (m.grad().defined()) m.mutable_grad() = move(m.grad());
     }
     if (states_resident) {
       for (auto& [key, state] : optimizer.state()) {
@@ -282,10 +329,18 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   release_torch_cache(o);
   reset_torch_peak(o);
   Gpt model = make_model(o);
-  std::vector<torch::Tensor> decay, no_decay;
+  // Mixed precision as PyTorch users train: the optimizer steps float32 master weights, and the
+  // model's bfloat16 / float16 parameters are copied from them (rounded to nearest even) after
+  // each step. In float32 the masters are the parameters themselves.
+  const bool low = o.dtype != torch::kFloat;
+  std::vector<torch::Tensor> params, masters, decay, no_decay;
   for (const auto& p : model->named_parameters(/*recurse=*/true)) {
-    (GptImpl::decays(p.key()) ? decay : no_decay).push_back(p.value());
+    params.push_back(p.value());
+    masters.push_back(low ? p.value().detach().to(torch::kFloat).clone() : p.value());
+    (GptImpl::decays(p.key()) ? decay : no_decay).push_back(masters.back());
   }
+  std::vector<torch::Tensor> low_masters = low ? masters : std::vector<torch::Tensor>();
+  LossScaler scaler(o);
   using torch::optim::AdamWOptions;
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(
@@ -302,17 +357,41 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     reset_torch_peak(o);
     const Clock::time_point start = Clock::now();
     optimizer.zero_grad();
+    model->zero_grad();
     torch::Tensor loss = loss_of(model->forward(batch.inputs, [](int) {}), batch.targets);
-    loss.backward();
+    scaler.scaled(loss).backward();
     synchronize(o);
     const Clock::time_point optimizer_start = Clock::now();
-    if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, device);
-    optimizer.step();
-    if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, host);
+    StepRecord r;
+    r.loss_scale = scaler.scale.item<float>();
+    std::vector<torch::Tensor> grads;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (low) masters[i].mutable_grad() = params[i].grad().to(torch::kFloat);
+      grads.push_back(masters[i].grad());
+    }
+    // torch.amp.GradScaler: unscale, and skip the step when a gradient overflowed.
+    torch::Tensor found_inf = torch::zeros({}, scaler.scale.options());
+    if (scaler.enabled) {
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scaler.scale.reciprocal());
+    }
+    r.skipped = found_inf.item<float>() != 0.0f;
+    if (o.clip_grad_norm > 0 && !r.skipped) {
+      r.grad_norm =
+          static_cast<float>(torch::nn::utils::clip_grad_norm_(masters, o.clip_grad_norm));
+    }
+    if (!r.skipped) {
+      if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, device);
+      optimizer.step();
+      if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, host);
+      if (low) {
+        torch::NoGradGuard no_grad;
+        for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
+      }
+    }
+    scaler.update(found_inf);
     synchronize(o);
     const double optimizer_ms = ms_since(optimizer_start);
     const float loss_value = loss.item<float>();
-    StepRecord r;
     r.step = step;
     r.loss = loss_value;
     r.step_ms = ms_since(start);
@@ -331,8 +410,8 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     result.steps.push_back(r);
     if (o.phase_switch_every > 0 && step % o.phase_switch_every == 0) {
       const bool states_resident = which == TorchBaseline::kResident;
-      result.phase_switches.push_back(
-          phase_switch(o, step, torch_phase_switch(o, model, optimizer, states_resident, moved)));
+      result.phase_switches.push_back(phase_switch(
+          o, step, torch_phase_switch(o, model, low_masters, optimizer, states_resident, moved)));
     }
     if (on_step) on_step(result, r);
   }
@@ -343,7 +422,9 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
 
 std::vector<std::int64_t> layer_step_bytes(const TrainOptions& options) {
   std::vector<std::int64_t> out = layer_parameter_counts(options.model);
-  for (std::int64_t& n : out) n *= 4 * 4;  // float32 parameter, gradient and two moments
+  // float32: parameter, gradient and two moments; bfloat16 / float16: parameter and gradient of 2
+  // bytes, master and two moments of 4. Sixteen bytes either way.
+  for (std::int64_t& n : out) n *= 16;
   return out;
 }
 

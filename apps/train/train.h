@@ -40,7 +40,16 @@ struct TrainOptions {
   rt::RoleSet roles = rt::RoleSet::optimizer_states();
   // After every N-th step, a phase switch (apps/train/phase_switch.h); 0: none.
   int phase_switch_every = 0;
+  // The model's parameters and gradients: float32, or bfloat16 / float16 with float32 master
+  // weights (strata's Adam keeps them as optimizer state; PyTorch runs keep a float32 copy).
+  torch::Dtype dtype = torch::kFloat;
+  // Global gradient-norm clipping as torch.nn.utils.clip_grad_norm_; 0: off.
+  double clip_grad_norm = 1.0;
 };
+
+// float16 runs scale the loss dynamically as torch.amp.GradScaler does (these defaults).
+inline constexpr double kInitialLossScale = 65536.0;
+inline constexpr int kLossScaleGrowthInterval = 2000;
 
 struct StepRecord {
   int step = 0;  // 1-based
@@ -52,6 +61,9 @@ struct StepRecord {
   double h2d_gbps = 0;  // over the time the copy streams were busy (0: nothing timed)
   double d2h_gbps = 0;
   double waited_ms = 0;               // time compute waited on prefetches, on the GPU
+  float grad_norm = 0;                // before clipping, as clip_grad_norm_ returns it
+  float loss_scale = 1;               // the step's loss scale (float16)
+  bool skipped = false;               // its gradients held inf/NaN: no parameter changed
   std::int64_t peak_gpu_bytes = 0;    // strata's GPU memory and torch's own, at their peaks
   std::int64_t strata_gpu_bytes = 0;  // of which strata's (GPU tier and staging ring, <= budget)
   double fragmentation[alloc::kNumTiers] = {};  // strata runs: per tier, at the end of the step

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "apps/train/report.h"
+#include "base/strings.h"
 #include "gtest/gtest.h"
 
 namespace strata::apps {
@@ -211,6 +212,61 @@ TEST(StrataTrainTest, PhaseSwitchesUnderEveryPolicyFreeTheGpuAndKeepTheLosses) {
   Outcome bad = run_train("--phase_switch_every=-1");
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_TRUE(contains(bad.output, "--phase_switch_every must be 0 or more")) << bad.output;
+}
+
+// Every field "name" of the runs' steps, in order, as text.
+std::vector<std::string> step_fields(const std::string& json, const std::string& run,
+                                     const std::string& field) {
+  std::vector<std::string> out;
+  std::size_t at = json.find("{\"name\": \"" + run + "\"");
+  if (at == std::string::npos) return out;
+  const std::size_t end = json.find("{\"name\": ", at + 1);
+  const std::string key = "\"" + field + "\": ";
+  for (at = json.find(key, at); at != std::string::npos && at < end; at = json.find(key, at + 1)) {
+    const std::size_t begin = at + key.size();
+    out.push_back(json.substr(begin, json.find_first_of(",}", begin) - begin));
+  }
+  return out;
+}
+
+// Issue "Train the way LLMs are trained": bfloat16 and float16 with float32 master weights,
+// clipping by global norm (and float16's dynamic loss scaling), every role streamed: the strata
+// policies agree bitwise, and each step's norm is PyTorch's clip_grad_norm_'s within 1e-6.
+TEST(StrataTrainTest, MixedPrecisionWithClippingGivesIdenticalLossesAcrossPolicies) {
+  for (const char* dtype : {"bfloat16", "float16"}) {
+    SCOPED_TRACE(dtype);
+    const std::string json = ::testing::TempDir() + "/mixed-" + dtype + ".json";
+    Outcome o = run_train(str_cat("--compare --dtype=", dtype,
+                                  " --clip_grad_norm=1.0 --strata_roles=all --layers=4 --steps=5 "
+                                  "--json=",
+                                  json));
+    ASSERT_EQ(o.exit_code, 0) << o.output;
+    const std::string got = read_file(json);
+    EXPECT_TRUE(contains(got, "\"losses_identical_across_policies\": true")) << got;
+    EXPECT_TRUE(contains(got, str_cat("\"dtype\": \"", dtype, "\""))) << got;
+    EXPECT_TRUE(contains(o.output, "float32 master weights")) << o.output;
+    const std::vector<std::string> torch_norms =
+        step_fields(got, "torch_adamw_resident", "grad_norm");
+    ASSERT_EQ(torch_norms.size(), 5u);
+    for (const char* run : {"bulk", "keep_on_gpu", "layer_prefetch"}) {
+      const std::vector<std::string> norms = step_fields(got, run, "grad_norm");
+      ASSERT_EQ(norms.size(), 5u) << run;
+      // The first step starts from the same weights: the same norm up to its reduction order.
+      const double a = std::stod(norms[0]), b = std::stod(torch_norms[0]);
+      EXPECT_GT(a, 0) << run;
+      EXPECT_LE(std::fabs(a - b) / b, 1e-6) << run << ": " << a << " vs " << b;
+      if (std::string(dtype) == "float16") {
+        EXPECT_EQ(step_fields(got, run, "loss_scale").front(), "65536") << run;
+      }
+    }
+  }
+  Outcome bad = run_train("--dtype=float64");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "--dtype must be float32, bfloat16 or float16, not 'float64'"))
+      << bad.output;
+  bad = run_train("--clip_grad_norm=-1");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "--clip_grad_norm must be a finite number >= 0")) << bad.output;
 }
 
 TEST(StrataTrainTest, ErrorsSayWhatIsWrongWithTheirExitCodes) {
