@@ -258,61 +258,95 @@ TEST(MixedPrecisionTest, Bf16AdamTrainsBitwiseTheSameUnderEveryPolicy) {
 // Note [Skipped steps]: a float16 run whose third step found inf/NaN gradients ends bitwise where
 // a run without that step ends, parameters, masters, moments and step counters alike, as torch's
 // GradScaler with a fused AdamW leaves them; and the skipped step is not counted, in the
-// checkpoint either.
-TEST(MixedPrecisionTest, AStepFoundInfSkippedChangesNothingAndDoesNotCount) {
+// checkpoint either. On the simulated device, and (Gpu*) on the GPU, where the flag and the scale
+// are device memory and the count is kept where the kernels run.
+using Bytes = std::map<std::string, std::vector<unsigned char>>;
+Bytes skip_run(bool cuda, bool with_skipped_step, std::int64_t* count, std::string* checkpoint) {
   constexpr std::size_t kNumel = 3000;
   using rt::DType;
   using rt::Role;
-  auto run = [&](bool with_skipped_step, std::int64_t* count, std::string* checkpoint) {
-    rt::testing::Made made = rt::testing::make_runtime(
+  std::unique_ptr<rt::Runtime> owned;
+  rt::testing::Made made;
+  if (cuda) {
+    rt::RuntimeOptions options;
+    options.device = rt::DeviceKind::kCuda;
+    options.policy = "layer_prefetch";
+    options.policy_config = {.prefetch_depth = 1, .roles = rt::RoleSet::all()};
+    owned = *rt::Runtime::create(std::move(options), policy::builtin_policies());
+  } else {
+    made = rt::testing::make_runtime(
         "layer_prefetch", {.prefetch_depth = 1, .roles = rt::RoleSet::all()}, /*deferred=*/true);
-    rt::Runtime& runtime = *made.rt;
-    std::vector<std::uint16_t> w(kNumel);
-    for (std::size_t i = 0; i < kNumel; ++i) w[i] = float_to_f16(0.001f * (i % 89) - 0.04f);
-    auto p = runtime.register_tensor(
-        rt::testing::spec("w", 0, Role::kParameter, kNumel, DType::kFloat16), w.data());
-    auto g = runtime.register_tensor(
-        rt::testing::spec("w.grad", 0, Role::kGradient, kNumel, DType::kFloat16));
-    AdamOptions o;
-    o.groups.push_back({.params = {{*p, *g}}, .hyper = {.lr = 1e-2f, .weight_decay = 0.1f}});
-    auto adam = Adam::create(runtime, o);
-    EXPECT_TRUE(adam.ok()) << adam.status();
-    const float scale = 1024.0f;
-    float found_inf = 0.0f;
-    std::vector<std::uint16_t> grad(kNumel);
-    int n = 0;
-    for (int step = 1; step <= 6; ++step) {
-      const bool skip = step == 3;
-      if (skip && !with_skipped_step) continue;
-      ++n;
-      for (std::size_t i = 0; i < kNumel; ++i) {
-        // Scaled gradients; the skipped step's hold an inf.
-        grad[i] = float_to_f16(skip && i == 7 ? INFINITY : scale * 1e-4f * ((i + step) % 17));
-      }
-      found_inf = skip ? 1.0f : 0.0f;
-      EXPECT_TRUE(runtime.write(*g, grad.data()).ok());
-      EXPECT_TRUE((*adam)->step(&scale, &found_inf).ok());
-      EXPECT_TRUE(runtime.wait_all().ok());
+  }
+  rt::Runtime& runtime = cuda ? *owned : *made.rt;
+  std::vector<std::uint16_t> w(kNumel);
+  for (std::size_t i = 0; i < kNumel; ++i) w[i] = float_to_f16(0.001f * (i % 89) - 0.04f);
+  auto p = runtime.register_tensor(
+      rt::testing::spec("w", 0, Role::kParameter, kNumel, DType::kFloat16), w.data());
+  auto g = runtime.register_tensor(
+      rt::testing::spec("w.grad", 0, Role::kGradient, kNumel, DType::kFloat16));
+  AdamOptions o;
+  o.groups.push_back({.params = {{*p, *g}}, .hyper = {.lr = 1e-2f, .weight_decay = 0.1f}});
+  auto adam = Adam::create(runtime, o);
+  EXPECT_TRUE(adam.ok()) << adam.status();
+  // {scale, found_inf}, where the kernels read them.
+  float flags_host[2] = {1024.0f, 0.0f};
+  float* flags = flags_host;
+#ifdef STRATA_HAS_CUDA
+  void* device_flags = nullptr;
+  if (cuda) {
+    EXPECT_EQ(cudaMalloc(&device_flags, sizeof(flags_host)), cudaSuccess);
+    flags = static_cast<float*>(device_flags);
+  }
+#endif
+  std::vector<std::uint16_t> grad(kNumel);
+  for (int step = 1; step <= 6; ++step) {
+    const bool skip = step == 3;
+    if (skip && !with_skipped_step) continue;
+    for (std::size_t i = 0; i < kNumel; ++i) {
+      // Scaled gradients; the skipped step's hold an inf.
+      grad[i] = float_to_f16(skip && i == 7 ? INFINITY : 1024.0f * 1e-4f * ((i + step) % 17));
     }
-    *count = (*adam)->step_count(0);
-    std::stringstream file;
-    EXPECT_TRUE((*adam)->save(file).ok());
-    *checkpoint = file.str();
-    std::map<std::string, std::vector<unsigned char>> out;
-    for (rt::TensorHandle h : runtime.tensors()) {
-      out[runtime.info(h)->spec.name] = rt::testing::read_all(runtime, h);
+    flags_host[1] = skip ? 1.0f : 0.0f;
+#ifdef STRATA_HAS_CUDA
+    if (cuda) {
+      EXPECT_EQ(cudaMemcpy(flags, flags_host, sizeof(flags_host), cudaMemcpyHostToDevice),
+                cudaSuccess);
     }
-    out.erase("w.grad");
-    return out;
-  };
+#endif
+    EXPECT_TRUE(runtime.write(*g, grad.data()).ok());
+    EXPECT_TRUE((*adam)->step(flags, flags + 1).ok());
+    EXPECT_TRUE(runtime.wait_all().ok());
+    EXPECT_TRUE(runtime.device().stream_synchronize(runtime.compute_stream()).ok());
+  }
+  *count = (*adam)->step_count(0);
+  std::stringstream file;
+  EXPECT_TRUE((*adam)->save(file).ok());
+  *checkpoint = file.str();
+  Bytes out;
+  for (rt::TensorHandle h : runtime.tensors()) {
+    out[runtime.info(h)->spec.name] = rt::testing::read_all(runtime, h);
+  }
+  out.erase("w.grad");
+  adam->reset();
+#ifdef STRATA_HAS_CUDA
+  if (device_flags != nullptr) cudaFree(device_flags);
+#endif
+  return out;
+}
+
+void expect_skipped_step_changes_nothing(bool cuda) {
   std::int64_t skipped_count = 0, plain_count = 0;
   std::string skipped_file, plain_file;
-  const auto skipped = run(true, &skipped_count, &skipped_file);
-  const auto plain = run(false, &plain_count, &plain_file);
+  const Bytes skipped = skip_run(cuda, true, &skipped_count, &skipped_file);
+  const Bytes plain = skip_run(cuda, false, &plain_count, &plain_file);
   EXPECT_EQ(skipped, plain);
   EXPECT_EQ(skipped_count, 5);
   EXPECT_EQ(plain_count, 5);
   EXPECT_EQ(skipped_file, plain_file);
+}
+
+TEST(MixedPrecisionTest, AStepFoundInfSkippedChangesNothingAndDoesNotCount) {
+  expect_skipped_step_changes_nothing(/*cuda=*/false);
 }
 
 #ifdef STRATA_HAS_CUDA
@@ -337,6 +371,10 @@ std::vector<T> download(const T* d, std::size_t n) {
   std::vector<T> out(n);
   EXPECT_EQ(cudaMemcpy(out.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
   return out;
+}
+
+TEST_F(GpuMixedPrecisionTest, GpuAStepFoundInfSkippedChangesNothingAndDoesNotCount) {
+  expect_skipped_step_changes_nothing(/*cuda=*/true);
 }
 
 TEST_F(GpuMixedPrecisionTest, GpuGivesTheCpuKernelsBitsForEveryDtypePair) {
