@@ -9,9 +9,12 @@ OUT=${1:?usage: tools/gpu/run_mixed.sh OUT_DIR}
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
-gpu_build "$OUT" strata-train || exit 1
+gpu_build "$OUT" strata-train optim_mixed_precision_test || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
+echo "== the mixed-precision suite"
+"$BUILD/bin/optim_mixed_precision_test" >"$OUT/mixed-test.log" 2>&1 || status=1
+grep -E "^\[ +(OK|FAILED|SKIPPED) " "$OUT/mixed-test.log"
 echo "== float16 --compare, 8 blocks"
 "$BUILD/bin/strata-train" --compare --dtype=float16 --strata_roles=all --layers=8 --steps=6 \
   --json="$OUT/compare-f16.json" >"$OUT/compare-f16.log" 2>&1 || status=1
