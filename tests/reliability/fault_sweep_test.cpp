@@ -6,10 +6,11 @@
 //
 // Sites: each upstream's allocations (the three tiers, the runtime's staging ring and bounce
 // buffers), failing from the k-th call on, either for the one runtime call that meets the first
-// failure (a shortage that passes, whatever the pool and the runtime retry meanwhile) or for good; each kind of device
-// call failing once; and sticky device errors (every call of every kind fails from the k-th copy,
-// an asynchronous error, or the k-th host wait on). For every site and k up to the calls that site
-// sees in the fault-free run, the k-th call fails. Every scenario call that fails is checked:
+// failure (a shortage that passes, whatever the pool and the runtime retry meanwhile) or for good;
+// each kind of device call failing once; and sticky device errors (every call of every kind fails
+// from the k-th copy, an asynchronous error, or the k-th host wait on). For every site and k up to
+// the calls that site sees in the fault-free run, the k-th call fails. Every scenario call that
+// fails is checked:
 //   - without waiting for anything: the error is typed and carries its cause; the registry (names,
 //     sizes, roles, layers) is as before; for calls other than hooks, holds and placement (where
 //     each tensor is or is going, staged or not) are as before;
@@ -663,12 +664,18 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
     auto rt = *Runtime::create(std::move(options), policy::builtin_policies());
     std::vector<std::pair<TensorHandle, TensorHandle>> params;
     std::vector<float> values(kNumel);
+    std::vector<std::uint16_t> low(kNumel);
     for (int l = 0; l < kAdamLayers; ++l) {
       for (std::size_t i = 0; i < kNumel; ++i) values[i] = 0.001f * static_cast<float>(i % 977 + l);
+      // Odd layers in bfloat16, stepped through float32 master copies (Note [Mixed precision]).
+      const bool bf16 = l % 2 == 1;
+      for (std::size_t i = 0; i < kNumel; ++i) low[i] = optim::float_to_bf16(values[i]);
+      const DType dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
+      const void* data = bf16 ? static_cast<const void*>(low.data()) : values.data();
       TensorHandle p =
-          *rt->register_tensor(spec(str_cat("a", l), l, Role::kParameter, kNumel), values.data());
+          *rt->register_tensor(spec(str_cat("a", l), l, Role::kParameter, kNumel, dtype), data);
       TensorHandle g = *rt->register_tensor(
-          spec(str_cat("a", l, ".grad"), l, Role::kGradient, kNumel), values.data());
+          spec(str_cat("a", l, ".grad"), l, Role::kGradient, kNumel, dtype), data);
       params.push_back({p, g});
     }
     optim::AdamOptions o;
