@@ -6,7 +6,8 @@
 // before that: add_layer() queues the layer's sum of squares and its inf/NaN check on torch's
 // current stream. After backward, grad_scale() gives Adam the one device scalar its kernel divides
 // gradients by (the loss scale, and the clip coefficient of torch.nn.utils.clip_grad_norm_), and
-// found_inf() the flag a step is skipped by (Note [Skipped steps] in optim/adam_math.h). Partial
+// found_inf() the flag a step is skipped by (Note [Skipped steps] in optim/adam_math.h). Misuse
+// (a layer added twice in a step, totals with no layer added) throws kFailedPrecondition. Partial
 // sums are added in layer order, so the result does not depend on where the policy keeps the
 // gradients.
 //
@@ -50,6 +51,8 @@ class GradientStats {
   bool empty() const { return norms_.empty(); }
 
  private:
+  // Throws kFailedPrecondition when no layer was added this step.
+  void require_layers() const;
   // The total is the norm of every tensor's norm, in layer order, as clip_grad_norm_ takes it.
   std::map<int, at::Tensor> norms_;
   std::map<int, at::Tensor> non_finite_;

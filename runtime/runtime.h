@@ -225,7 +225,7 @@ class Runtime {
   // acquire cannot move: offload_all fails naming it, having moved nothing of it.
   [[nodiscard]] absl::Status offload_all(OffloadOptions options = {});
   [[nodiscard]] absl::Status reload_all();
-  // Whether offload_all moved tensors that reload_all has not brought back.
+  // Whether the runtime is between offload_all and reload_all.
   bool offloaded() const;
   std::vector<int> optimizer_layer_order() const;
 

@@ -47,7 +47,7 @@ struct Runtime::Impl {
     bool in_optimizer_step = false;
     // end_optimizer_step was called but the policy could not finish its end of step.
     bool optimizer_unfinished = false;
-    // offload_all moved tensors that reload_all has not brought back (Note [Phase switches]).
+    // Between offload_all and reload_all (Note [Phase switches]).
     bool offloaded = false;
   };
 

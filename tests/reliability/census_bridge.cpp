@@ -4,6 +4,7 @@
 // from it. Nothing changes: the runtime holds nothing after a refusal.
 #include <string>
 
+#include "bridge/grad_stats.h"
 #include "bridge/status.h"
 #include "bridge/torch_runtime.h"
 #include "gtest/gtest.h"
@@ -110,6 +111,21 @@ TEST_F(BridgeCensusTest, ModulesItRefuses) {
                  absl::StatusCode::kFailedPrecondition,
                  "register_gradients: parameter '0.weight' has no gradient; run a backward pass "
                  "(or set its .grad()) first");
+}
+
+// Gradient clipping's and loss scaling's layer-by-layer totals (bridge/grad_stats.h).
+TEST(GradientStatsCensusTest, MisuseSaysWhatWasExpected) {
+  GradientStats stats;
+  expect_refused("gradient totals before any layer was added",
+                 thrown([&] { (void)stats.total_norm(); }), absl::StatusCode::kFailedPrecondition,
+                 "GradientStats: no layer's gradients were added this step (add_layer after "
+                 "each layer's backward)");
+  stats.add_layer(3, {torch::ones({4})});
+  expect_refused("a layer's gradients added twice in one step",
+                 thrown([&] { stats.add_layer(3, {torch::ones({4})}); }),
+                 absl::StatusCode::kFailedPrecondition,
+                 "GradientStats: layer 3 was added twice in one step; reset() between steps");
+  EXPECT_FLOAT_EQ(stats.total_norm().item<float>(), 2.0f);
 }
 
 }  // namespace
