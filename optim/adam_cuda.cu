@@ -11,10 +11,13 @@ constexpr int kMaxBlocks = 320;
 constexpr std::int64_t kChunk = 65536;  // elements per block; a multiple of 4 keeps float4 aligned
 constexpr int kThreads = 512;
 
-// Passed by value: 3.0 KB, under the 4 KB kernel-argument limit of older toolchains.
+// Passed by value: 3.1 KB, under the 4 KB kernel-argument limit of older toolchains.
 struct Meta {
   AdamTensor t[kMaxTensors];
   bool vec[kMaxTensors];  // float32 throughout, no master, all pointers 16-byte aligned
+  // A bfloat16 / float16 parameter with its master: master and moments 16-byte aligned, the
+  // parameter and a low-precision gradient 8-byte aligned (a float32 gradient 16).
+  bool vec_low[kMaxTensors];
   unsigned char block_tensor[kMaxBlocks];
   int block_chunk[kMaxBlocks];
 };
@@ -26,6 +29,49 @@ __device__ __forceinline__ void update4(float4& p, const float4& g, float4& m, f
   adam_element(p.y, g.y, m.y, v.y, nullptr, s, inv);
   adam_element(p.z, g.z, m.z, v.z, nullptr, s, inv);
   adam_element(p.w, g.w, m.w, v.w, nullptr, s, inv);
+}
+
+// Four elements of a bfloat16 / float16 (8 bytes) or float32 (16 bytes) tensor from index i.
+__device__ __forceinline__ void load4(const void* base, ElemType type, std::int64_t i, float* out) {
+  if (type == ElemType::kF32) {
+    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    out[0] = f.x;
+    out[1] = f.y;
+    out[2] = f.z;
+    out[3] = f.w;
+    return;
+  }
+  const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const std::uint16_t*>(base) + i);
+  const std::uint16_t h[4] = {
+      static_cast<std::uint16_t>(u.x & 0xffffu), static_cast<std::uint16_t>(u.x >> 16),
+      static_cast<std::uint16_t>(u.y & 0xffffu), static_cast<std::uint16_t>(u.y >> 16)};
+  for (int k = 0; k < 4; ++k)
+    out[k] = type == ElemType::kBF16 ? bf16_to_float(h[k]) : f16_to_float(h[k]);
+}
+
+__device__ __forceinline__ std::uint32_t to_low(float v, ElemType type) {
+  return type == ElemType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
+}
+
+// Note [Mixed precision] four elements at a time: 28 bytes a parameter through HBM (master,
+// moments and gradient read; master, moments and parameter written).
+__device__ __forceinline__ void update_low4(const AdamTensor& x, std::int64_t i,
+                                            const AdamScalars& s, float inv) {
+  float4 pm = *reinterpret_cast<float4*>(x.master + i);
+  float4 mm = *reinterpret_cast<float4*>(x.exp_avg + i);
+  float4 vv = *reinterpret_cast<float4*>(x.exp_avg_sq + i);
+  float g[4];
+  load4(x.grad, x.grad_type, i, g);
+  adam_element(pm.x, g[0], mm.x, vv.x, nullptr, s, inv);
+  adam_element(pm.y, g[1], mm.y, vv.y, nullptr, s, inv);
+  adam_element(pm.z, g[2], mm.z, vv.z, nullptr, s, inv);
+  adam_element(pm.w, g[3], mm.w, vv.w, nullptr, s, inv);
+  *reinterpret_cast<float4*>(x.master + i) = pm;
+  *reinterpret_cast<float4*>(x.exp_avg + i) = mm;
+  *reinterpret_cast<float4*>(x.exp_avg_sq + i) = vv;
+  const uint2 packed = {to_low(pm.x, x.param_type) | (to_low(pm.y, x.param_type) << 16),
+                        to_low(pm.z, x.param_type) | (to_low(pm.w, x.param_type) << 16)};
+  *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(x.param) + i) = packed;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -54,6 +100,14 @@ __global__ void __launch_bounds__(kThreads)
   float* m = x.exp_avg;
   float* v = x.exp_avg_sq;
   std::int64_t i = begin + threadIdx.x * 4;
+  if (meta.vec_low[t] && !s.amsgrad) {
+    for (; i + 3 < end; i += static_cast<std::int64_t>(blockDim.x) * 4) update_low4(x, i, s, inv);
+    const std::int64_t tail = begin + ((end - begin) & ~std::int64_t{3});
+    for (std::int64_t j = tail + threadIdx.x; j < end; j += blockDim.x) {
+      adam_tensor_element(x, j, s, inv);
+    }
+    return;
+  }
   if (meta.vec[t] && !s.amsgrad) {
     for (; i + 3 < end; i += static_cast<std::int64_t>(blockDim.x) * 4) {
       float4 pp = *reinterpret_cast<float4*>(p + i);
@@ -78,6 +132,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15) == 0; }
+bool aligned8(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 7) == 0; }
 
 __global__ void count_skipped_kernel(std::int64_t* skipped, int groups, const float* found_inf) {
   if (static_cast<int>(threadIdx.x) < groups && *found_inf != 0.0f) ++skipped[threadIdx.x];
@@ -120,6 +175,10 @@ cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const A
         meta.vec[slot] = x.param_type == ElemType::kF32 && x.grad_type == ElemType::kF32 &&
                          x.master == nullptr && aligned16(x.param) && aligned16(x.grad) &&
                          aligned16(x.exp_avg) && aligned16(x.exp_avg_sq);
+        meta.vec_low[slot] = x.param_type != ElemType::kF32 && x.master != nullptr &&
+                             aligned16(x.master) && aligned16(x.exp_avg) &&
+                             aligned16(x.exp_avg_sq) && aligned8(x.param) &&
+                             (x.grad_type == ElemType::kF32 ? aligned16(x.grad) : aligned8(x.grad));
       }
       meta.block_tensor[blocks] = static_cast<unsigned char>(tensors_in - 1);
       meta.block_chunk[blocks] = static_cast<int>(c);
