@@ -154,11 +154,12 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
       cause = grown.status();
     }
   }
+  absl::Status waited;
   if (block == nullptr && segment_size_for(size, small) <= budget_->limit()) {
     // The named chain of fallbacks: wait for blocks behind stream events, return cached segments to
     // the upstream, then try once more.
     ++stats_.num_alloc_retries;
-    (void)wait_all_pending_locked();
+    waited = wait_all_pending_locked();
     block = take_best_fit_locked(options.stream, small, size);
     if (block == nullptr) {
       release_cached_segments_locked();
@@ -172,7 +173,13 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
   }
   if (block == nullptr) {
     ++stats_.num_ooms;
-    return absl::ResourceExhaustedError(oom_message_locked(size, bytes, cause));
+    std::string message = oom_message_locked(size, bytes, cause);
+    // Blocks still waiting behind their events are part of what could not be had: say why.
+    if (!waited.ok()) {
+      str_append(&message,
+                 "; blocks behind copy events could not be waited for: ", waited.message());
+    }
+    return absl::ResourceExhaustedError(message);
   }
 
   split_locked(block, size);

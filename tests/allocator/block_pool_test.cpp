@@ -255,6 +255,27 @@ TEST(PoolBudgetTest, OutOfMemoryWaitsForPendingEventsFirst) {
   ASSERT_TRUE(pool.deallocate(*b).ok());
 }
 
+// The fault sweep (seed 724605580) found an out-of-memory error that hid its cause: the blocks
+// behind copy events could not be waited for, and the message said only that the budget was full.
+TEST(PoolBudgetTest, OutOfMemoryWhoseEventWaitFailedSaysSo) {
+  auto ops = std::make_shared<SimulatedStreamOps>();
+  BlockPool pool({.tier = Tier::kGpu, .budget = 8 * kMiB}, address_only_device(), ops);
+  auto* copy = reinterpret_cast<StreamHandle>(0x2);
+  absl::StatusOr<void*> a = pool.allocate(8 * kMiB);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(pool.record_stream(*a, copy).ok());
+  ops->hold();
+  ops->set_synchronize_completes(false);  // a stuck stream: the wait fails
+  ASSERT_TRUE(pool.deallocate(*a).ok());
+  absl::StatusOr<void*> b = pool.allocate(8 * kMiB);
+  ASSERT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(b.status().message().find("; blocks behind copy events could not be waited for: "),
+            std::string_view::npos)
+      << b.status();
+  ops->set_synchronize_completes(true);
+  ASSERT_TRUE(pool.synchronize_pending().ok());
+}
+
 TEST(PoolBudgetTest, OutOfMemoryReturnsCachedSegmentsOfOtherStreamsFirst) {
   auto ops = std::make_shared<SimulatedStreamOps>();
   BlockPool pool({.tier = Tier::kGpu, .budget = 10 * kMiB}, address_only_device(), ops);
