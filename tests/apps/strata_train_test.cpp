@@ -177,43 +177,6 @@ std::size_t count(const std::string& text, const std::string& part) {
   return n;
 }
 
-// --phase_switch_every under every policy (at 65a4426 offload_all moved nothing under keep_on_gpu
-// and layer_prefetch): each switch leaves strata no GPU memory, pins no host memory after the
-// first, and training goes on with the losses of a run without switches, bitwise.
-TEST(StrataTrainTest, PhaseSwitchesUnderEveryPolicyFreeTheGpuAndKeepTheLosses) {
-  const std::string model = "--compare --steps=4 --layers=3 --strata_roles=all ";
-  const std::string switched = ::testing::TempDir() + "/switched.json";
-  Outcome o = run_train(model + "--phase_switch_every=2 --json=" + switched);
-  ASSERT_EQ(o.exit_code, 0) << o.output;
-  EXPECT_TRUE(contains(o.output, "[layer_prefetch] phase switch after step 2: offload"))
-      << o.output;
-  EXPECT_TRUE(contains(o.output, "phase switches every 2 steps")) << o.output;
-  const std::string reference = ::testing::TempDir() + "/unswitched.json";
-  Outcome r = run_train(model + "--json=" + reference);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  const std::string got = read_file(switched), want = read_file(reference);
-  // Two switches in each of the five runs, every one leaving nothing on the GPU.
-  EXPECT_EQ(count(got, "\"gpu_reserved_after_offload_bytes\": "), 10u) << got;
-  EXPECT_EQ(count(got, "\"gpu_reserved_after_offload_bytes\": 0,"), 10u) << got;
-  for (const char* run : {"bulk", "keep_on_gpu", "layer_prefetch"}) {
-    EXPECT_EQ(run_field(got, run, "final_loss"), run_field(want, run, "final_loss")) << run;
-    // Streamed roles rest on the host already; what the GPU holds (keep_on_gpu's tensors, the
-    // others' staging rings) goes back to the driver all the same.
-    EXPECT_NE(run_field(got, run, "gpu_bytes_before_offload"), "0") << run;
-    EXPECT_NE(run_field(got, run, "rollout_stand_in_bytes"), "0") << run;
-  }
-  EXPECT_NE(run_field(got, "keep_on_gpu", "offloaded_bytes"), "0");
-  EXPECT_TRUE(contains(got, "\"losses_identical_across_policies\": true"));
-  // The second switch of a run allocates no pinned memory: the first one's comes back to the pool.
-  const std::size_t second =
-      got.find("{\"after_step\": 4", got.find("{\"name\": \"layer_prefetch\""));
-  ASSERT_NE(second, std::string::npos);
-  EXPECT_EQ(got.substr(got.find("\"pinned_allocations\": ", second) + 22, 2), "0,");
-  Outcome bad = run_train("--phase_switch_every=-1");
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_TRUE(contains(bad.output, "--phase_switch_every must be 0 or more")) << bad.output;
-}
-
 // Every field "name" of the runs' steps, in order, as text.
 std::vector<std::string> step_fields(const std::string& json, const std::string& run,
                                      const std::string& field) {
@@ -227,6 +190,52 @@ std::vector<std::string> step_fields(const std::string& json, const std::string&
     out.push_back(json.substr(begin, json.find_first_of(",}", begin) - begin));
   }
   return out;
+}
+
+// --phase_switch_every under every policy (at 65a4426 offload_all moved nothing under keep_on_gpu
+// and layer_prefetch): each switch leaves strata no GPU memory, pins no host memory after the
+// first, and training goes on with the losses of a run without switches, bitwise.
+void expect_phase_switches_keep_the_losses(const std::string& dtype) {
+  const std::string model =
+      str_cat("--compare --steps=4 --layers=3 --strata_roles=all --dtype=", dtype, " ");
+  const std::string switched = ::testing::TempDir() + "/switched-" + dtype + ".json";
+  Outcome o = run_train(model + "--phase_switch_every=2 --json=" + switched);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(contains(o.output, "[layer_prefetch] phase switch after step 2: offload"))
+      << o.output;
+  EXPECT_TRUE(contains(o.output, "phase switches every 2 steps")) << o.output;
+  const std::string reference = ::testing::TempDir() + "/unswitched-" + dtype + ".json";
+  Outcome r = run_train(model + "--json=" + reference);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string got = read_file(switched), want = read_file(reference);
+  // Two switches in each of the five runs, every one leaving nothing on the GPU.
+  EXPECT_EQ(count(got, "\"gpu_reserved_after_offload_bytes\": "), 10u) << got;
+  EXPECT_EQ(count(got, "\"gpu_reserved_after_offload_bytes\": 0,"), 10u) << got;
+  for (const char* run : {"bulk", "keep_on_gpu", "layer_prefetch"}) {
+    EXPECT_EQ(step_fields(got, run, "loss"), step_fields(want, run, "loss")) << run;
+    EXPECT_EQ(step_fields(got, run, "loss").size(), 4u) << run;
+    // Streamed roles rest on the host already; what the GPU holds (keep_on_gpu's tensors, the
+    // others' staging rings) goes back to the driver all the same.
+    EXPECT_NE(run_field(got, run, "gpu_bytes_before_offload"), "0") << run;
+    EXPECT_NE(run_field(got, run, "rollout_stand_in_bytes"), "0") << run;
+  }
+  EXPECT_NE(run_field(got, "keep_on_gpu", "offloaded_bytes"), "0");
+  EXPECT_TRUE(contains(got, "\"losses_identical_across_policies\": true"));
+  // The second switch of a run allocates no pinned memory: the first one's comes back to the pool.
+  const std::size_t second =
+      got.find("{\"after_step\": 4", got.find("{\"name\": \"layer_prefetch\""));
+  ASSERT_NE(second, std::string::npos);
+  EXPECT_EQ(got.substr(got.find("\"pinned_allocations\": ", second) + 22, 2), "0,");
+}
+
+TEST(StrataTrainTest, PhaseSwitchesUnderEveryPolicyFreeTheGpuAndKeepTheLosses) {
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    SCOPED_TRACE(dtype);
+    expect_phase_switches_keep_the_losses(dtype);
+  }
+  Outcome bad = run_train("--phase_switch_every=-1");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "--phase_switch_every must be 0 or more")) << bad.output;
 }
 
 // Issue "Train the way LLMs are trained": bfloat16 and float16 with float32 master weights,
