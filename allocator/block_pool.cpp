@@ -1,6 +1,7 @@
 #include "allocator/block_pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <type_traits>
 #include <utility>
@@ -10,6 +11,15 @@
 #include "base/units.h"
 
 namespace strata::alloc {
+namespace {
+
+std::int64_t elapsed_ns(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                              start)
+      .count();
+}
+
+}  // namespace
 
 bool BlockPool::BlockLess::operator()(const Block* a, const Block* b) const {
   const auto sa = reinterpret_cast<std::uintptr_t>(a->stream);
@@ -216,8 +226,11 @@ absl::StatusOr<BlockPool::Block*> BlockPool::grow_locked(std::size_t size, bool 
   // Note: no lock is held across the upstream call (cudaMalloc can take milliseconds); the
   // segment's bytes are in the budget meanwhile.
   mu_.unlock();
+  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<void*> memory = upstream_->allocate(segment_size);
+  const std::int64_t took = elapsed_ns(start);
   mu_.lock();
+  stats_.upstream_alloc_ns += took;
   if (!memory.ok()) {
     budget_->release(segment_size);
     return absl::Status(memory.status().code(),
@@ -495,8 +508,11 @@ std::size_t BlockPool::release_cached_segments_locked() {
         stream_ops_->release(*event);
       }
     }
+    const auto start = std::chrono::steady_clock::now();
     if (s.ok()) s = upstream_->deallocate(segment->base, segment->size);
+    const std::int64_t took = elapsed_ns(start);
     mu_.lock();
+    stats_.upstream_free_ns += took;
     if (!s.ok()) {
       std::fprintf(stderr, "strata: keeping a segment of tier %s: %s\n",
                    std::string(tier_name(config_.tier)).c_str(), std::string(s.message()).c_str());

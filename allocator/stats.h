@@ -36,6 +36,8 @@ namespace strata::alloc {
   X(num_frees, kCounter, "successful deallocate calls")                                            \
   X(num_segment_allocs, kCounter, "upstream allocate calls that succeeded (cudaMalloc, ...)")      \
   X(num_segment_frees, kCounter, "segments returned to the upstream")                              \
+  X(upstream_alloc_ns, kCounter, "nanoseconds spent in upstream allocate calls (cudaMalloc, ...)") \
+  X(upstream_free_ns, kCounter, "nanoseconds spent in upstream deallocate calls (cudaFree, ...)")  \
   X(num_alloc_retries, kCounter, "allocations that freed cached segments or waited, then retried") \
   X(num_ooms, kCounter, "allocations that ended in out of memory")                                 \
   X(num_event_waits, kCounter, "host waits on stream events to reclaim blocks")                    \

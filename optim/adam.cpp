@@ -65,7 +65,7 @@ absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_
 
 // Hyperparameters torch.optim.AdamW would accept; NaN fails every comparison, so it is refused too.
 absl::Status Adam::check_hyper(const AdamHyper& h, std::size_t group) {
-  auto bad = [&](std::string_view what, float value, std::string_view want) {
+  auto bad = [&](std::string_view what, double value, std::string_view want) {
     return absl::InvalidArgumentError(
         str_cat("Adam: group ", group, ": ", what, " ", value, " is invalid; ", want));
   };
@@ -234,7 +234,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   return adam;
 }
 
-absl::Status Adam::set_lr(std::size_t group, float lr) {
+absl::Status Adam::set_lr(std::size_t group, double lr) {
   if (group >= groups_.size()) {
     return absl::InvalidArgumentError(str_cat("Adam: no parameter group ", group));
   }
@@ -243,6 +243,20 @@ absl::Status Adam::set_lr(std::size_t group, float lr) {
         str_cat("Adam: group ", group, ": lr ", lr, " is invalid; use a finite lr >= 0"));
   }
   groups_[group].hyper.lr = lr;
+  return absl::OkStatus();
+}
+
+absl::Status Adam::set_hyper(std::size_t group, const AdamHyper& hyper) {
+  if (group >= groups_.size()) {
+    return absl::InvalidArgumentError(str_cat("Adam: no parameter group ", group));
+  }
+  STRATA_RETURN_IF_ERROR(check_hyper(hyper, group));
+  if (hyper.amsgrad != groups_[group].hyper.amsgrad) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: group ", group, ": amsgrad cannot change after the optimizer is made (",
+                groups_[group].hyper.amsgrad ? "on" : "off", " here)"));
+  }
+  groups_[group].hyper = hyper;
   return absl::OkStatus();
 }
 

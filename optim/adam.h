@@ -13,7 +13,7 @@
 // Example:
 //   AdamOptions options;
 //   options.groups.push_back({.params = {{w0, w0_grad}, {w1, w1_grad}},
-//                             .hyper = {.lr = 1e-3f, .weight_decay = 0.01f}});
+//                             .hyper = {.lr = 1e-3, .weight_decay = 0.01}});
 //   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Adam> adam, Adam::create(runtime, options));
 //   ...backward...
 //   STRATA_RETURN_IF_ERROR(adam->step());
@@ -84,7 +84,10 @@ class Adam {
   const std::vector<rt::TensorHandle>& last_step_parameters() const { return last_step_; }
   std::vector<int> last_step_layers() const;
 
-  [[nodiscard]] absl::Status set_lr(std::size_t group, float lr);
+  [[nodiscard]] absl::Status set_lr(std::size_t group, double lr);
+  // Every hyperparameter of a group at once, as torch reads its param_groups at each step (an LR
+  // schedule, a weight-decay change). amsgrad cannot change: its states exist or do not.
+  [[nodiscard]] absl::Status set_hyper(std::size_t group, const AdamHyper& hyper);
   // Steps taken by the group: a step that a found_inf flag skipped does not count (Note [Skipped
   // steps] in adam_math.h). Once a step was given a flag, this waits for the compute stream.
   std::int64_t step_count(std::size_t group) const;

@@ -4,11 +4,12 @@
 // [Untrusted checkpoints]).
 //
 // Format (little-endian, as the machine writes it):
-//   "STRATA-ADAM-2\n", u32 groups, per group {i64 step, f32 lr, beta1, beta2, eps, weight_decay,
+//   "STRATA-ADAM-3\n", u32 groups, per group {i64 step, f64 lr, beta1, beta2, eps, weight_decay,
 //   u8 decoupled, amsgrad, maximize}, u32 tensors, per tensor {u32 name length, name, u64 bytes,
 //   bytes}, u64 FNV-1a of everything before it.
-// Version 1 ("STRATA-ADAM-1\n") stored each group's AdamHyper as its 24 raw bytes (the same fields,
-// then one byte of padding); load reads both.
+// Version 2 ("STRATA-ADAM-2\n") stored the hyperparameters as f32, and version 1
+// ("STRATA-ADAM-1\n") as the 24 raw bytes of the float32 AdamHyper of its day (the f32 fields, the
+// flags, one byte of padding); load reads all three.
 #include <cstring>
 #include <istream>
 #include <ostream>
@@ -25,6 +26,7 @@ namespace {
 
 constexpr std::string_view kMagic1 = "STRATA-ADAM-1\n";
 constexpr std::string_view kMagic2 = "STRATA-ADAM-2\n";
+constexpr std::string_view kMagic3 = "STRATA-ADAM-3\n";
 // Reads grow their buffers in pieces of this size as the bytes arrive, so what a file claims
 // costs nothing until it is there.
 constexpr std::size_t kReadPiece = 64 * 1024;
@@ -97,20 +99,27 @@ absl::Status corrupt(std::string_view what) {
 }
 
 bool read_hyper(Reader& r, int version, AdamHyper& h, bool& bools_ok) {
-  unsigned char raw[24];
-  const std::size_t size = version == 1 ? 24 : 23;
-  if (!r.bytes(raw, size)) return false;
-  float f[5];
-  std::memcpy(f, raw, sizeof(f));
+  double f[5];
+  unsigned char flags[3];
+  if (version == 3) {
+    if (!r.bytes(f, sizeof(f)) || !r.bytes(flags, sizeof(flags))) return false;
+  } else {
+    unsigned char raw[24];
+    if (!r.bytes(raw, version == 1 ? 24 : 23)) return false;
+    float narrow[5];
+    std::memcpy(narrow, raw, sizeof(narrow));
+    for (int i = 0; i < 5; ++i) f[i] = narrow[i];
+    std::memcpy(flags, raw + sizeof(narrow), sizeof(flags));
+  }
   h.lr = f[0];
   h.beta1 = f[1];
   h.beta2 = f[2];
   h.eps = f[3];
   h.weight_decay = f[4];
-  bools_ok = raw[20] <= 1 && raw[21] <= 1 && raw[22] <= 1;
-  h.decoupled = raw[20] == 1;
-  h.amsgrad = raw[21] == 1;
-  h.maximize = raw[22] == 1;
+  bools_ok = flags[0] <= 1 && flags[1] <= 1 && flags[2] <= 1;
+  h.decoupled = flags[0] == 1;
+  h.amsgrad = flags[1] == 1;
+  h.maximize = flags[2] == 1;
   return true;
 }
 
@@ -118,12 +127,12 @@ bool read_hyper(Reader& r, int version, AdamHyper& h, bool& bools_ok) {
 
 absl::Status Adam::save(std::ostream& out) {
   Writer w(out);
-  w.bytes(kMagic2.data(), kMagic2.size());
+  w.bytes(kMagic3.data(), kMagic3.size());
   w.pod(static_cast<std::uint32_t>(groups_.size()));
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const AdamHyper& h = groups_[g].hyper;
     w.pod(step_count(g));
-    for (float f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay}) w.pod(f);
+    for (double f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay}) w.pod(f);
     for (bool b : {h.decoupled, h.amsgrad, h.maximize}) w.pod(static_cast<std::uint8_t>(b));
   }
   std::vector<rt::TensorHandle> tensors;
@@ -169,10 +178,11 @@ absl::Status Adam::save(std::ostream& out) {
 absl::Status Adam::load(std::istream& in) {
   Reader r(in);
   char magic[14];
-  static_assert(sizeof(magic) == kMagic2.size() && sizeof(magic) == kMagic1.size());
+  static_assert(sizeof(magic) == kMagic3.size() && sizeof(magic) == kMagic2.size() &&
+                sizeof(magic) == kMagic1.size());
   if (!r.bytes(magic, sizeof(magic))) return truncated();
   const std::string_view got(magic, sizeof(magic));
-  const int version = got == kMagic2 ? 2 : got == kMagic1 ? 1 : 0;
+  const int version = got == kMagic3 ? 3 : got == kMagic2 ? 2 : got == kMagic1 ? 1 : 0;
   if (version == 0) return truncated();
   std::uint32_t groups = 0;
   if (!r.pod(groups)) return truncated();

@@ -77,12 +77,14 @@ __device__ __forceinline__ void update_low4(const AdamTensor& x, std::int64_t i,
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(Meta meta, AdamScalars s, const float* grad_scale, const float* found_inf) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;
-  if (s.skipped != nullptr) {
-    // Note [Skipped steps]: the count lives in pinned host memory; one read per block.
+  {
+    // The bias corrections with the device's pow, as torch's fused kernel takes them, so the bits
+    // match its (the host's pow may differ in the last place); Note [Skipped steps]: the skipped
+    // count lives in pinned host memory. One read per block.
     __shared__ float step_size, bias_correction2_sqrt;
     if (threadIdx.x == 0) {
       AdamScalars settled = s;
-      settle_step(settled);
+      bias_corrections(settled, s.skipped != nullptr ? s.step - *s.skipped : s.step);
       step_size = settled.step_size;
       bias_correction2_sqrt = settled.bias_correction2_sqrt;
     }

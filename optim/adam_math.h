@@ -1,17 +1,22 @@
 // optim/adam_math.h: the per-element Adam / AdamW update, shared by the CPU kernel and the CUDA
 // kernel so both compute the same function. Plain C++ (no Abseil) so .cu files can include it.
 //
-// The math follows torch.optim.Adam / AdamW (and their fused CUDA kernel):
-//   g = maximize ? -grad : grad;  g *= inv_grad_scale
-//   AdamW: p *= 1 - lr * weight_decay          Adam: g += weight_decay * p
+// The math is torch's fused Adam / AdamW CUDA kernel's (torch._fused_adamw_), in its order and
+// with its mix of precisions: hyperparameters are doubles (Python floats), each expression that
+// meets one is evaluated in double and rounded to float32 when stored, as in torch:
+//   g = grad * inv_grad_scale;  g = maximize ? -g : g
+//   AdamW: p -= lr * weight_decay * p          Adam: g += p * weight_decay
 //   m = beta1 * m + (1 - beta1) * g
 //   v = beta2 * v + (1 - beta2) * g * g
 //   amsgrad: v_max = max(v_max, v), and v_max replaces v below
-//   p -= (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-// Bias corrections come from the host, where the step counter t lives as an int64.
+//   bc1 = float(1 - beta1^t), step_size = float(lr / bc1), bc2_sqrt = sqrtf(float(1 - beta2^t))
+//   p -= step_size * m / float(sqrtf(v) / bc2_sqrt + eps)
+// So the CUDA kernel's master weights are bitwise torch's (nvcc fuses the same multiply-adds in the
+// same expressions); the CPU kernel, compiled without fused multiply-adds, is within one float32
+// rounding of them.
 //
 // Example:
-//   AdamScalars s = adam_scalars({.lr = 1e-3f, .weight_decay = 0.01f, .decoupled = true}, step);
+//   AdamScalars s = adam_scalars({.lr = 1e-3, .weight_decay = 0.01, .decoupled = true}, step);
 //   for (std::size_t i = 0; i < n; ++i) adam_element(p[i], g[i], m[i], v[i], nullptr, s, 1.0f);
 #pragma once
 
@@ -124,25 +129,25 @@ STRATA_HD void store_elem(void* base, ElemType type, std::int64_t i, float v) {
 STRATA_HD std::size_t elem_size(ElemType type) { return type == ElemType::kF32 ? 4 : 2; }
 
 struct AdamHyper {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   bool decoupled = true;  // AdamW; false: Adam with L2 (coupled) weight decay
   bool amsgrad = false;
   bool maximize = false;
 };
 
-// What one step of one group needs, computed once on the host.
+// What one step of one group needs.
 struct AdamScalars {
-  float lr;
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
-  float step_size;              // lr / (1 - beta1^t)
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  float step_size;              // float(lr / float(1 - beta1^t))
+  float bias_correction2_sqrt;  // sqrtf(float(1 - beta2^t))
   bool decoupled;
   bool amsgrad;
   bool maximize;
@@ -154,45 +159,42 @@ struct AdamScalars {
   const std::int64_t* skipped = nullptr;
 };
 
-// The bias corrections for the step actually taken (Note [Skipped steps]); the host computes the
-// same expression in adam_scalars, so with nothing skipped the bits are the same.
+// The bias corrections of step t as torch's fused kernel takes them: its step counter is a float32
+// and each correction is rounded to float32 before use.
+STRATA_HD void bias_corrections(AdamScalars& s, std::int64_t t) {
+  const double steps = static_cast<double>(static_cast<float>(t));
+  const float bc1 = static_cast<float>(1.0 - pow(s.beta1, steps));
+  const float bc2 = static_cast<float>(1.0 - pow(s.beta2, steps));
+  s.step_size = static_cast<float>(s.lr / bc1);
+  s.bias_correction2_sqrt = sqrtf(bc2);
+}
+
+// The bias corrections for the step actually taken (Note [Skipped steps]).
 STRATA_HD void settle_step(AdamScalars& s) {
   if (s.skipped == nullptr) return;
-  const double t = static_cast<double>(s.step - *s.skipped);
-  const double bc1 = 1.0 - pow(static_cast<double>(s.beta1), t);
-  const double bc2 = 1.0 - pow(static_cast<double>(s.beta2), t);
-  s.step_size = static_cast<float>(s.lr / bc1);
-  s.bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
+  bias_corrections(s, s.step - *s.skipped);
 }
 
 inline AdamScalars adam_scalars(const AdamHyper& h, std::int64_t step) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(step));
-  return AdamScalars{h.lr,
-                     h.beta1,
-                     h.beta2,
-                     h.eps,
-                     h.weight_decay,
-                     static_cast<float>(h.lr / bc1),
-                     static_cast<float>(std::sqrt(bc2)),
-                     h.decoupled,
-                     h.amsgrad,
-                     h.maximize,
-                     step};
+  AdamScalars s{h.lr,        h.beta1,   h.beta2,    h.eps, h.weight_decay, 0.0f, 0.0f,
+                h.decoupled, h.amsgrad, h.maximize, step};
+  bias_corrections(s, step);
+  return s;
 }
 
 STRATA_HD void adam_element(float& p, float grad, float& m, float& v, float* v_max,
                             const AdamScalars& s, float inv_grad_scale) {
-  float g = (s.maximize ? -grad : grad) * inv_grad_scale;
-  if (s.weight_decay != 0.0f) {
+  float g = grad * inv_grad_scale;
+  if (s.maximize) g = -g;
+  if (s.weight_decay != 0.0) {
     if (s.decoupled) {
-      p *= 1.0f - s.lr * s.weight_decay;
+      p -= s.lr * s.weight_decay * p;
     } else {
-      g += s.weight_decay * p;
+      g += p * s.weight_decay;
     }
   }
-  m = s.beta1 * m + (1.0f - s.beta1) * g;
-  v = s.beta2 * v + (1.0f - s.beta2) * g * g;
+  m = s.beta1 * m + (1 - s.beta1) * g;
+  v = s.beta2 * v + (1 - s.beta2) * g * g;
   float second = v;
   if (s.amsgrad) {
     *v_max = *v_max > v ? *v_max : v;

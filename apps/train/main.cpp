@@ -156,7 +156,7 @@ int run(int argc, char** argv) {
              .seq = absl::GetFlag(FLAGS_seq),
              .batch = absl::GetFlag(FLAGS_batch)};
   o.steps = absl::GetFlag(FLAGS_steps);
-  o.lr = static_cast<float>(absl::GetFlag(FLAGS_lr));
+  o.lr = absl::GetFlag(FLAGS_lr);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.prefetch_depth = absl::GetFlag(FLAGS_prefetch_depth);
   const GptConfig& m = o.model;

@@ -87,6 +87,10 @@ PhaseSwitchRecord phase_switch(const TrainOptions& o, int after_step, const Phas
   release_torch_cache(o);
   const std::int64_t pinned_before = ops.pinned_allocations ? ops.pinned_allocations() : 0;
   const auto [h2d_before, d2h_before] = ops.moved_bytes();
+  const auto upstream_ns = [&ops] {
+    return ops.gpu_upstream_ns ? ops.gpu_upstream_ns() : std::pair<std::int64_t, std::int64_t>{};
+  };
+  const auto [malloc_before, free_before_ns] = upstream_ns();
   r.gpu_bytes_before_offload = ops.gpu_bytes();
   const std::int64_t free_before = driver_free_bytes(o);
 
@@ -114,6 +118,9 @@ PhaseSwitchRecord phase_switch(const TrainOptions& o, int after_step, const Phas
   const auto [h2d_after, d2h_after] = ops.moved_bytes();
   r.reloaded_bytes = h2d_after - h2d_mid;
   if (ops.pinned_allocations) r.pinned_allocations = ops.pinned_allocations() - pinned_before;
+  const auto [malloc_after, free_after_ns] = upstream_ns();
+  r.cuda_malloc_ms = (malloc_after - malloc_before) / 1e6;
+  r.cuda_free_ms = (free_after_ns - free_before_ns) / 1e6;
   if (d2h_gbps > 0) r.offload_floor_ms = r.offloaded_bytes / d2h_gbps / 1e6;
   if (h2d_gbps > 0) r.reload_floor_ms = r.reloaded_bytes / h2d_gbps / 1e6;
   return r;

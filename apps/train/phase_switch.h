@@ -32,6 +32,9 @@ struct PhaseSwitchOps {
   std::function<std::pair<std::int64_t, std::int64_t>()> moved_bytes;
   // Host memory pinned so far (a strata run: its pinned tier's segment allocations); may be empty.
   std::function<std::int64_t()> pinned_allocations;
+  // Nanoseconds spent so far in cudaMalloc and in cudaFree for the run's GPU memory (a strata run:
+  // its GPU tier's upstream calls); may be empty.
+  std::function<std::pair<std::int64_t, std::int64_t>()> gpu_upstream_ns;
 };
 
 // Switches out and back after `after_step`, on the run's device; throws what ops throw.

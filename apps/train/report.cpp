@@ -186,12 +186,22 @@ std::string phase_switch_line(const RunResult& run, const PhaseSwitchRecord& s) 
   std::string line =
       str_cat("[", run.name, "] phase switch after step ", s.after_step, ": offload ",
               fixed(s.offload_ms, 1), " ms (", format_bytes(s.offloaded_bytes), ")");
-  if (s.offload_floor_ms > 0)
+  if (s.offload_floor_ms > 0) {
     str_append(&line, " = ", fixed(s.offload_ms / s.offload_floor_ms, 3), " x its link floor");
+    if (s.cuda_free_ms > 0) {
+      str_append(&line, ", ", fixed(s.offload_ms / (s.offload_floor_ms + s.cuda_free_ms), 3),
+                 " x floor + cudaFree (", fixed(s.cuda_free_ms, 1), " ms)");
+    }
+  }
   str_append(&line, ", reload ", fixed(s.reload_ms, 1), " ms (", format_bytes(s.reloaded_bytes),
              ")");
-  if (s.reload_floor_ms > 0)
+  if (s.reload_floor_ms > 0) {
     str_append(&line, " = ", fixed(s.reload_ms / s.reload_floor_ms, 3), " x");
+    if (s.cuda_malloc_ms > 0) {
+      str_append(&line, ", ", fixed(s.reload_ms / (s.reload_floor_ms + s.cuda_malloc_ms), 3),
+                 " x floor + cudaMalloc (", fixed(s.cuda_malloc_ms, 1), " ms)");
+    }
+  }
   str_append(&line, "; GPU memory ", format_bytes(s.gpu_bytes_before_offload), " -> ",
              format_bytes(s.gpu_reserved_after_offload_bytes));
   if (s.driver_freed_bytes >= 0) {
@@ -324,7 +334,9 @@ std::string to_json(const Report& report) {
                  ", \"link_h2d_gbps\": ", exact(s.link_h2d_gbps),
                  ", \"link_d2h_gbps\": ", exact(s.link_d2h_gbps),
                  ", \"offload_floor_ms\": ", exact(s.offload_floor_ms),
-                 ", \"reload_floor_ms\": ", exact(s.reload_floor_ms), "}");
+                 ", \"reload_floor_ms\": ", exact(s.reload_floor_ms),
+                 ", \"cuda_malloc_ms\": ", exact(s.cuda_malloc_ms),
+                 ", \"cuda_free_ms\": ", exact(s.cuda_free_ms), "}");
     }
     j += r.phase_switches.empty() ? "],\n" : "\n     ],\n";
     j += "     \"steps\": [";

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "apps/train/phase_switch.h"
+#include "apps/train/torch_adamw.h"
 #include "apps/train/torch_device.h"
 #include "bridge/grad_stats.h"
 #include "bridge/status.h"
@@ -120,7 +121,7 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
     optim::AdamOptions ao;
     ao.groups.resize(2);
     ao.groups[0].hyper = {.lr = o.lr, .weight_decay = o.weight_decay, .decoupled = true};
-    ao.groups[1].hyper = {.lr = o.lr, .weight_decay = 0.0f, .decoupled = true};
+    ao.groups[1].hyper = {.lr = o.lr, .weight_decay = 0.0, .decoupled = true};
     for (const auto& p : model->named_parameters(/*recurse=*/true)) {
       const std::size_t g = GptImpl::decays(p.key()) ? 0 : 1;
       ao.groups[g].params.push_back({binding.handle(p.value()), binding.handle(p.value().grad())});
@@ -239,7 +240,12 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
                   return std::pair{s.migrated_bytes_h2d, s.migrated_bytes_d2h};
                 },
             .pinned_allocations =
-                [&] { return rt.allocator().stats(rt::Tier::kPinnedHost).num_segment_allocs; }};
+                [&] { return rt.allocator().stats(rt::Tier::kPinnedHost).num_segment_allocs; },
+            .gpu_upstream_ns =
+                [&] {
+                  const alloc::TierStats s = rt.allocator().stats(rt::Tier::kGpu);
+                  return std::pair{s.upstream_alloc_ns, s.upstream_free_ns};
+                }};
         result.phase_switches.push_back(phase_switch(o, step, ops));
       }
       if (on_step) on_step(result, r);
@@ -266,12 +272,8 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
   result.ok = true;
 }
 
-void move_states(torch::optim::AdamW& optimizer, torch::Device device) {
-  for (auto& [key, state] : optimizer.state()) {
-    auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
-    s.exp_avg(s.exp_avg().to(device, /*non_blocking=*/false));
-    s.exp_avg_sq(s.exp_avg_sq().to(device, /*non_blocking=*/false));
-  }
+void move_states(TorchFusedAdamW& optimizer, torch::Device device) {
+  for (torch::Tensor* t : optimizer.states()) *t = t->to(device, /*non_blocking=*/false);
 }
 
 // A PyTorch trainer's phase switch at its best: parameters, gradients and (when resident) Adam
@@ -279,8 +281,8 @@ void move_states(torch::optim::AdamW& optimizer, torch::Device device) {
 // torch's cache emptied; back the same way. set_data keeps each parameter's identity, under
 // which the optimizer keeps its state.
 PhaseSwitchOps torch_phase_switch(const TrainOptions& o, Gpt& model,
-                                  std::vector<torch::Tensor>& masters,
-                                  torch::optim::AdamW& optimizer, bool states_resident,
+                                  std::vector<torch::Tensor>& masters, TorchFusedAdamW& optimizer,
+                                  bool states_resident,
                                   std::pair<std::int64_t, std::int64_t>& moved) {
   auto move_all = [&o, &model, &masters, &optimizer, states_resident, &moved](bool to_host) {
     const torch::Device to = to_host ? torch::Device(torch::kCPU) : device_of(o);
@@ -298,11 +300,7 @@ PhaseSwitchOps torch_phase_switch(const TrainOptions& o, Gpt& model,
       if (m.grad().defined()) m.mutable_grad() = move(m.grad());
     }
     if (states_resident) {
-      for (auto& [key, state] : optimizer.state()) {
-        auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
-        s.exp_avg(move(s.exp_avg()));
-        s.exp_avg_sq(move(s.exp_avg_sq()));
-      }
+      for (torch::Tensor* t : optimizer.states()) *t = move(*t);
     }
     synchronize(o);
     if (to_host) release_torch_cache(o);
@@ -341,13 +339,8 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   }
   std::vector<torch::Tensor> low_masters = low ? masters : std::vector<torch::Tensor>();
   LossScaler scaler(o);
-  using torch::optim::AdamWOptions;
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(
-      decay, std::make_unique<AdamWOptions>(AdamWOptions(o.lr).weight_decay(o.weight_decay)));
-  groups.emplace_back(no_decay,
-                      std::make_unique<AdamWOptions>(AdamWOptions(o.lr).weight_decay(0.0)));
-  torch::optim::AdamW optimizer(std::move(groups), AdamWOptions(o.lr));
+  // torch.optim.AdamW(fused=True)'s kernel, the best PyTorch offers for this step.
+  TorchFusedAdamW optimizer({{decay, o.lr, o.weight_decay}, {no_decay, o.lr, 0.0}});
   const torch::Device device = device_of(o);
   const torch::Device host(torch::kCPU);
   std::pair<std::int64_t, std::int64_t> moved;  // by phase switches: host -> GPU, GPU -> host
@@ -356,7 +349,6 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     const Batch batch = batch_for(o, step);
     reset_torch_peak(o);
     const Clock::time_point start = Clock::now();
-    optimizer.zero_grad();
     model->zero_grad();
     torch::Tensor loss = loss_of(model->forward(batch.inputs, [](int) {}), batch.targets);
     scaler.scaled(loss).backward();
@@ -381,7 +373,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     }
     if (!r.skipped) {
       if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, device);
-      optimizer.step();
+      optimizer.step(scaler.enabled ? found_inf : torch::Tensor());
       if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, host);
       if (low) {
         torch::NoGradGuard no_grad;
@@ -398,11 +390,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     r.optimizer_ms = optimizer_ms;
     if (which == TorchBaseline::kMovedWithTo && o.cuda) {
       // The states' bytes, each way (the first step only moves them out).
-      std::int64_t bytes = 0;
-      for (auto& [key, state] : optimizer.state()) {
-        auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
-        bytes += (s.exp_avg().numel() + s.exp_avg_sq().numel()) * 4;
-      }
+      const std::int64_t bytes = optimizer.moment_bytes();
       r.h2d_bytes = step > 1 ? bytes : 0;
       r.d2h_bytes = bytes;
     }

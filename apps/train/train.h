@@ -29,8 +29,8 @@ namespace strata::apps {
 struct TrainOptions {
   GptConfig model;
   int steps = 20;
-  float lr = 3e-3f;
-  float weight_decay = 0.01f;  // matrices only; biases and norms take none
+  double lr = 3e-3;
+  double weight_decay = 0.01;  // matrices only; biases and norms take none
   std::uint64_t seed = 7;
   bool cuda = false;  // the GPU; otherwise the simulated device, with the model on the CPU
   std::size_t gpu_budget = static_cast<std::size_t>(-1);  // strata's GPU tier; unlimited
@@ -90,6 +90,10 @@ struct PhaseSwitchRecord {
   double link_d2h_gbps = 0;
   double offload_floor_ms = 0;
   double reload_floor_ms = 0;
+  // Time inside cudaMalloc / cudaFree for the run's GPU memory during the whole switch (the
+  // offload frees, the reload allocates), where the run can tell (strata: its GPU tier).
+  double cuda_malloc_ms = 0;
+  double cuda_free_ms = 0;
 };
 
 struct RunResult {

@@ -182,10 +182,12 @@ TEST_F(AdamCensusTest, SetLrAndStep) {
   before_ = bytes_of(rt());
 }
 
-// The checkpoint format (adam_checkpoint.cpp): header 14 bytes, group count, per group 31 bytes,
-// tensor count, then per tensor {name length, name, size, bytes}, then the checksum.
+// The checkpoint format (adam_checkpoint.cpp): header 14 bytes, group count, per group 51 bytes
+// (step, five float64 hyperparameters, three flags), tensor count, then per tensor {name length,
+// name, size, bytes}, then the checksum.
 constexpr std::size_t kGroupAt = 18;
-constexpr std::size_t kCountAt = kGroupAt + 31;
+constexpr std::size_t kFlagsAt = kGroupAt + 48;
+constexpr std::size_t kCountAt = kGroupAt + 51;
 
 std::uint64_t fnv(const std::string& s, std::size_t n) {
   std::uint64_t h = 1469598103934665603ull;
@@ -228,13 +230,13 @@ TEST_F(AdamCensusTest, CheckpointsThatLie) {
                  load(edited<std::int64_t>(good, kGroupAt, -5)), kDataLoss,
                  "Adam checkpoint is corrupt: group 0 has a negative step counter");
   expect_refused("Adam checkpoint: a hyperparameter torch would refuse",
-                 load(edited<float>(good, kGroupAt + 8, -1.0f)), kInvalid,
+                 load(edited<double>(good, kGroupAt + 8, -1.0)), kInvalid,
                  "Adam checkpoint: Adam: group 0: lr -1 is invalid; use a finite lr >= 0");
   expect_refused("Adam checkpoint: a flag neither 0 nor 1",
-                 load(edited<std::uint8_t>(good, kGroupAt + 28, 7)), kDataLoss,
+                 load(edited<std::uint8_t>(good, kFlagsAt, 7)), kDataLoss,
                  "Adam checkpoint is corrupt: group 0 has a flag that is neither 0 nor 1");
   expect_refused("Adam checkpoint: amsgrad other than the optimizer's",
-                 load(edited<std::uint8_t>(good, kGroupAt + 29, 1)), kInvalid,
+                 load(edited<std::uint8_t>(good, kFlagsAt + 1, 1)), kInvalid,
                  "Adam checkpoint: group 0 was saved with amsgrad on; this optimizer has it off");
   expect_refused("Adam checkpoint: a state count that lies",
                  load(edited<std::uint32_t>(good, kCountAt, 0xFFFFFFFFu)), kInvalid,
