@@ -10,14 +10,19 @@ FUZZ_SECONDS ?= 60
 CUDACXX     ?= $(wildcard /usr/local/cuda/bin/nvcc)
 export CUDACXX
 CMAKE_FLAGS ?=
+PYTHON      ?= python3
+# The pip build of the Python package (build/python-*) compiles the same sources as $(BUILD):
+# ccache serves them when paths are taken relative to the tree.
+export CCACHE_BASEDIR := $(CURDIR)
 
-.PHONY: demo test deps configure build sanitize sanitize-thread fuzz fault-sweep clean
+.PHONY: demo test deps configure build python pytest consumer sanitize sanitize-thread fuzz \
+        fault-sweep clean
 
 deps:
 	@tools/install-deps.sh
 
 configure: deps
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_PYTHON=ON \
 	  -DCMAKE_PREFIX_PATH="$$(tools/torch-prefix.sh)" $(CMAKE_FLAGS)
 
 build: configure
@@ -28,12 +33,31 @@ build: configure
 # parameters and gradients stream too: keep_on_gpu runs out of memory while the other policies
 # train.
 DEMO_DIR    ?= $(BUILD)/demo
-demo: build
+demo: build python
 	$(BUILD)/bin/strata-train
 	@mkdir -p $(DEMO_DIR)
 	$(BUILD)/bin/strata-train --compare --layers=8 --strata_roles=all --strata_gpu_budget=8MiB \
 	  --json=$(DEMO_DIR)/compare.json --chart=$(DEMO_DIR)/compare.svg
 	@echo "demo: JSON in $(DEMO_DIR)/compare.json, chart in $(DEMO_DIR)/compare.svg"
+	$(PYTHON) examples/train_gpt.py --steps 8 --compare
+
+# The Python package, installed into $(PYTHON) with pip (scikit-build-core runs CMake against the
+# installed torch), then imported from outside the tree.
+python: build
+	tools/pip-install.sh $(PYTHON) --no-build-isolation --no-deps .
+	cd /tmp && $(PYTHON) -c "import strata; print('import strata:', strata.__version__, strata.__file__)"
+
+# The Python tests (pytest; the gpu-marked ones skip without a GPU).
+pytest: python
+	$(PYTHON) -m pytest -q python/tests
+
+# strata as a CMake package: installed, then found by an outside project that trains with it.
+consumer: build
+	cmake --install $(BUILD) --prefix $(BUILD)/install --component dev
+	cmake -S examples/cpp_consumer -B $(BUILD)/consumer -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$(CURDIR)/$(BUILD)/install;$$(tools/torch-prefix.sh)"
+	cmake --build $(BUILD)/consumer
+	$(BUILD)/consumer/strata_consumer
 
 # Host-only libraries and their tests under AddressSanitizer + UndefinedBehaviorSanitizer, built
 # without CUDA and LibTorch (which also proves the code builds with CUDA off).
@@ -80,6 +104,8 @@ test: build
 	tools/check_layering.sh
 	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
 	@grep -h -E "^(fault sweep seed|fault sites:|Adam step faults:|bad inputs tried:)" $(BUILD)/Testing/Temporary/LastTest.log
+	$(MAKE) --no-print-directory pytest
+	$(MAKE) --no-print-directory consumer
 	$(MAKE) --no-print-directory sanitize
 	$(MAKE) --no-print-directory sanitize-thread
 	$(MAKE) --no-print-directory fuzz

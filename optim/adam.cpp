@@ -246,6 +246,21 @@ absl::Status Adam::set_lr(std::size_t group, double lr) {
   return absl::OkStatus();
 }
 
+absl::Status Adam::set_step_count(std::size_t group, std::int64_t steps) {
+  if (group >= groups_.size()) {
+    return absl::InvalidArgumentError(str_cat("Adam: no parameter group ", group));
+  }
+  if (steps < 0) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: group ", group, ": step count ", steps, " is negative"));
+  }
+  // The other groups keep their counts: fold the skipped steps in before the flags are reset.
+  for (std::size_t g = 0; g < groups_.size(); ++g) steps_[g] = step_count(g);
+  STRATA_RETURN_IF_ERROR(reset_skipped());
+  steps_[group] = steps;
+  return absl::OkStatus();
+}
+
 absl::Status Adam::set_hyper(std::size_t group, const AdamHyper& hyper) {
   if (group >= groups_.size()) {
     return absl::InvalidArgumentError(str_cat("Adam: no parameter group ", group));

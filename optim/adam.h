@@ -91,6 +91,8 @@ class Adam {
   // Steps taken by the group: a step that a found_inf flag skipped does not count (Note [Skipped
   // steps] in adam_math.h). Once a step was given a flag, this waits for the compute stream.
   std::int64_t step_count(std::size_t group) const;
+  // Sets a group's step counter, as loading a torch state dict does (bias corrections follow it).
+  [[nodiscard]] absl::Status set_step_count(std::size_t group, std::int64_t steps);
   const AdamHyper& hyper(std::size_t group) const { return groups_.at(group).hyper; }
   std::size_t num_groups() const { return groups_.size(); }
   // The state tensors of a parameter: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad, and

@@ -1,0 +1,67 @@
+// bridge/model_hooks.h: what a training loop calls around forward and backward of a model bound
+// layer by layer (TorchBinding::register_module and register_gradients), one implementation for
+// strata-train, the Python package and any other client: the runtime's hooks in a step's order;
+// each layer's part of the gradient norm and of loss scaling's inf check (GradientStats), taken
+// right after its backward, before the policy sends its gradients away; and, for loops that never
+// zero their gradients themselves, each layer's gradients zeroed just before its backward
+// (Note [Zeroing streamed gradients] in model_hooks.cpp). Throws c10 errors, as bridge/ does.
+//
+// Example (one step; hooks installed on the layers call before_forward and after_backward):
+//   ModelHooks hooks(runtime, /*zero_before_backward=*/true);
+//   hooks.set_layer_gradients(grads_of_layer);  // the bound gradients of each layer
+//   hooks.begin_step();
+//   ...forward, hooks.before_forward(l) before layer l...
+//   hooks.begin_backward();
+//   ...backward, hooks.after_backward(l) once layer l's backward is done...
+//   hooks.finish_backward();  // layers whose after_backward did not run (the first one)
+//   adam->step(hooks.stats().grad_scale(...)...);
+//   hooks.end_step();
+#pragma once
+
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "bridge/grad_stats.h"
+#include "runtime/runtime.h"
+
+namespace strata::bridge {
+
+class ModelHooks {
+ public:
+  explicit ModelHooks(rt::Runtime& runtime, bool zero_before_backward = false);
+
+  // The bound gradients of each layer (index = layer); layers with none may be empty.
+  void set_layer_gradients(std::vector<std::vector<at::Tensor>> grads);
+  int num_layers() const { return static_cast<int>(grads_.size()); }
+
+  // Begins a step: the runtime's begin_step, and the step's gradient statistics reset.
+  void begin_step();
+  bool in_step() const { return in_step_; }
+  // Before layer `layer` computes its forward (in any order; the order is remembered).
+  void before_forward(int layer);
+  // Once forward is done: with zero_before_backward, zeroes the last forwarded layer's gradients.
+  void begin_backward();
+  // Once layer `layer`'s backward is done (its gradients accumulated): its part of the statistics,
+  // then the runtime's after_backward; with zero_before_backward, then zeroes the gradients of the
+  // layer forwarded before it, whose backward comes next. Once per layer per step.
+  void after_backward(int layer);
+  // after_backward for every layer forwarded this step whose after_backward has not run, last
+  // forwarded first; a step with no forward hooks forwards every layer in order first.
+  void finish_backward();
+  void end_step();
+
+  GradientStats& stats() { return stats_; }
+
+ private:
+  void zero(int layer);
+
+  rt::Runtime& runtime_;
+  const bool zero_before_backward_;
+  std::vector<std::vector<at::Tensor>> grads_;
+  std::vector<int> forwarded_;  // this step, in order
+  std::vector<bool> backward_done_;
+  bool in_step_ = false;
+  GradientStats stats_;
+};
+
+}  // namespace strata::bridge

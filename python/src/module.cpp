@@ -1,0 +1,364 @@
+// python/src/module.cpp: strata._strata, the C++ half of the Python package (python/strata/): a
+// runtime with its torch binding (bridge::TorchBinding), the model hooks of bridge::ModelHooks, and
+// optim::Adam over bound tensors. The Python layer (strata.Runtime, strata.attach,
+// strata.optim.AdamW) is the public API; this module is its engine and not meant to be used alone.
+//
+// Errors: every runtime error arrives as a c10 error from bridge::check and leaves as the Python
+// exception its status code names: ValueError (kInvalidArgument), torch.OutOfMemoryError
+// (kResourceExhausted), NotImplementedError (kUnimplemented), RuntimeError otherwise, with the
+// runtime's message. Calls that wait on copies or run the optimizer release the GIL.
+//
+// Example (what strata/optim.py does):
+//   rt = _strata.Runtime("layer_prefetch", None, 1, "optimizer_states", "auto", None)
+//   rt.register(p, "w", 0, "parameter", None); rt.register(p.grad, "w.grad", 0, "gradient", None)
+//   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0)
+//   rt.begin_step(); ...; adam.step(None, None); rt.end_step()
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "allocator/tier.h"
+#include "bridge/grad_stats.h"
+#include "bridge/model_hooks.h"
+#include "bridge/status.h"
+#include "bridge/torch_runtime.h"
+#include "optim/adam.h"
+#include "policies/builtin.h"
+#include "runtime/runtime.h"
+
+namespace py = pybind11;
+
+namespace strata::python {
+namespace {
+
+rt::Role role_of(const std::string& name) { return bridge::unwrap(rt::parse_role(name)); }
+
+std::optional<rt::Tier> tier_of(const std::optional<std::string>& name) {
+  if (!name) return std::nullopt;
+  return bridge::unwrap(alloc::parse_tier(*name));
+}
+
+// A runtime and the binding that points torch tensors at its memory; the binding goes first.
+class Runtime {
+ public:
+  Runtime(const std::optional<std::string>& policy, const std::optional<std::int64_t>& gpu_budget,
+          int prefetch_depth, const std::string& roles, const std::string& device,
+          const std::optional<std::int64_t>& pinned_budget) {
+    rt::RuntimeOptions o;
+    o.policy = policy;
+    o.policy_config.prefetch_depth = prefetch_depth;
+    o.policy_config.roles = bridge::unwrap(rt::RoleSet::parse(roles));
+    o.policy_config.offload_after_step = true;
+    if (device == "cuda") {
+      o.device = rt::DeviceKind::kCuda;
+    } else if (device == "simulated") {
+      o.device = rt::DeviceKind::kSimulated;
+    } else if (device != "auto") {
+      bridge::check(absl::InvalidArgumentError(
+          str_cat("unknown device '", device, "'; use 'auto', 'cuda' or 'simulated'")));
+    }
+    o.allocator.track_allocations = true;
+    if (gpu_budget) {
+      o.allocator.budgets[alloc::tier_index(rt::Tier::kGpu)] =
+          static_cast<std::size_t>(*gpu_budget);
+    }
+    if (pinned_budget) {
+      o.allocator.budgets[alloc::tier_index(rt::Tier::kPinnedHost)] =
+          static_cast<std::size_t>(*pinned_budget);
+    }
+    runtime_ = bridge::unwrap(rt::Runtime::create(std::move(o), policy::builtin_policies()));
+    binding_ = std::make_unique<bridge::TorchBinding>(*runtime_);
+  }
+  ~Runtime() {
+    hooks_.reset();
+    binding_.reset();
+  }
+
+  rt::Runtime& rt() { return *runtime_; }
+  bridge::TorchBinding& binding() { return *binding_; }
+
+  bridge::ModelHooks& hooks() {
+    if (!hooks_) hooks_ = std::make_unique<bridge::ModelHooks>(*runtime_);
+    return *hooks_;
+  }
+
+  py::dict stats() {
+    const rt::RuntimeStats s = runtime_->stats();
+    py::dict d;
+    d["migrated_bytes_h2d"] = s.migrated_bytes_h2d;
+    d["migrated_bytes_d2h"] = s.migrated_bytes_d2h;
+    d["migrated_bytes_h2h"] = s.migrated_bytes_h2h;
+    d["num_migrations"] = s.num_migrations;
+    d["failed_migrations"] = s.failed_migrations;
+    d["h2d_gbps"] = s.h2d_gbps();
+    d["d2h_gbps"] = s.d2h_gbps();
+    d["prefetch_hits"] = s.prefetch_hits;
+    d["prefetch_waits"] = s.prefetch_waits;
+    d["prefetch_stall_ms"] = s.prefetch_stall_ns / 1e6;
+    d["host_syncs"] = s.host_syncs;
+    d["staging_bytes"] = s.staging_bytes;
+    d["staged_peak_bytes"] = s.staged_peak_bytes;
+    d["gpu_reserved_bytes"] = s.gpu_reserved_bytes;
+    d["gpu_reserved_peak_bytes"] = s.gpu_reserved_peak_bytes;
+    return d;
+  }
+
+  // torch.cuda.memory_stats() naming, one prefix per tier: "gpu.allocated_bytes.current", ...
+  py::dict memory_stats() {
+    py::dict d;
+    for (rt::Tier tier : alloc::kAllTiers) {
+      const alloc::TierStats s = runtime_->allocator().stats(tier);
+      const std::string prefix = std::string(alloc::tier_name(tier)) + ".";
+      s.for_each([&](std::string_view name, alloc::StatKind kind, std::int64_t current,
+                     std::int64_t peak) {
+        const std::string key = prefix + std::string(name);
+        if (kind == alloc::StatKind::kGauge) {
+          d[py::str(key + ".current")] = current;
+          d[py::str(key + ".peak")] = peak;
+        } else {
+          d[py::str(key)] = current;
+        }
+      });
+      d[py::str(prefix + "fragmentation")] = s.fragmentation;
+    }
+    return d;
+  }
+
+  py::list leak_report() {
+    py::list out;
+    for (const alloc::LiveAllocation& a : runtime_->allocator().leak_report()) {
+      py::dict d;
+      d["tier"] = std::string(alloc::tier_name(a.tier));
+      d["bytes"] = a.requested;
+      d["owner"] = a.owner;
+      out.append(d);
+    }
+    return out;
+  }
+
+  // Zeroes a bound tensor in place wherever its data is.
+  void zero(torch::Tensor& t) {
+    if (binding_->is_accessible(t)) {
+      t.zero_();
+      return;
+    }
+    const rt::TensorHandle h = binding_->handle(t);
+    const rt::TensorInfo info = bridge::unwrap(runtime_->info(h));
+    const std::vector<unsigned char> zeros(info.bytes, 0);
+    bridge::check(runtime_->write(h, zeros.data()));
+  }
+
+ private:
+  std::unique_ptr<rt::Runtime> runtime_;
+  std::unique_ptr<bridge::TorchBinding> binding_;
+  std::unique_ptr<bridge::ModelHooks> hooks_;
+};
+
+optim::AdamHyper hyper_of(const py::dict& h) {
+  optim::AdamHyper out;
+  out.lr = h["lr"].cast<double>();
+  out.beta1 = h["beta1"].cast<double>();
+  out.beta2 = h["beta2"].cast<double>();
+  out.eps = h["eps"].cast<double>();
+  out.weight_decay = h["weight_decay"].cast<double>();
+  out.decoupled = h["decoupled"].cast<bool>();
+  out.amsgrad = h["amsgrad"].cast<bool>();
+  out.maximize = h["maximize"].cast<bool>();
+  return out;
+}
+
+// optim::Adam over bound parameters and gradients; keeps its runtime alive.
+class Adam {
+ public:
+  using Group = std::pair<std::vector<std::pair<torch::Tensor, torch::Tensor>>, py::dict>;
+
+  Adam(std::shared_ptr<Runtime> runtime, const std::vector<Group>& groups, int cpu_threads)
+      : runtime_(std::move(runtime)) {
+    optim::AdamOptions o;
+    if (cpu_threads > 0) o.cpu_threads = cpu_threads;
+    for (const auto& [params, hyper] : groups) {
+      optim::ParamGroup g;
+      g.hyper = hyper_of(hyper);
+      for (const auto& [p, grad] : params) {
+        g.params.push_back({runtime_->binding().handle(p), runtime_->binding().handle(grad)});
+      }
+      o.groups.push_back(std::move(g));
+    }
+    adam_ = bridge::unwrap(optim::Adam::create(runtime_->rt(), std::move(o)));
+  }
+
+  void step(const std::optional<torch::Tensor>& grad_scale,
+            const std::optional<torch::Tensor>& found_inf) {
+    const float* scale = grad_scale ? grad_scale->data_ptr<float>() : nullptr;
+    const float* inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
+    py::gil_scoped_release release;
+    bridge::check(adam_->step(scale, inf));
+  }
+
+  void set_hyper(std::size_t group, const py::dict& hyper) {
+    bridge::check(adam_->set_hyper(group, hyper_of(hyper)));
+  }
+  std::int64_t step_count(std::size_t group) const { return adam_->step_count(group); }
+  void set_step_count(std::size_t group, std::int64_t steps) {
+    bridge::check(adam_->set_step_count(group, steps));
+  }
+
+  // The parameter's states as CPU float32 tensors, by role name ("exp_avg", "exp_avg_sq",
+  // "max_exp_avg_sq" under its role "other", "master_param"), read from whichever tier holds them.
+  py::dict read_state(const torch::Tensor& param) {
+    py::dict out;
+    for (rt::TensorHandle h : bridge::unwrap(adam_->state(runtime_->binding().handle(param)))) {
+      const rt::TensorInfo info = bridge::unwrap(runtime_->rt().info(h));
+      torch::Tensor host = torch::empty(param.sizes(), torch::kFloat);
+      {
+        py::gil_scoped_release release;
+        bridge::check(runtime_->rt().read(h, host.data_ptr()));
+      }
+      out[py::str(state_key(info.spec.role))] = host;
+    }
+    return out;
+  }
+
+  void write_state(const torch::Tensor& param, const py::dict& values) {
+    for (rt::TensorHandle h : bridge::unwrap(adam_->state(runtime_->binding().handle(param)))) {
+      const rt::TensorInfo info = bridge::unwrap(runtime_->rt().info(h));
+      const std::string key = state_key(info.spec.role);
+      if (!values.contains(key)) continue;
+      torch::Tensor t = values[py::str(key)].cast<torch::Tensor>().to(torch::kFloat).contiguous();
+      if (t.numel() * 4 != static_cast<std::int64_t>(info.bytes)) {
+        bridge::check(absl::InvalidArgumentError(str_cat(
+            "state '", key, "' of ", t.numel(), " elements for a parameter of ", info.bytes / 4)));
+      }
+      py::gil_scoped_release release;
+      bridge::check(runtime_->rt().write(h, t.cpu().data_ptr()));
+    }
+  }
+
+  std::size_t num_groups() const { return adam_->num_groups(); }
+
+ private:
+  static std::string state_key(rt::Role role) {
+    return role == rt::Role::kOther ? "max_exp_avg_sq" : std::string(rt::role_name(role));
+  }
+
+  std::shared_ptr<Runtime> runtime_;
+  std::unique_ptr<optim::Adam> adam_;
+};
+
+}  // namespace
+}  // namespace strata::python
+
+PYBIND11_MODULE(_strata, m) {
+  using strata::python::Adam;
+  using strata::python::Runtime;
+  m.doc() = "strata's C++ runtime, binding and optimizer; use the strata package instead";
+
+  static py::object oom = py::module_::import("torch").attr("OutOfMemoryError");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::OutOfMemoryError& e) {
+      PyErr_SetString(oom.ptr(), e.what_without_backtrace());
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+
+  py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
+      .def(py::init<const std::optional<std::string>&, const std::optional<std::int64_t>&, int,
+                    const std::string&, const std::string&, const std::optional<std::int64_t>&>())
+      .def("policy", [](Runtime& r) { return std::string(r.rt().policy().name()); })
+      .def("simulated", [](Runtime& r) { return r.rt().device().is_simulated(); })
+      .def("register",
+           [](Runtime& r, torch::Tensor& t, const std::string& name, int layer,
+              const std::string& role, const std::optional<std::string>& home) {
+             r.binding().register_tensor(t, name, layer, strata::python::role_of(role),
+                                         strata::python::tier_of(home));
+           })
+      .def("unregister",
+           [](Runtime& r, torch::Tensor& t, bool keep_values) {
+             if (keep_values) {
+               r.binding().unregister_keeping_values(t);
+             } else {
+               r.binding().unregister(t);
+             }
+           })
+      .def("is_bound",
+           [](Runtime& r, const torch::Tensor& t) {
+             try {
+               return r.binding().handle(t).valid();
+             } catch (const c10::Error&) {
+               return false;
+             }
+           })
+      .def("is_accessible",
+           [](Runtime& r, const torch::Tensor& t) { return r.binding().is_accessible(t); })
+      .def("zero", &Runtime::zero)
+      .def("begin_step", [](Runtime& r) { r.hooks().begin_step(); })
+      .def("before_forward", [](Runtime& r, int layer) { r.hooks().before_forward(layer); })
+      .def("after_backward",
+           [](Runtime& r, int layer) {
+             py::gil_scoped_release release;
+             r.hooks().after_backward(layer);
+           })
+      .def("finish_backward",
+           [](Runtime& r) {
+             py::gil_scoped_release release;
+             r.hooks().finish_backward();
+           })
+      .def("in_step", [](Runtime& r) { return r.hooks().in_step(); })
+      .def("end_step",
+           [](Runtime& r) {
+             py::gil_scoped_release release;
+             r.hooks().end_step();
+           })
+      .def("set_layers",
+           [](Runtime& r, const std::vector<std::vector<torch::Tensor>>& grads) {
+             r.hooks().set_layer_gradients(grads);
+           })
+      .def("total_norm", [](Runtime& r) { return r.hooks().stats().total_norm(); })
+      .def("wait_all",
+           [](Runtime& r) {
+             py::gil_scoped_release release;
+             strata::bridge::check(r.rt().wait_all());
+           })
+      .def("offload_all",
+           [](Runtime& r, const std::optional<std::string>& roles, bool keep_cached) {
+             strata::rt::OffloadOptions o;
+             if (roles) o.roles = strata::bridge::unwrap(strata::rt::RoleSet::parse(*roles));
+             o.keep_cached = keep_cached;
+             py::gil_scoped_release release;
+             strata::bridge::check(r.rt().offload_all(o));
+           })
+      .def("reload_all",
+           [](Runtime& r) {
+             py::gil_scoped_release release;
+             strata::bridge::check(r.rt().reload_all());
+           })
+      .def("offloaded", [](Runtime& r) { return r.rt().offloaded(); })
+      .def("stats", &Runtime::stats)
+      .def("memory_stats", &Runtime::memory_stats)
+      .def("memory_summary", [](Runtime& r) { return r.rt().allocator().format_stats(); })
+      .def("leak_report", &Runtime::leak_report)
+      .def("format_leak_report",
+           [](Runtime& r) { return r.rt().allocator().format_leak_report(); });
+
+  py::class_<Adam>(m, "Adam")
+      .def(py::init<std::shared_ptr<Runtime>, const std::vector<Adam::Group>&, int>())
+      .def("step", &Adam::step)
+      .def("set_hyper", &Adam::set_hyper)
+      .def("step_count", &Adam::step_count)
+      .def("set_step_count", &Adam::set_step_count)
+      .def("read_state", &Adam::read_state)
+      .def("write_state", &Adam::write_state)
+      .def("num_groups", &Adam::num_groups);
+}

@@ -1,0 +1,24 @@
+"""strata: tiered GPU / pinned / pageable memory for PyTorch training state.
+
+The core is C++ (the runtime, its residency policies and a fused Adam); this package is a thin
+layer over it. Two ways in:
+
+    # A drop-in optimizer that owns its runtime: Adam states rest in host memory, streamed
+    # through the GPU layer by layer under the layer_prefetch policy.
+    opt = strata.optim.AdamW(model.parameters(), lr=3e-4, policy="layer_prefetch")
+
+    # Full control: one runtime, a model attached layer by layer (parameters and gradients
+    # streamed through forward and backward with roles="all"), the optimizer on top.
+    rt = strata.Runtime(policy="layer_prefetch", gpu_budget="8GiB", roles="all")
+    strata.attach(model, rt)
+    opt = strata.optim.AdamW(model.parameters(), runtime=rt, lr=3e-4)
+    ...
+    rt.offload_all()   # everything to host memory, GPU memory back to the driver
+    rt.reload_all()
+"""
+
+from . import optim
+from .runtime import Runtime, attach, parse_bytes
+
+__all__ = ["Runtime", "attach", "optim", "parse_bytes"]
+__version__ = "0.2.0"

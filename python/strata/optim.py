@@ -1,0 +1,321 @@
+"""strata.optim.Adam and strata.optim.AdamW: drop-in torch.optim optimizers stepped by strata.
+
+    opt = strata.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                             policy="layer_prefetch", gpu_budget="8GiB")
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    for batch in data:
+        opt.zero_grad()
+        loss_fn(model(batch)).backward()
+        opt.step()
+        sched.step()
+    torch.save(opt.state_dict(), "opt.pt")   # torch.optim.AdamW's own format
+    opt.close()                               # the parameters become ordinary tensors again
+
+The math is torch's fused AdamW kernel's, in float32 with float64 hyperparameters; bfloat16 and
+float16 parameters are stepped through float32 master weights (saved under "master_param").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from .runtime import Runtime
+
+
+def _check_hyper(lr, betas, eps, weight_decay):
+    # torch.optim.Adam's checks and messages.
+    if isinstance(lr, torch.Tensor):
+        lr = lr.item()
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _as_float(x) -> float:
+    return float(x.item() if isinstance(x, torch.Tensor) else x)
+
+
+class Adam(torch.optim.Optimizer):
+    """torch.optim.Adam, stepped by strata's runtime (see AdamW for the strata arguments)."""
+
+    _decoupled = False
+    _name = "Adam"
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        policy: Optional[str] = None,
+        gpu_budget: Union[int, str, None] = None,
+        prefetch_depth: int = 1,
+        layer_bytes: Union[int, str, None] = None,
+        runtime: Optional[Runtime] = None,
+    ):
+        _check_hyper(lr, betas, eps, weight_decay)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            decoupled_weight_decay=self._decoupled,
+        )
+        super().__init__(params, defaults)
+        from . import _strata
+        from .runtime import parse_bytes
+
+        first = self.param_groups[0]["params"][0]
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.device != first.device:
+                    raise ValueError(
+                        f"strata.optim.{self._name}: every parameter must be on one device; "
+                        f"found {first.device} and {p.device}"
+                    )
+        self._owns_runtime = runtime is None
+        if runtime is None:
+            runtime = Runtime(
+                policy=policy,
+                gpu_budget=gpu_budget,
+                prefetch_depth=prefetch_depth,
+                device="cuda" if first.device.type == "cuda" else "simulated",
+            )
+        self._runtime = runtime
+        self._bind(parse_bytes(layer_bytes, "layer_bytes"))
+        groups = []
+        for g in self.param_groups:
+            groups.append(([(p, p.grad) for p in g["params"]], self._hyper(g)))
+        self._adam = _strata.Adam(runtime._rt, groups, 0)
+        self._hypers = [self._hyper(g) for g in self.param_groups]
+        self._closed = False
+
+    # Parameters not bound yet (not attached): one strata layer per param group, or layers of
+    # about layer_bytes (parameter bytes) in order.
+    def _bind(self, layer_bytes: Optional[int]) -> None:
+        for gi, g in enumerate(self.param_groups):
+            pending, size = [], 0
+            for i, p in enumerate(g["params"]):
+                if self._runtime.is_bound(p):
+                    continue
+                pending.append((f"group{gi}.param{i}", p))
+                size += p.numel() * p.element_size()
+                if layer_bytes is not None and size >= layer_bytes:
+                    self._runtime.add_layer(pending)
+                    pending, size = [], 0
+            if pending:
+                self._runtime.add_layer(pending)
+
+    def _hyper(self, g: dict) -> dict:
+        return dict(
+            lr=_as_float(g["lr"]),
+            beta1=_as_float(g["betas"][0]),
+            beta2=_as_float(g["betas"][1]),
+            eps=float(g["eps"]),
+            weight_decay=float(g["weight_decay"]),
+            decoupled=bool(g.get("decoupled_weight_decay", self._decoupled)),
+            amsgrad=bool(g["amsgrad"]),
+            maximize=bool(g["maximize"]),
+        )
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError(f"strata.optim.{self._name}: the optimizer was closed")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step over every parameter, with each group's hyperparameters as they are now (an
+        LR scheduler's changes included); returns closure()'s loss when given a closure."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if len(self.param_groups) != len(self._hypers):
+            raise NotImplementedError(
+                f"strata.optim.{self._name}: param groups added after construction are not "
+                "supported; make a new optimizer"
+            )
+        for i, g in enumerate(self.param_groups):
+            h = self._hyper(g)
+            if h != self._hypers[i]:
+                _check_hyper(h["lr"], (h["beta1"], h["beta2"]), h["eps"], h["weight_decay"])
+                self._adam.set_hyper(i, h)
+                self._hypers[i] = h
+        rt = self._runtime._rt
+        rt.finish_backward()
+        self._adam.step(None, None)
+        rt.end_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes every gradient. Gradients bound to strata are zeroed in place wherever they are
+        (set_to_none does not apply to them: autograd keeps accumulating into strata's memory);
+        others as torch does."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if self._runtime.is_bound(p.grad):
+                    self._runtime.zero_(p.grad)
+                elif set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # --- checkpoints in torch.optim.AdamW's format ---
+    def state_dict(self) -> dict:
+        """torch.optim's state dict: {"state": {index: {"step", "exp_avg", "exp_avg_sq"
+        [, "max_exp_avg_sq"][, "master_param"]}}, "param_groups": [...]}, tensors on the CPU, read
+        from whichever tier holds them (one tensor at a time)."""
+        self._check_open()
+        self._runtime.wait_all()
+        state, groups, index = {}, [], 0
+        for gi, g in enumerate(self.param_groups):
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(g["params"])))
+            steps = self._adam.step_count(gi)
+            for p in g["params"]:
+                if steps > 0:
+                    entry = {"step": torch.tensor(float(steps), dtype=torch.float32)}
+                    entry.update(self._adam.read_state(p))
+                    state[index] = entry
+                index += 1
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state dict of torch.optim.Adam / AdamW (or of this class): hyperparameters of
+        every group, step counters and states. Everything is checked before anything changes."""
+        self._check_open()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for mine, saved in zip(self.param_groups, saved_groups):
+            if len(mine["params"]) != len(saved["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of "
+                    "optimizer's group"
+                )
+            if bool(saved.get("amsgrad", False)) != bool(mine["amsgrad"]):
+                raise ValueError(
+                    f"strata.optim.{self._name}: the state dict was saved with amsgrad="
+                    f"{saved.get('amsgrad')}; this optimizer has amsgrad={mine['amsgrad']}"
+                )
+        saved_state = state_dict["state"]
+        plan = []  # (group, step, [(param, states)])
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            steps, entries = set(), []
+            for p, key in zip(mine["params"], saved["params"]):
+                entry = saved_state.get(key, saved_state.get(str(key)))
+                if entry is None:
+                    continue
+                steps.add(_as_float(entry["step"]))
+                values = {}
+                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                    if name in entry:
+                        v = entry[name]
+                        if v.numel() != p.numel():
+                            raise ValueError(
+                                f"strata.optim.{self._name}: state '{name}' of parameter {key} "
+                                f"has {v.numel()} elements; the parameter has {p.numel()}"
+                            )
+                        values[name] = v.detach().to("cpu", torch.float32).reshape(p.shape)
+                if p.dtype != torch.float32 and "master_param" not in values:
+                    values["master_param"] = p.detach().to("cpu", torch.float32)
+                entries.append((p, values))
+            if len(steps) > 1:
+                raise ValueError(
+                    f"strata.optim.{self._name}: group {gi} has parameters at different steps "
+                    f"({sorted(steps)}); strata keeps one step counter a group"
+                )
+            step = steps.pop() if steps else 0.0
+            if step != math.floor(step) or step < 0:
+                raise ValueError(f"strata.optim.{self._name}: step {step} is not a count")
+            plan.append((gi, int(step), entries, saved))
+        for gi, step, entries, saved in plan:
+            for k, v in saved.items():
+                if k != "params":
+                    self.param_groups[gi][k] = v
+            self._adam.set_step_count(gi, step)
+            for p, values in entries:
+                self._adam.write_state(p, values)
+
+    def close(self) -> list:
+        """Frees the optimizer's states; when it made its own runtime, also unbinds the
+        parameters and gradients (their values back in memory torch owns) and returns the
+        runtime's leak report, empty when nothing leaked."""
+        if self._closed:
+            return []
+        self._closed = True
+        self._runtime.wait_all()
+        self._adam = None
+        if self._owns_runtime:
+            return self._runtime.close()
+        return []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW, stepped by strata's runtime.
+
+    Args (torch's): params (tensors or param-group dicts), lr, betas, eps, weight_decay, amsgrad,
+        maximize. Every group's hyperparameters are read at every step, so torch's LR schedulers
+        work unchanged.
+    Args (strata's):
+        policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None: STRATA_POLICY, else the default.
+        gpu_budget: bytes or a size such as "8GiB" that strata may take on the GPU.
+        prefetch_depth: layers layer_prefetch brings ahead of use.
+        layer_bytes: parameters are grouped into strata layers in order: one layer per param
+            group when None, else layers of about this many parameter bytes (the unit
+            layer_prefetch streams).
+        runtime: a strata.Runtime to use (e.g. with the model attached) instead of one of the
+            optimizer's own; policy, gpu_budget and prefetch_depth then come from it.
+    """
+
+    _decoupled = True
+    _name = "AdamW"
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        **kwargs,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+__all__ = ["Adam", "AdamW"]

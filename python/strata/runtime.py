@@ -1,0 +1,294 @@
+"""strata.Runtime and strata.attach: a tiering runtime and a model bound to it layer by layer.
+
+    rt = strata.Runtime(policy="layer_prefetch", gpu_budget="8GiB", roles="all")
+    strata.attach(model, rt)                # each top-level child is a layer
+    opt = strata.optim.AdamW(model.parameters(), runtime=rt)
+    for batch in data:
+        opt.zero_grad()
+        model(batch).loss.backward()        # the hooks stream layers in and out
+        opt.step()
+    rt.offload_all(); ...; rt.reload_all()  # a phase switch: the GPU memory goes back to the driver
+    print(rt.memory_summary())
+    rt.close()                              # the model's tensors become ordinary torch tensors
+
+A bound tensor's storage is strata's memory: the runtime moves it between the GPU, pinned and
+pageable host memory and points the tensor at it. A tensor whose data is away (in pageable memory,
+or on the GPU while the tensor is a CPU one) cannot be used by torch until it comes back;
+``Runtime.is_accessible`` says whether it can.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+from . import _strata
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: Union[int, str, None], what: str = "gpu_budget") -> Optional[int]:
+    """Bytes from an int or a size such as ``"8GiB"``, ``"512 MB"`` or ``"1.5g"``; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected bytes or a size such as '8GiB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{what}: expected a positive number of bytes, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if n > 0:
+                return n
+    raise ValueError(
+        f"{what}: expected bytes or a size such as '8GiB' (units B, KB, KiB, MB, MiB, GB, GiB, "
+        f"TB, TiB), got {value!r}"
+    )
+
+
+class Runtime:
+    """A strata runtime: three memory tiers, a residency policy, and the tensors bound to it.
+
+    Args:
+        policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None means the STRATA_POLICY
+            environment variable, else the default policy.
+        gpu_budget: the most GPU memory strata may take, in bytes or as "8GiB"; None: no limit.
+        prefetch_depth: layers layer_prefetch brings ahead of use.
+        roles: what the policy moves: "optimizer_states" (Adam's moments and master weights),
+            "all" (parameters and gradients too, streamed through forward and backward once the
+            model is attached), or a list such as "exp_avg,exp_avg_sq".
+        device: "auto" (the GPU when there is one), "cuda", or "simulated" (host memory stands in
+            for GPU memory, for CPU tensors and machines without a GPU).
+        pinned_budget: the most pinned host memory strata may take; None: no limit.
+    """
+
+    def __init__(
+        self,
+        policy: Optional[str] = None,
+        gpu_budget: Union[int, str, None] = None,
+        prefetch_depth: int = 1,
+        roles: str = "optimizer_states",
+        device: str = "auto",
+        pinned_budget: Union[int, str, None] = None,
+    ):
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth: expected an int >= 1, got {prefetch_depth!r}")
+        self._rt = _strata.Runtime(
+            policy,
+            parse_bytes(gpu_budget, "gpu_budget"),
+            prefetch_depth,
+            roles,
+            device,
+            parse_bytes(pinned_budget, "pinned_budget"),
+        )
+        self._names: set = set()
+        self._bound: list = []  # bound tensors, in registration order
+        self._layer_grads: list = []  # per layer, the bound gradients
+        self._hooks: list = []
+        self._closed = False
+
+    # --- what it is ---
+    @property
+    def policy(self) -> str:
+        return self._rt.policy()
+
+    @property
+    def simulated(self) -> bool:
+        """Whether host memory stands in for GPU memory (CPU tensors)."""
+        return self._rt.simulated()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layer_grads)
+
+    # --- binding ---
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("strata.Runtime: this runtime was closed")
+
+    def _home(self, t: torch.Tensor) -> Optional[str]:
+        if t.device.type == "cpu" and self.simulated:
+            return "gpu"  # the simulated GPU tier is host memory that CPU tensors address
+        if t.device.type == "cpu":
+            raise ValueError(
+                "strata: a CPU tensor cannot be bound to a runtime on a GPU; move the model to "
+                "the GPU first, or make the runtime with device='simulated'"
+            )
+        return None
+
+    def _unique(self, name: str) -> str:
+        out, k = name, 1
+        while out in self._names:
+            out, k = f"{name}#{k}", k + 1
+        self._names.add(out)
+        return out
+
+    def add_layer(self, named_params: Sequence) -> int:
+        """Binds (name, parameter) pairs as one new layer, with their gradients (made zero where
+        a parameter has none); returns the layer's index. Parameters already bound are skipped."""
+        self._check_open()
+        layer = len(self._layer_grads)
+        grads = []
+        for name, p in named_params:
+            if self.is_bound(p):
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._rt.register(p, self._unique(name), layer, "parameter", self._home(p))
+            self._bound.append(p)
+            self._rt.register(
+                p.grad, self._unique(name + ".grad"), layer, "gradient", self._home(p)
+            )
+            self._bound.append(p.grad)
+            grads.append(p.grad)
+        self._layer_grads.append(grads)
+        self._rt.set_layers(self._layer_grads)
+        return layer
+
+    def is_bound(self, t: torch.Tensor) -> bool:
+        return self._rt.is_bound(t)
+
+    def is_accessible(self, t: torch.Tensor) -> bool:
+        """Whether torch can use the bound tensor now (its data is where its device can address)."""
+        return self._rt.is_accessible(t)
+
+    def zero_(self, t: torch.Tensor) -> None:
+        """Zeroes a bound tensor in place wherever its data is."""
+        self._rt.zero(t)
+
+    # --- a step (the attach hooks and strata.optim call these) ---
+    def _before_forward(self, layer: int) -> None:
+        self._rt.before_forward(layer)
+
+    def _after_backward(self, layer: int) -> None:
+        self._rt.after_backward(layer)
+
+    # --- phase switches and waiting ---
+    def offload_all(self, roles: Optional[str] = None, keep_cached: bool = False) -> None:
+        """Moves every GPU-resident tensor of `roles` (default: all) to host memory and, unless
+        keep_cached, gives the GPU memory it emptied back to the driver; no step until reload_all."""
+        self._check_open()
+        self._rt.offload_all(roles, keep_cached)
+
+    def reload_all(self) -> None:
+        """Brings back what offload_all moved."""
+        self._check_open()
+        self._rt.reload_all()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._rt.offloaded()
+
+    def wait_all(self) -> None:
+        self._rt.wait_all()
+
+    # --- figures ---
+    def memory_stats(self) -> dict:
+        """A flat dict in torch.cuda.memory_stats()'s naming, one prefix per tier:
+        "gpu.allocated_bytes.current", "pinned_host.reserved_bytes.peak", ..."""
+        return self._rt.memory_stats()
+
+    def memory_summary(self) -> str:
+        return self._rt.memory_summary()
+
+    def leak_report(self) -> list:
+        """What the allocator still holds: one dict (tier, bytes, owner) per live allocation."""
+        return self._rt.leak_report()
+
+    def stats(self) -> dict:
+        """Bytes moved each way, link GB/s, prefetch hits, waits and stalls, GPU bytes reserved."""
+        return self._rt.stats()
+
+    # --- the end ---
+    def close(self) -> list:
+        """Removes the hooks and unbinds every tensor, its values copied back into memory torch
+        owns, so the model works as before; returns the leak report (empty unless something of
+        strata's is still alive, e.g. an optimizer not closed)."""
+        if self._closed:
+            return []
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._rt.wait_all()
+        for t in reversed(self._bound):
+            if self._rt.is_bound(t):
+                self._rt.unregister(t, True)
+        self._bound.clear()
+        self._closed = True
+        return self._rt.leak_report()
+
+
+def _named_layers(model: torch.nn.Module, layers) -> list:
+    if layers is None:
+        children = list(model.named_children())
+        out = [(name, child) for name, child in children]
+    else:
+        names = {id(m): n for n, m in model.named_modules()}
+        out = []
+        for m in layers:
+            if not isinstance(m, torch.nn.Module):
+                raise ValueError(f"strata.attach: layers must be modules, got {type(m).__name__}")
+            if id(m) not in names:
+                raise ValueError("strata.attach: a layer given is not a submodule of the model")
+            out.append((names[id(m)], m))
+    return out
+
+
+def attach(model: torch.nn.Module, runtime: Runtime, layers: Optional[Iterable] = None) -> list:
+    """Binds `model`'s parameters and gradients to `runtime`, one strata layer per module of
+    `layers` (default: the model's top-level children, in order), and installs the hooks that tell
+    the runtime where forward and backward are, so a policy with roles="all" streams parameters
+    and gradients through them. A module without parameters of its own is no layer; parameters in
+    no layer go to one last layer of their own. Returns the modules that became layers. One forward and one backward per optimizer step (no gradient accumulation
+    over several backward passes with streamed gradients)."""
+    named = _named_layers(model, layers)
+    if not named:
+        raise ValueError("strata.attach: the model has no layers (no child modules given or found)")
+    seen, attached = set(), []
+    for name, module in named:
+        params = [(f"{name}.{n}" if n else name, p) for n, p in module.named_parameters()]
+        params = [(n, p) for n, p in params if id(p) not in seen]
+        if not params:  # an activation, or parameters another layer holds: nothing to stream
+            continue
+        seen.update(id(p) for _, p in params)
+        layer = runtime.add_layer(params)
+        runtime._hooks.append(module.register_forward_pre_hook(_pre_hook(runtime, layer)))
+        attached.append(module)
+    rest = [(n, p) for n, p in model.named_parameters() if id(p) not in seen]
+    if rest:
+        runtime.add_layer(rest)
+    return attached
+
+
+def _pre_hook(runtime: Runtime, layer: int):
+    def hook(module, args):
+        runtime._before_forward(layer)
+        # Once autograd has the gradient of this layer's input, the layer's own gradients are in
+        # (autograd runs AccumulateGrad first among ready nodes): its backward is done.
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                a.register_hook(lambda g: runtime._after_backward(layer))
+                break
+        return None
+
+    return hook

@@ -1,0 +1,170 @@
+"""strata.optim.AdamW / Adam against torch.optim (foreach=False) on the CPU (simulated device):
+30 steps under every policy, with an LR scheduler, with two param groups, with the model attached
+and every role streamed; state dicts both ways; errors; no leaks."""
+
+import pytest
+import torch
+
+import strata
+from models import POLICIES, Mlp, assert_bitwise, assert_close, batch, params_of, train
+
+
+def torch_run(steps=30, sched=False, groups=False, cls=torch.optim.AdamW):
+    model = Mlp()
+    params = two_groups(model) if groups else model.parameters()
+    opt = cls(params, lr=1e-3, weight_decay=0.05, foreach=False)
+    s = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5) if sched else None
+    losses = train(model, opt, steps, sched=s)
+    return losses, params_of(model)
+
+
+def two_groups(model):
+    return [
+        {"params": list(model.inp.parameters()) + list(model.mid.parameters())},
+        {
+            "params": list(model.out.parameters()),
+            "lr": 3e-3,
+            "weight_decay": 0.0,
+            "betas": (0.8, 0.99),
+        },
+    ]
+
+
+def strata_run(policy, steps=30, sched=False, groups=False, cls=strata.optim.AdamW, **kw):
+    model = Mlp()
+    params = two_groups(model) if groups else model.parameters()
+    opt = cls(params, lr=1e-3, weight_decay=0.05, policy=policy, **kw)
+    s = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5) if sched else None
+    losses = train(model, opt, steps, sched=s)
+    out = params_of(model)
+    assert opt.close() == []
+    # The model works as an ordinary torch model after close.
+    model(batch(0)[0]).sum().backward()
+    return losses, out
+
+
+@pytest.mark.parametrize("sched,groups", [(False, False), (True, False), (False, True)])
+def test_matches_torch_under_every_policy_and_bitwise_across_policies(sched, groups):
+    want_losses, want_params = torch_run(sched=sched, groups=groups)
+    first = None
+    for policy in POLICIES:
+        losses, params = strata_run(policy, sched=sched, groups=groups)
+        assert_close([torch.tensor(losses)], [torch.tensor(want_losses)])
+        assert_close(params, want_params)
+        if first is None:
+            first = (losses, params)
+        else:
+            assert losses == first[0]
+            assert_bitwise(params, first[1])
+
+
+def test_adam_with_coupled_weight_decay_and_amsgrad():
+    model = Mlp()
+    ref = torch.optim.Adam(
+        model.parameters(), lr=1e-3, weight_decay=0.05, amsgrad=True, foreach=False
+    )
+    want = train(model, ref, 20)
+    model2 = Mlp()
+    opt = strata.optim.Adam(
+        model2.parameters(),
+        lr=1e-3,
+        weight_decay=0.05,
+        amsgrad=True,
+        policy="layer_prefetch",
+        layer_bytes=2048,
+    )
+    got = train(model2, opt, 20)
+    assert_close([torch.tensor(got)], [torch.tensor(want)])
+    assert_close(params_of(model2), params_of(model))
+    assert opt.close() == []
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_attached_model_with_every_role_streamed(policy):
+    _, want_params = torch_run()
+    model = Mlp()
+    rt = strata.Runtime(policy=policy, roles="all", device="simulated")
+    layers = strata.attach(model, rt)
+    assert layers == [model.inp, model.mid, model.out] and rt.num_layers == 3  # act: none
+    opt = strata.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, runtime=rt)
+    train(model, opt, 30)
+    assert_close(params_of(model), want_params)
+    stats = rt.memory_stats()
+    assert "gpu.allocated_bytes.current" in stats and "pinned_host.reserved_bytes.peak" in stats
+    assert "gpu" in rt.memory_summary()
+    assert set(rt.stats()) >= {"migrated_bytes_h2d", "h2d_gbps", "prefetch_stall_ms"}
+    opt.close()
+    assert rt.close() == []
+
+
+@pytest.mark.parametrize("direction", ["torch_to_strata", "strata_to_torch"])
+def test_state_dict_round_trip_with_torch(direction):
+    # Ten steps by one, the state dict into the other, ten more steps: as twenty steps of torch.
+    _, want = torch_run(steps=20)
+    model = Mlp()
+    first_cls = torch.optim.AdamW if direction == "torch_to_strata" else strata.optim.AdamW
+    kw = {"foreach": False} if first_cls is torch.optim.AdamW else {"policy": "layer_prefetch"}
+    first = first_cls(model.parameters(), lr=1e-3, weight_decay=0.05, **kw)
+    train(model, first, 10)
+    sd = first.state_dict()
+    assert set(sd["state"][0]) >= {"step", "exp_avg", "exp_avg_sq"}
+    assert sd["state"][0]["exp_avg"].device.type == "cpu"
+    if first_cls is strata.optim.AdamW:
+        first.close()
+    second_cls = strata.optim.AdamW if first_cls is torch.optim.AdamW else torch.optim.AdamW
+    kw = {"foreach": False} if second_cls is torch.optim.AdamW else {"policy": "layer_prefetch"}
+    second = second_cls(model.parameters(), lr=5.0, weight_decay=0.0, **kw)
+    second.load_state_dict(sd)
+    assert second.param_groups[0]["lr"] == 1e-3
+    train(model, second, 10, start=10)
+    assert_close(params_of(model), want)
+    if second_cls is strata.optim.AdamW:
+        assert second.close() == []
+
+
+def test_state_dict_refuses_a_mismatched_one():
+    model = Mlp()
+    opt = strata.optim.AdamW(model.parameters(), policy="bulk")
+    other = torch.optim.AdamW(list(model.parameters())[:2])
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        opt.load_state_dict(other.state_dict())
+    opt.close()
+
+
+def test_errors_carry_the_runtimes_message():
+    model = Mlp()
+    with pytest.raises(ValueError, match="unknown policy 'fastest'.*layer_prefetch"):
+        strata.optim.AdamW(model.parameters(), policy="fastest")
+    with pytest.raises(ValueError, match="gpu_budget: expected bytes or a size such as '8GiB'"):
+        strata.Runtime(gpu_budget="lots")
+    with pytest.raises(ValueError, match="Invalid learning rate: -1"):
+        strata.optim.AdamW(model.parameters(), lr=-1)
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        strata.Runtime(prefetch_depth=0)
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+        strata.optim.AdamW(model.parameters(), policy="keep_on_gpu", gpu_budget=4096)
+    # The failed optimizers left nothing bound: the model trains with torch's AdamW.
+    train(model, torch.optim.AdamW(model.parameters()), 2)
+
+
+def test_gpu_budget_strings():
+    assert strata.parse_bytes("8GiB") == 8 * 2**30
+    assert strata.parse_bytes("512 MB") == 512 * 10**6
+    assert strata.parse_bytes(1234) == 1234
+    assert strata.parse_bytes(None) is None
+
+
+def test_phase_switch_keeps_training_identical():
+    _, want = torch_run(steps=12)
+    model = Mlp()
+    opt = strata.optim.AdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.05, policy="layer_prefetch"
+    )
+    train(model, opt, 6)
+    opt.runtime.offload_all()
+    assert opt.runtime.offloaded
+    assert opt.runtime.stats()["gpu_reserved_bytes"] == 0
+    opt.runtime.reload_all()
+    train(model, opt, 6, start=6)
+    assert_close(params_of(model), want)
+    assert opt.close() == []
