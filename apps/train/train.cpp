@@ -11,6 +11,7 @@
 #include "apps/train/torch_adamw.h"
 #include "apps/train/torch_device.h"
 #include "bridge/grad_stats.h"
+#include "bridge/model_hooks.h"
 #include "bridge/status.h"
 #include "bridge/torch_runtime.h"
 #include "optim/adam.h"
@@ -137,12 +138,9 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       }
     }
 
-    // Note [Zeroing streamed gradients]: backward accumulates into the bound gradients, so they
-    // must be zero before a layer's backward starts. Zeroing them after the step would write them
-    // where they rest, which for streamed gradients is pinned host memory, through unified
-    // addressing (about 100 ms a step for 5 GB on an H200, on the compute stream). Instead each
-    // layer's gradients are zeroed just before its backward: the policy has brought them to the GPU
-    // for it by then (held from forward, or fetched at the previous layer's after_backward).
+    // Each layer's gradients are zeroed just before its backward, and clipping and the float16
+    // overflow check take each layer's part as its backward finishes, before the policy sends its
+    // gradients away (bridge/model_hooks.h, Note [Zeroing streamed gradients]).
     std::vector<std::vector<torch::Tensor>> grads_of_layer(model->num_layers());
     {
       const auto params = model->named_parameters(/*recurse=*/true);
@@ -153,13 +151,8 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
         }
       }
     }
-    auto zero_gradients = [&](int layer) {
-      for (torch::Tensor& g : grads_of_layer[layer]) g.zero_();
-    };
-
-    // Clipping and the float16 overflow check take each layer's part as its backward finishes,
-    // before the policy sends its gradients away (bridge/grad_stats.h).
-    bridge::GradientStats stats;
+    bridge::ModelHooks hooks(rt, /*zero_before_backward=*/true);
+    hooks.set_layer_gradients(grads_of_layer);
     LossScaler scaler(o);
     torch::Tensor grad_scale, found_inf;  // alive until the step that reads them has run
     started = true;
@@ -170,23 +163,18 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       const rt::RuntimeStats before = rt.stats();
       const Clock::time_point start = Clock::now();
 
-      stats.reset();
-      bridge::check(rt.begin_step());
+      hooks.begin_step();
       // Each layer's after_backward runs as soon as its backward is done, so that a policy
       // streaming parameters and gradients can send them out and bring the next layer in while
       // backward goes on; the embeddings' (layer 0) runs once backward returns.
       torch::Tensor logits = model->forward(
-          batch.inputs, [&](int layer) { bridge::check(rt.before_forward(layer)); },
-          [&](int layer) {
-            stats.add_layer(layer, grads_of_layer[layer]);
-            bridge::check(rt.after_backward(layer));
-            zero_gradients(layer - 1);  // Note [Zeroing streamed gradients]
-          });
+          batch.inputs, [&](int layer) { hooks.before_forward(layer); },
+          [&](int layer) { hooks.after_backward(layer); });
       torch::Tensor loss = loss_of(logits, batch.targets);
-      zero_gradients(model->num_layers() - 1);
+      hooks.begin_backward();
       scaler.scaled(loss).backward();
-      stats.add_layer(0, grads_of_layer[0]);
-      bridge::check(rt.after_backward(0));
+      hooks.finish_backward();
+      bridge::GradientStats& stats = hooks.stats();
       const torch::Tensor loss_scale = scaler.enabled ? scaler.scale : torch::Tensor();
       grad_scale = o.clip_grad_norm > 0 || scaler.enabled
                        ? stats.grad_scale(loss_scale, o.clip_grad_norm).clone()
@@ -201,7 +189,7 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       synchronize(o);
       if (found_inf.defined()) scaler.update(found_inf);
       const double optimizer_ms = ms_since(optimizer_start);
-      bridge::check(rt.end_step());
+      hooks.end_step();
       const float loss_value = loss.item<float>();
       synchronize(o);
       const double step_ms = ms_since(start);

@@ -22,14 +22,17 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "allocator/upstream.h"
+#include "base/strings.h"
 #include "bridge/grad_stats.h"
 #include "bridge/status.h"
 #include "bridge/torch_runtime.h"
 #include "gtest/gtest.h"
 #include "optim/adam.h"
+#include "optim/adam_kernels.h"
 #include "policies/builtin.h"
 #include "runtime/runtime.h"
 
@@ -62,18 +65,36 @@ torch::Tensor loss_of(torch::nn::Sequential& m, const torch::Tensor& x, const to
 // Where the two runs stand after a step.
 struct Compare {
   bool bitwise = true;
+  // The first step after which a state differed in its bits (0: none), and which state.
+  int first_diff_step = 0;
+  std::string first_diff;
   // Largest |strata - torch| / max(|torch|, lr) over master weights: a step moves a weight by
   // about lr, so its rounding is relative to the larger of the two.
   double worst_rel = 0;
   double worst_norm_rel = 0;
 };
 
+bool same_bits(const torch::Tensor& x, const torch::Tensor& y) {
+  const torch::Tensor a = x.cpu().contiguous();
+  const torch::Tensor b = y.cpu().contiguous();
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), b.nbytes()) == 0;
+}
+
+// Notes the first step at which `what` of strata and of torch differ in their bits.
+void note_bits(int step, const std::string& what, const torch::Tensor& a, const torch::Tensor& b,
+               Compare& c) {
+  if (c.first_diff_step == 0 && !same_bits(a, b)) {
+    c.first_diff_step = step;
+    c.first_diff = what;
+  }
+}
+
 void compare_masters(const std::vector<torch::Tensor>& strata,
                      const std::vector<torch::Tensor>& ref, Compare& c) {
   for (std::size_t i = 0; i < ref.size(); ++i) {
     const torch::Tensor a = strata[i].cpu().contiguous();
     const torch::Tensor b = ref[i].cpu().contiguous();
-    if (std::memcmp(a.data_ptr(), b.data_ptr(), b.nbytes()) != 0) c.bitwise = false;
+    if (!same_bits(a, b)) c.bitwise = false;
     const double rel = ((a.to(torch::kDouble) - b.to(torch::kDouble)).abs() /
                         b.to(torch::kDouble).abs().clamp_min(kLr))
                            .max()
@@ -214,12 +235,21 @@ Compare run(const Case& c, rt::DeviceKind kind, torch::Device device, bool resyn
       EXPECT_EQ(inf.item<float>(), found_inf.item<float>()) << "step " << step;
 
       std::vector<torch::Tensor> got;
-      for (torch::Tensor& p : model->parameters()) {
-        const rt::TensorHandle master =
-            unwrap(adam->state(binding.handle(p))).back();  // exp_avg, exp_avg_sq, master
-        torch::Tensor host = torch::empty(p.sizes(), torch::kFloat);
-        check(runtime->read(master, host.data_ptr()));
-        got.push_back(host);
+      std::vector<torch::Tensor> mine = model->parameters();
+      for (std::size_t i = 0; i < mine.size(); ++i) {
+        // exp_avg, exp_avg_sq, master
+        const std::vector<rt::TensorHandle> st = unwrap(adam->state(binding.handle(mine[i])));
+        std::vector<torch::Tensor> host;
+        for (rt::TensorHandle h : st) {
+          host.push_back(torch::empty(mine[i].sizes(), torch::kFloat));
+          check(runtime->read(h, host.back().data_ptr()));
+        }
+        const std::string name = "parameter " + std::to_string(i) + " ";
+        note_bits(step, name + "gradient", mine[i].grad(), params[i].grad(), out);
+        note_bits(step, name + "exp_avg", host[0], exp_avg[i], out);
+        note_bits(step, name + "exp_avg_sq", host[1], exp_avg_sq[i], out);
+        note_bits(step, name + "master", host[2], masters[i], out);
+        got.push_back(host[2]);
       }
       compare_masters(got, masters, out);
       if (std::getenv("PARITY_DEBUG"))
@@ -260,18 +290,92 @@ TEST(TorchParityTest, MastersFollowTorchsFusedAdamWOnTheCpuWithinFloat32Rounding
   }
 }
 
+std::string describe(const Case& c, bool resync, const Compare& r) {
+  return str_cat(c.policy, c.dtype == torch::kHalf ? " float16" : " bfloat16",
+                 c.max_norm > 0 ? " clipped" : "", resync ? " (each step from one state)" : "",
+                 ": bitwise ", r.bitwise ? "yes" : "no", ", worst ", r.worst_rel, ", norm ",
+                 r.worst_norm_rel, ", first difference ",
+                 r.first_diff_step == 0
+                     ? std::string("none")
+                     : str_cat("after step ", r.first_diff_step, " in ", r.first_diff));
+}
+
+// Each step started from one state (resync), then the 50-step trajectories.
 TEST(TorchParityTest, GpuMastersAreBitwiseTorchsFusedAdamWWithoutClipping) {
   if (alloc::cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  for (const Case& c : cases()) {
-    const Compare r = run(c, rt::DeviceKind::kCuda, torch::kCUDA, /*resync=*/false);
-    if (c.max_norm > 0) {
-      EXPECT_LE(r.worst_rel, 1e-6) << c.policy;
-      EXPECT_LE(r.worst_norm_rel, 1e-6) << c.policy;
-    } else {
-      EXPECT_TRUE(r.bitwise) << c.policy << ": worst relative difference " << r.worst_rel;
+  for (bool resync : {true, false}) {
+    for (const Case& c : cases()) {
+      const Compare r = run(c, rt::DeviceKind::kCuda, torch::kCUDA, resync);
+      std::printf("%s\n", describe(c, resync, r).c_str());
+      if (c.max_norm > 0) {
+        EXPECT_LE(r.worst_rel, 1e-6) << describe(c, resync, r);
+        EXPECT_LE(r.worst_norm_rel, 1e-6) << describe(c, resync, r);
+      } else {
+        EXPECT_TRUE(r.bitwise) << describe(c, resync, r);
+      }
     }
   }
 }
+
+#ifdef STRATA_HAS_CUDA
+// The kernel alone, no model: 50 steps of fixed random gradients, strata's kernel on a bfloat16
+// parameter with its float32 master and torch's _fused_adamw_ on a float32 copy, every state
+// compared bit for bit after every step.
+TEST(TorchParityTest, GpuKernelStepsAreBitwiseTorchsFusedAdamW) {
+  if (alloc::cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const auto f32 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
+  for (torch::Dtype dtype : {torch::kBFloat16, torch::kFloat}) {
+    torch::manual_seed(3);
+    const std::int64_t n = 70001;  // odd: the kernel's scalar tail too
+    torch::Tensor master = torch::randn({n}, f32);
+    torch::Tensor param = master.to(dtype);
+    if (dtype == torch::kFloat) param = master.clone();
+    torch::Tensor m = torch::zeros({n}, f32), v = torch::zeros({n}, f32);
+    torch::Tensor ref = master.clone(), ref_m = m.clone(), ref_v = v.clone();
+    torch::Tensor steps = torch::zeros({}, f32);
+    const bool low = dtype != torch::kFloat;
+    const optim::ElemType et = low ? optim::ElemType::kBF16 : optim::ElemType::kF32;
+    const optim::AdamHyper h{.lr = kLr, .weight_decay = kWeightDecay, .decoupled = true};
+    int first_diff = 0;
+    std::string what;
+    for (int step = 1; step <= kSteps; ++step) {
+      const torch::Tensor grad = (torch::randn({n}, f32) * 0.1).to(dtype);
+      optim::AdamTensor t{.param = param.data_ptr(),
+                          .grad = grad.data_ptr(),
+                          .exp_avg = m.data_ptr<float>(),
+                          .exp_avg_sq = v.data_ptr<float>(),
+                          .numel = n,
+                          .master = low ? master.data_ptr<float>() : nullptr,
+                          .param_type = et,
+                          .grad_type = et};
+      ASSERT_EQ(
+          optim::adam_step_cuda(&t, 1, optim::adam_scalars(h, step), nullptr, nullptr, nullptr),
+          cudaSuccess);
+      std::vector<torch::Tensor> g32 = {grad.to(torch::kFloat)}, p = {ref}, mm = {ref_m},
+                                 vv = {ref_v}, st = {steps};
+      at::_foreach_add_(st, 1);
+      at::_fused_adamw_(p, g32, mm, vv, {}, st, kLr, 0.9, 0.999, kWeightDecay, 1e-8, false, false);
+      torch::cuda::synchronize();
+      const torch::Tensor mine = low ? master : param;
+      for (auto [name, a, b] : {std::tuple{"exp_avg", m, ref_m}, std::tuple{"exp_avg_sq", v, ref_v},
+                                std::tuple{"master", mine, ref}}) {
+        if (first_diff == 0 && !same_bits(a, b)) {
+          first_diff = step;
+          const double worst = ((a.to(torch::kDouble) - b.to(torch::kDouble)).abs() /
+                                b.to(torch::kDouble).abs().clamp_min(1e-30))
+                                   .max()
+                                   .item<double>();
+          what = str_cat(name, " (largest relative difference ", worst, ")");
+        }
+      }
+    }
+    std::printf(
+        "kernel %s: first difference %s\n", low ? "bfloat16" : "float32",
+        first_diff == 0 ? "none" : str_cat("after step ", first_diff, " in ", what).c_str());
+    EXPECT_EQ(first_diff, 0) << (low ? "bfloat16: " : "float32: ") << what;
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace strata::bridge

@@ -14,6 +14,8 @@ gpu_build() {
   for f in .deps/debs/*.deb; do dpkg -x "$f" /tmp/deps; done
   export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DSTRATA_PYTHON="$(python3 -c "import os, sysconfig; print('ON' if os.path.exists(os.path.join(
+      sysconfig.get_paths()['include'], 'Python.h')) else 'OFF')")" \
     -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
     -DCMAKE_PREFIX_PATH="$(tools/torch-prefix.sh);/tmp/deps/usr" >"$logs/configure.log" 2>&1 \
     || { tail -40 "$logs/configure.log"; return 1; }

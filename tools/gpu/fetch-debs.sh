@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetches the Debian packages that the GPU machine lacks (Abseil, GoogleTest, GoogleMock, Google
-# Benchmark, nlohmann-json) into .deps/debs, an ignored folder that travels with the device tool's
-# `carry`. Run it here, where a package registry is reachable; tools/gpu/check.sh unpacks them there.
+# Benchmark, nlohmann-json) into .deps/debs, and the wheels of pytest and tqdm into .deps/wheels
+# (for tools/gpu/run_python.sh): an ignored folder that travels with the device tool's `carry`. Run it here, where a package registry is reachable; tools/gpu/check.sh unpacks them there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .deps/debs
@@ -12,3 +12,6 @@ fi
 apt-get download libabsl-dev libabsl20220623 libgtest-dev libgmock-dev libbenchmark-dev \
   libbenchmark1debian nlohmann-json3-dev
 ls -la
+cd ../..
+python3 -m pip download -q -d .deps/wheels pytest tqdm
+ls .deps/wheels

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The Python package on the GPU (issue "strata for PyTorch users"): the extension built with the
+# rest (build.sh configures with -DSTRATA_PYTHON=ON), the package assembled from python/strata and
+# the built module (the GPU machine has no registry for pip's build backend), pytest from the
+# wheels in .deps/wheels (tools/gpu/fetch-debs.sh fetches them), the whole suite with its gpu marks,
+# examples/train_gpt.py on CUDA, and bench/python_step.py. Logs and JSON go to OUT.
+#   tools/gpu/run_python.sh OUT_DIR
+set -uo pipefail
+OUT=${1:?usage: tools/gpu/run_python.sh OUT_DIR}
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT"
+source tools/gpu/build.sh
+gpu_build "$OUT" _strata || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+PKG=/tmp/strata-pkg
+rm -rf "$PKG" && mkdir -p "$PKG/strata"
+cp python/strata/*.py "$PKG/strata/" && cp "$BUILD"/python/strata/_strata*.so "$PKG/strata/"
+python3 -m pip install -q --no-index --find-links .deps/wheels pytest tqdm 2>&1 | tail -2 ||
+  python3 -m pip install -q --break-system-packages --no-index --find-links .deps/wheels pytest tqdm
+export PYTHONPATH=$PKG
+status=0
+echo "== pytest"
+python3 -m pytest -q -rs python/tests >"$OUT/pytest.log" 2>&1 || status=1
+tail -15 "$OUT/pytest.log"
+echo "== examples/train_gpt.py on CUDA, --compare"
+python3 examples/train_gpt.py --device cuda --steps 30 --layers 4 --d_model 256 --compare \
+  >"$OUT/train_gpt.log" 2>&1 || status=1
+grep -vE "it/s\]|s/it\]" "$OUT/train_gpt.log" | tail -8
+echo "== bench/python_step.py"
+python3 bench/python_step.py --json "$OUT/python_step.json" >"$OUT/python_step.log" 2>&1 || status=1
+grep -E "median|ratio|gpu" "$OUT/python_step.log"
+exit $status
