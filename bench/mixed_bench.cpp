@@ -283,12 +283,12 @@ void run_steps(benchmark::State& state, const std::function<absl::Status()>& ste
 
 // --- strata ---
 
-void strata_bench(benchmark::State& state, const std::string& policy) {
+void strata_bench(benchmark::State& state, const std::string& policy, int depth = 1) {
   if (!have_gpu(state)) return;
   rt::RuntimeOptions options;
   options.device = rt::DeviceKind::kCuda;
   options.policy = policy;
-  options.policy_config.prefetch_depth = 1;
+  options.policy_config.prefetch_depth = depth;
   options.policy_config.roles = rt::RoleSet::optimizer_states();
   absl::StatusOr<std::unique_ptr<rt::Runtime>> runtime =
       rt::Runtime::create(std::move(options), policy::builtin_policies());
@@ -354,13 +354,18 @@ void strata_bench(benchmark::State& state, const std::string& policy) {
     }
   }
   state.counters["staging_bytes"] = bench::bytes_counter(r.stats().staging_bytes);
-  state.SetLabel(str_cat(
-      "optim::Adam, bfloat16 params and grads on the GPU, float32 masters and "
-      "moments ",
-      streamed ? "in pinned memory, layer_prefetch K=1" : "on the GPU", "; 1.152e9 params"));
+  state.SetLabel(
+      str_cat("optim::Adam, bfloat16 params and grads on the GPU, float32 masters and "
+              "moments ",
+              streamed ? str_cat("in pinned memory, layer_prefetch K=", depth) : "on the GPU",
+              "; 1.152e9 params"));
 }
 
 void BM_MixedStrataLayerPrefetch(benchmark::State& state) { strata_bench(state, "layer_prefetch"); }
+// Two layers ahead: the H2D stream need not wait for the D2H copies that free the slot it fills.
+void BM_MixedStrataLayerPrefetchK2(benchmark::State& state) {
+  strata_bench(state, "layer_prefetch", 2);
+}
 void BM_MixedStrataResident(benchmark::State& state) { strata_bench(state, "keep_on_gpu"); }
 
 // --- PyTorch ---
@@ -520,6 +525,9 @@ void BM_MixedTorchPipeline(benchmark::State& state) {
 void BM_MixedStrataLayerPrefetch(benchmark::State& state) {
   skip(state, "needs CUDA and LibTorch");
 }
+void BM_MixedStrataLayerPrefetchK2(benchmark::State& state) {
+  skip(state, "needs CUDA and LibTorch");
+}
 void BM_MixedStrataResident(benchmark::State& state) { skip(state, "needs CUDA and LibTorch"); }
 void BM_MixedTorchResident(benchmark::State& state) { skip(state, "needs CUDA and LibTorch"); }
 void BM_MixedTorchPipeline(benchmark::State& state) { skip(state, "needs CUDA and LibTorch"); }
@@ -531,6 +539,10 @@ BENCHMARK(BM_MixedStrataLayerPrefetch)
     ->Iterations(5)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MixedTorchPipeline)->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MixedStrataLayerPrefetchK2)
+    ->UseManualTime()
+    ->Iterations(5)
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MixedStrataResident)->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MixedTorchResident)->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
 

@@ -1,19 +1,20 @@
 // optim/adam_math.h: the per-element Adam / AdamW update, shared by the CPU kernel and the CUDA
 // kernel so both compute the same function. Plain C++ (no Abseil) so .cu files can include it.
 //
-// The math is torch's fused Adam / AdamW CUDA kernel's (torch._fused_adamw_), in its order and
-// with its mix of precisions: hyperparameters are doubles (Python floats), each expression that
-// meets one is evaluated in double and rounded to float32 when stored, as in torch:
+// The math is torch's fused Adam / AdamW CUDA kernel's (torch._fused_adamw_ as torch 2.11 runs it
+// for float32 tensors), in its order and precision: the hyperparameters (doubles, as Python gives
+// them) are rounded to float32 once, everything is float32, and the moments use explicit fused
+// multiply-adds:
 //   g = grad * inv_grad_scale;  g = maximize ? -g : g
-//   AdamW: p -= lr * weight_decay * p          Adam: g += p * weight_decay
-//   m = beta1 * m + (1 - beta1) * g
-//   v = beta2 * v + (1 - beta2) * g * g
+//   AdamW: p = fma(-(lr * weight_decay), p, p)     Adam: g = fma(p, weight_decay, g)
+//   m = fma(beta1, m, fma(-beta1, g, g))
+//   v = fma(beta2, v, fma(-beta2, g * g, g * g))
 //   amsgrad: v_max = max(v_max, v), and v_max replaces v below
-//   bc1 = float(1 - beta1^t), step_size = float(lr / bc1), bc2_sqrt = sqrtf(float(1 - beta2^t))
-//   p -= step_size * m / float(sqrtf(v) / bc2_sqrt + eps)
-// So the CUDA kernel's master weights are bitwise torch's (nvcc fuses the same multiply-adds in the
-// same expressions); the CPU kernel, compiled without fused multiply-adds, is within one float32
-// rounding of them.
+//   bc1 = 1 - powf(beta1, t), step_size = lr / bc1, bc2_sqrt = sqrtf(1 - powf(beta2, t))
+//   p -= step_size * m / (sqrtf(v) / bc2_sqrt + eps)
+// So the CUDA kernel's master weights are bitwise torch's (its bias corrections use the device's
+// powf, as torch's do); the CPU kernel's differ only where the host's powf rounds a bias
+// correction differently (within one float32 rounding of a step).
 //
 // Example:
 //   AdamScalars s = adam_scalars({.lr = 1e-3, .weight_decay = 0.01, .decoupled = true}, step);
@@ -139,15 +140,16 @@ struct AdamHyper {
   bool maximize = false;
 };
 
-// What one step of one group needs.
+// What one step of one group needs: the hyperparameters rounded to float32, as torch's kernel
+// takes them.
 struct AdamScalars {
-  double lr;
-  double beta1;
-  double beta2;
-  double eps;
-  double weight_decay;
-  float step_size;              // float(lr / float(1 - beta1^t))
-  float bias_correction2_sqrt;  // sqrtf(float(1 - beta2^t))
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  float step_size;              // lr / (1 - powf(beta1, t))
+  float bias_correction2_sqrt;  // sqrtf(1 - powf(beta2, t))
   bool decoupled;
   bool amsgrad;
   bool maximize;
@@ -159,14 +161,12 @@ struct AdamScalars {
   const std::int64_t* skipped = nullptr;
 };
 
-// The bias corrections of step t as torch's fused kernel takes them: its step counter is a float32
-// and each correction is rounded to float32 before use.
+// The bias corrections of step t as torch's fused kernel takes them: its step counter is a float32.
 STRATA_HD void bias_corrections(AdamScalars& s, std::int64_t t) {
-  const double steps = static_cast<double>(static_cast<float>(t));
-  const float bc1 = static_cast<float>(1.0 - pow(s.beta1, steps));
-  const float bc2 = static_cast<float>(1.0 - pow(s.beta2, steps));
-  s.step_size = static_cast<float>(s.lr / bc1);
-  s.bias_correction2_sqrt = sqrtf(bc2);
+  const float steps = static_cast<float>(t);
+  const float bc1 = 1.0f - powf(s.beta1, steps);
+  s.step_size = s.lr / bc1;
+  s.bias_correction2_sqrt = sqrtf(1.0f - powf(s.beta2, steps));
 }
 
 // The bias corrections for the step actually taken (Note [Skipped steps]).
@@ -176,8 +176,17 @@ STRATA_HD void settle_step(AdamScalars& s) {
 }
 
 inline AdamScalars adam_scalars(const AdamHyper& h, std::int64_t step) {
-  AdamScalars s{h.lr,        h.beta1,   h.beta2,    h.eps, h.weight_decay, 0.0f, 0.0f,
-                h.decoupled, h.amsgrad, h.maximize, step};
+  AdamScalars s{static_cast<float>(h.lr),
+                static_cast<float>(h.beta1),
+                static_cast<float>(h.beta2),
+                static_cast<float>(h.eps),
+                static_cast<float>(h.weight_decay),
+                0.0f,
+                0.0f,
+                h.decoupled,
+                h.amsgrad,
+                h.maximize,
+                step};
   bias_corrections(s, step);
   return s;
 }
@@ -186,15 +195,16 @@ STRATA_HD void adam_element(float& p, float grad, float& m, float& v, float* v_m
                             const AdamScalars& s, float inv_grad_scale) {
   float g = grad * inv_grad_scale;
   if (s.maximize) g = -g;
-  if (s.weight_decay != 0.0) {
+  if (s.weight_decay != 0.0f) {
     if (s.decoupled) {
-      p -= s.lr * s.weight_decay * p;
+      p = fmaf(-(s.lr * s.weight_decay), p, p);
     } else {
-      g += p * s.weight_decay;
+      g = fmaf(p, s.weight_decay, g);
     }
   }
-  m = s.beta1 * m + (1 - s.beta1) * g;
-  v = s.beta2 * v + (1 - s.beta2) * g * g;
+  m = fmaf(s.beta1, m, fmaf(-s.beta1, g, g));
+  const float g2 = g * g;
+  v = fmaf(s.beta2, v, fmaf(-s.beta2, g2, g2));
   float second = v;
   if (s.amsgrad) {
     *v_max = *v_max > v ? *v_max : v;

@@ -8,9 +8,10 @@
 // policy with the masters and moments streamed. On the GPU (Gpu*, label gpu) strata's kernel
 // computes torch's expression in torch's order, so without clipping every master weight is bitwise
 // torch's at every step; with clipping the norm's reduction order differs, so the masters agree
-// within 1e-6 relative. On the CPU (simulated device) strata's kernel is compiled without fused
-// multiply-adds and torch's CPU kernel computes its moments in float32, so each step, started from
-// the same state, agrees within a few float32 roundings (1e-6 relative); the norms within 1e-6.
+// within 1e-6 relative. On the CPU (simulated device) strata runs the same float32 math, but
+// torch's CPU fused kernel is not its CUDA kernel: it keeps the hyperparameters in float64 where
+// the CUDA kernel rounds them to float32 (1 - 0.999f is 1.3e-5 off 1 - 0.999), so each CPU step,
+// started from the same state, agrees within 2e-5 of a step (lr); the norms within 1e-6.
 #include <torch/torch.h>
 
 #include <ATen/ops/_amp_update_scale.h>
@@ -285,7 +286,7 @@ const std::vector<Case>& cases() {
 TEST(TorchParityTest, MastersFollowTorchsFusedAdamWOnTheCpuWithinFloat32Rounding) {
   for (const Case& c : cases()) {
     const Compare r = run(c, rt::DeviceKind::kSimulated, torch::kCPU, /*resync=*/true);
-    EXPECT_LE(r.worst_rel, 1e-6) << c.policy;
+    EXPECT_LE(r.worst_rel, 2e-5) << c.policy;
     if (c.max_norm > 0) EXPECT_LE(r.worst_norm_rel, 1e-6) << c.policy;
   }
 }

@@ -154,15 +154,20 @@ TEST(MixedPrecisionTest, EveryDtypePairStepsTheMasterInFloat32NearAFloat64Refere
       for (std::int64_t i = 0; i < x.n; ++i) {
         adam_element(fp[i], x.grad(i), fm[i], fv[i], nullptr, s, 1.0f);
         double vmax = 0;
-        // The float64 reference of torch's math, fed the same gradients.
+        // The float64 reference of torch's math, fed the same gradients, with the
+        // hyperparameters and bias corrections rounded to float32 as the kernel (and torch's
+        // CUDA kernel) takes them.
         const double g = x.grad(i);
         double& p = x.rp[i];
-        p *= 1.0 - static_cast<double>(h.lr) * h.weight_decay;
-        x.rm[i] = h.beta1 * x.rm[i] + (1.0 - h.beta1) * g;
-        x.rv[i] = h.beta2 * x.rv[i] + (1.0 - h.beta2) * g * g;
-        const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), step);
-        const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), step);
-        p -= (h.lr / bc1) * x.rm[i] / (std::sqrt(x.rv[i]) / std::sqrt(bc2) + h.eps);
+        const double lr = static_cast<float>(h.lr), wd = static_cast<float>(h.weight_decay);
+        const double b1 = static_cast<float>(h.beta1), b2 = static_cast<float>(h.beta2);
+        p *= 1.0 - lr * wd;
+        x.rm[i] = b1 * x.rm[i] + (1.0 - b1) * g;
+        x.rv[i] = b2 * x.rv[i] + (1.0 - b2) * g * g;
+        const double bc1 = 1.0f - powf(static_cast<float>(b1), static_cast<float>(step));
+        const double bc2 = 1.0f - powf(static_cast<float>(b2), static_cast<float>(step));
+        p -= (lr / bc1) * x.rm[i] /
+             (std::sqrt(x.rv[i]) / std::sqrt(bc2) + static_cast<double>(static_cast<float>(h.eps)));
         (void)vmax;
       }
       AdamTensor t = x.tensor();

@@ -19,6 +19,13 @@ python3 -m pip install -q --no-index --find-links .deps/wheels pytest tqdm 2>&1 
   python3 -m pip install -q --break-system-packages --no-index --find-links .deps/wheels pytest tqdm
 export PYTHONPATH=$PKG
 status=0
+echo "== smoke (each call printed before the next)"
+python3 python/tests/smoke.py >"$OUT/smoke.log" 2>&1 || status=1
+cat "$OUT/smoke.log" | tail -12
+if command -v gdb >/dev/null && ! grep -q "smoke done" "$OUT/smoke.log"; then
+  gdb -batch -ex run -ex bt --args python3 python/tests/smoke.py >"$OUT/smoke-gdb.log" 2>&1
+  grep -A25 "SIGSEGV" "$OUT/smoke-gdb.log" | head -40
+fi
 echo "== pytest"
 python3 -m pytest -q -rs python/tests >"$OUT/pytest.log" 2>&1 || status=1
 tail -15 "$OUT/pytest.log"

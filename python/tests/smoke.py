@@ -1,0 +1,25 @@
+"""A step-by-step smoke run of the extension, each call printed before the next: where a crash
+happens is the last line printed. tools/gpu/run_python.sh runs it before pytest."""
+
+import torch
+
+from strata import _strata
+
+print("imported", flush=True)
+sim = _strata.Runtime(None, None, 1, "all", "simulated", None)
+t = torch.zeros(4)
+print("simulated runtime, CPU tensor bound:", sim.is_bound(t), flush=True)
+sim.register(t, "t", 0, "parameter", "gpu")
+print("registered on the simulated runtime:", sim.is_bound(t), flush=True)
+sim.unregister(t, True)
+if torch.cuda.is_available():
+    rt = _strata.Runtime(None, None, 1, "all", "cuda", None)
+    print("CUDA runtime made, policy", rt.policy(), flush=True)
+    print("CUDA runtime, CPU tensor bound:", rt.is_bound(t), flush=True)
+    c = torch.zeros(4, device="cuda")
+    print("CUDA runtime, CUDA tensor bound:", rt.is_bound(c), flush=True)
+    rt.register(c, "c", 0, "parameter", None)
+    print("registered on the CUDA runtime:", rt.is_bound(c), flush=True)
+    rt.unregister(c, True)
+    print("unregistered; leak report:", rt.leak_report(), flush=True)
+print("smoke done", flush=True)
