@@ -38,10 +38,18 @@ void detach_for_good(c10::StorageImpl& storage, c10::Device device, std::string 
   storage.release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(why));
 }
 
+// "[2, 3]". Written with str_cat rather than c10::str: an ostream instantiated in a module built
+// with another toolchain than LibTorch's (the Python extension on a GPU machine with GCC 13)
+// crashed there, and these messages must not.
+std::string dims(c10::IntArrayRef sizes) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < sizes.size(); ++i) str_append(&out, i ? ", " : "", sizes[i]);
+  return out + "]";
+}
+
 std::string describe(const at::Tensor& t) {
   if (!t.defined()) return "an undefined tensor";
-  return str_cat(c10::toString(t.scalar_type()), " ", c10::str(t.sizes()), " on ",
-                 t.device().str());
+  return str_cat(c10::toString(t.scalar_type()), " ", dims(t.sizes()), " on ", t.device().str());
 }
 
 // Waits until torch's queued work on `device` is done: the runtime copies on its own streams, which
@@ -61,7 +69,7 @@ absl::StatusOr<rt::DType> validate(const at::Tensor& t, const std::string& name,
   if (!t.defined()) return absl::InvalidArgumentError(str_cat(prefix, "the tensor is undefined"));
   if (t.layout() != c10::kStrided) {
     return absl::InvalidArgumentError(
-        str_cat(prefix, "only strided tensors can be registered, not ", c10::str(t.layout())));
+        str_cat(prefix, "only strided tensors can be registered, not sparse or other layouts"));
   }
   if (!t.unsafeGetTensorImpl()->has_storage()) {
     return absl::InvalidArgumentError(
@@ -80,9 +88,9 @@ absl::StatusOr<rt::DType> validate(const at::Tensor& t, const std::string& name,
   absl::StatusOr<rt::DType> dtype = dtype_from_torch(t.scalar_type());
   if (!dtype.ok()) return absl::InvalidArgumentError(str_cat(prefix, dtype.status().message()));
   if (!t.is_contiguous()) {
-    return absl::InvalidArgumentError(
-        str_cat(prefix, "the tensor is not contiguous (sizes ", c10::str(t.sizes()), ", strides ",
-                c10::str(t.strides()), "); register a contiguous one, e.g. t.contiguous()"));
+    return absl::InvalidArgumentError(str_cat(prefix, "the tensor is not contiguous (sizes ",
+                                              dims(t.sizes()), ", strides ", dims(t.strides()),
+                                              "); register a contiguous one, e.g. t.contiguous()"));
   }
   const c10::Storage& storage = t.storage();
   const std::size_t bytes = t.nbytes();
@@ -463,6 +471,14 @@ rt::TensorHandle TorchBinding::handle(const torch::Tensor& t) const {
   check(absl::NotFoundError(
       str_cat("no handle for ", describe(t), ": not registered with this TorchBinding")));
   return {};
+}
+
+std::optional<rt::TensorHandle> TorchBinding::find(const torch::Tensor& t) const {
+  if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage()) return std::nullopt;
+  const std::lock_guard<std::mutex> lock(state_->mu);
+  auto it = state_->by_storage.find(storage_key(t));
+  if (it == state_->by_storage.end()) return std::nullopt;
+  return it->second;
 }
 
 bool TorchBinding::is_accessible(const torch::Tensor& t) const {

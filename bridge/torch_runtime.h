@@ -143,6 +143,8 @@ class TorchBinding {
 
   // The handle t (or any alias of its storage) is registered under; kNotFound if none.
   rt::TensorHandle handle(const torch::Tensor& t) const;
+  // The same without throwing: nullopt for a tensor not bound here (or undefined).
+  std::optional<rt::TensorHandle> find(const torch::Tensor& t) const;
   // Whether t's data pointer currently addresses the runtime's copy (Note [Where a bound tensor's
   // data pointer points]); false for a tensor not bound by this binding.
   bool is_accessible(const torch::Tensor& t) const;

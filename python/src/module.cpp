@@ -15,7 +15,12 @@
 //   rt.begin_step(); ...; adam.step(None, None); rt.end_step()
 #include <torch/extension.h>
 
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -50,7 +55,15 @@ class Runtime {
           int prefetch_depth, const std::string& roles, const std::string& device,
           const std::optional<std::int64_t>& pinned_budget) {
     rt::RuntimeOptions o;
-    o.policy = policy;
+    // A Python program's command line is not strata's, so no --strata_policy flag here: the
+    // policy given, else STRATA_POLICY, else the default.
+    if (policy) {
+      o.policy = *policy;
+    } else if (const char* env = std::getenv("STRATA_POLICY")) {
+      o.policy = std::string(env);
+    } else {
+      o.policy = std::string(rt::kDefaultPolicy);
+    }
     o.policy_config.prefetch_depth = prefetch_depth;
     o.policy_config.roles = bridge::unwrap(rt::RoleSet::parse(roles));
     o.policy_config.offload_after_step = true;
@@ -253,7 +266,22 @@ class Adam {
 }  // namespace
 }  // namespace strata::python
 
+namespace {
+
+// STRATA_SEGV_BACKTRACE=1: a crash inside the extension prints its native frames (Python's
+// faulthandler shows only Python's), for machines without a debugger.
+void print_native_backtrace(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_strata, m) {
+  if (std::getenv("STRATA_SEGV_BACKTRACE") != nullptr) signal(SIGSEGV, print_native_backtrace);
   using strata::python::Adam;
   using strata::python::Runtime;
   m.doc() = "strata's C++ runtime, binding and optimizer; use the strata package instead";
@@ -293,13 +321,7 @@ PYBIND11_MODULE(_strata, m) {
              }
            })
       .def("is_bound",
-           [](Runtime& r, const torch::Tensor& t) {
-             try {
-               return r.binding().handle(t).valid();
-             } catch (const c10::Error&) {
-               return false;
-             }
-           })
+           [](Runtime& r, const torch::Tensor& t) { return r.binding().find(t).has_value(); })
       .def("is_accessible",
            [](Runtime& r, const torch::Tensor& t) { return r.binding().is_accessible(t); })
       .def("zero", &Runtime::zero)

@@ -229,6 +229,10 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._rt.in_step():
+            # A forward that no optimizer step followed (an evaluation) left layers held.
+            self._rt.finish_backward()
+            self._rt.end_step()
         self._rt.wait_all()
         for t in reversed(self._bound):
             if self._rt.is_bound(t):
@@ -259,8 +263,11 @@ def attach(model: torch.nn.Module, runtime: Runtime, layers: Optional[Iterable] 
     `layers` (default: the model's top-level children, in order), and installs the hooks that tell
     the runtime where forward and backward are, so a policy with roles="all" streams parameters
     and gradients through them. A module without parameters of its own is no layer; parameters in
-    no layer go to one last layer of their own. Returns the modules that became layers. One forward and one backward per optimizer step (no gradient accumulation
-    over several backward passes with streamed gradients)."""
+    no layer go to one last layer of their own. Returns the modules that became layers.
+
+    One forward and one backward per optimizer step: no gradient accumulation over several
+    backward passes while gradients stream. A forward that no step follows (an evaluation) keeps
+    its layers held until the next optimizer step or close()."""
     named = _named_layers(model, layers)
     if not named:
         raise ValueError("strata.attach: the model has no layers (no child modules given or found)")

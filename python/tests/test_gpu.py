@@ -41,8 +41,13 @@ def test_train_gpt_matches_torch_fused_adamw(policy):
     ex = load_example()
     args = Args()
     args.policy = policy
-    losses, params = ex.run(args, use_strata=True)
-    ref_losses, ref_params = ex.run(args, use_strata=False)
+    # Flash and memory-efficient attention accumulate their backward with atomics, so two runs of
+    # torch alone differ; the math backend is deterministic, and then only the optimizers differ.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        losses, params = ex.run(args, use_strata=True)
+        ref_losses, ref_params = ex.run(args, use_strata=False)
     for a, b in zip(params, ref_params):
         rel = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
         assert rel <= 1e-6, rel

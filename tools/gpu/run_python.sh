@@ -20,8 +20,8 @@ python3 -m pip install -q --no-index --find-links .deps/wheels pytest tqdm 2>&1 
 export PYTHONPATH=$PKG
 status=0
 echo "== smoke (each call printed before the next)"
-python3 python/tests/smoke.py >"$OUT/smoke.log" 2>&1 || status=1
-cat "$OUT/smoke.log" | tail -12
+STRATA_SEGV_BACKTRACE=1 python3 python/tests/smoke.py >"$OUT/smoke.log" 2>&1 || status=1
+tail -40 "$OUT/smoke.log"
 if command -v gdb >/dev/null && ! grep -q "smoke done" "$OUT/smoke.log"; then
   gdb -batch -ex run -ex bt --args python3 python/tests/smoke.py >"$OUT/smoke-gdb.log" 2>&1
   grep -A25 "SIGSEGV" "$OUT/smoke-gdb.log" | head -40
