@@ -55,7 +55,7 @@ namespace {
 
 struct Snapshot {
   std::vector<std::int64_t> steps;
-  std::vector<std::vector<float>> hypers;
+  std::vector<std::vector<double>> hypers;
   std::vector<std::vector<unsigned char>> states;
   bool operator==(const Snapshot&) const = default;
 };
@@ -72,8 +72,8 @@ struct Fixture {
       s.steps.push_back(adam->step_count(g));
       const optim::AdamHyper& h = adam->hyper(g);
       s.hypers.push_back({h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                          static_cast<float>(h.decoupled), static_cast<float>(h.amsgrad),
-                          static_cast<float>(h.maximize)});
+                          static_cast<double>(h.decoupled), static_cast<double>(h.amsgrad),
+                          static_cast<double>(h.maximize)});
     }
     for (rt::TensorHandle h : states) {
       std::vector<unsigned char> bytes(runtime->info(h)->bytes);
