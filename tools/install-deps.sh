@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what strata's build needs and a fresh Debian/Ubuntu machine lacks: compilers and build
 # tools, clang for the fuzzer, Abseil, GoogleTest, Google Benchmark (Debian packages, with
-# apt-get), LibTorch as the torch==2.11.0 Python package, and scikit-build-core, pytest and tqdm
+# apt-get), LibTorch as the torch==2.11.0 Python package, and scikit-build-core, pytest, tqdm and numpy
 # for the Python package (with pip). Does nothing when
 # everything is there already.
 set -euo pipefail
@@ -44,8 +44,9 @@ if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
     python3 -m pip install -q --break-system-packages "torch==$TORCH_VERSION"
   fi
 fi
-# The Python package's build backend, its tests and the example's progress bar.
-for mod in scikit_build_core:scikit-build-core pytest:pytest tqdm:tqdm; do
+# The Python package's build backend, its tests, the example's progress bar, and numpy, which
+# torch.distributed.checkpoint needs (it pickles its plans through tensors).
+for mod in scikit_build_core:scikit-build-core pytest:pytest tqdm:tqdm numpy:numpy; do
   if ! python3 -c "import ${mod%%:*}" 2>/dev/null; then
     echo "install-deps: installing ${mod#*:} with pip"
     tools/pip-install.sh python3 "${mod#*:}"

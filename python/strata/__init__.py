@@ -15,10 +15,14 @@ layer over it. Two ways in:
     ...
     rt.offload_all()   # everything to host memory, GPU memory back to the driver
     rt.reload_all()
+
+    # Under FSDP2 (fully_shard, torchrun): each rank binds and steps its own shards.
+    opt = strata.optim.AdamW(fsdp_model.parameters(), lr=3e-4)
+    strata.distributed.clip_grad_norm_(opt, 1.0)
 """
 
-from . import optim
+from . import distributed, optim
 from .runtime import Runtime, attach, parse_bytes
 
-__all__ = ["Runtime", "attach", "optim", "parse_bytes"]
+__all__ = ["Runtime", "attach", "distributed", "optim", "parse_bytes"]
 __version__ = "0.2.0"

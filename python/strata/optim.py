@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 import torch
 
+from .distributed import is_dtensor, fsdp_units, local, sharded_like
 from .runtime import Runtime
 
 
@@ -105,24 +106,34 @@ class Adam(torch.optim.Optimizer):
         self._bind(parse_bytes(layer_bytes, "layer_bytes"))
         groups = []
         for g in self.param_groups:
-            groups.append(([(p, p.grad) for p in g["params"]], self._hyper(g)))
+            pairs = [runtime.bound_tensors(p) for p in g["params"]]
+            groups.append((pairs, self._hyper(g)))
         self._adam = _strata.Adam(runtime._rt, groups, 0)
         self._hypers = [self._hyper(g) for g in self.param_groups]
         self._closed = False
 
     # Parameters not bound yet (not attached): one strata layer per param group, or layers of
-    # about layer_bytes (parameter bytes) in order.
+    # about layer_bytes (parameter bytes) in order; FSDP2 parameters (DTensors) one layer per
+    # fully_shard unit within each param group, in the order of the units' first parameters.
     def _bind(self, layer_bytes: Optional[int]) -> None:
+        units = fsdp_units() if layer_bytes is None else {}
         for gi, g in enumerate(self.param_groups):
             pending, size = [], 0
+            by_unit = {}
             for i, p in enumerate(g["params"]):
                 if self._runtime.is_bound(p):
                     continue
-                pending.append((f"group{gi}.param{i}", p))
+                name = f"group{gi}.param{i}"
+                if is_dtensor(p) and id(p) in units:
+                    by_unit.setdefault(units[id(p)], []).append((name, p))
+                    continue
+                pending.append((name, p))
                 size += p.numel() * p.element_size()
                 if layer_bytes is not None and size >= layer_bytes:
                     self._runtime.add_layer(pending)
                     pending, size = [], 0
+            for named in by_unit.values():
+                self._runtime.add_layer(named)
             if pending:
                 self._runtime.add_layer(pending)
 
@@ -188,10 +199,33 @@ class Adam(torch.optim.Optimizer):
                     p.grad.zero_()
 
     # --- checkpoints in torch.optim.AdamW's format ---
+    def _read_state(self, p: torch.Tensor) -> dict:
+        """p's states as CPU float32 tensors shaped like p; for a DTensor, this rank's shards as
+        DTensors sharded like p (the padding strata binds with them left out)."""
+        bound, _ = self._runtime.bound_tensors(p)
+        out = self._adam.read_state(bound)
+        if not is_dtensor(p):
+            return out
+        n = local(p).numel()
+        return {k: sharded_like(p, v.reshape(-1)[:n]) for k, v in out.items()}
+
+    def _write_state(self, p: torch.Tensor, values: dict) -> None:
+        bound, _ = self._runtime.bound_tensors(p)
+        if is_dtensor(p):
+            padded = {}
+            for k, v in values.items():
+                flat = torch.zeros(bound.numel(), dtype=torch.float32)
+                flat[: v.numel()] = v.reshape(-1)
+                padded[k] = flat
+            values = padded
+        self._adam.write_state(bound, values)
+
     def state_dict(self) -> dict:
         """torch.optim's state dict: {"state": {index: {"step", "exp_avg", "exp_avg_sq"
         [, "max_exp_avg_sq"][, "master_param"]}}, "param_groups": [...]}, tensors on the CPU, read
-        from whichever tier holds them (one tensor at a time)."""
+        from whichever tier holds them (one tensor at a time); for DTensor parameters (FSDP2) this
+        rank's shards as DTensors sharded like them. Before the first step the states are there
+        too, at step 0 and zero."""
         self._check_open()
         self._runtime.wait_all()
         state, groups, index = {}, [], 0
@@ -200,10 +234,12 @@ class Adam(torch.optim.Optimizer):
             packed["params"] = list(range(index, index + len(g["params"])))
             steps = self._adam.step_count(gi)
             for p in g["params"]:
-                if steps > 0:
-                    entry = {"step": torch.tensor(float(steps), dtype=torch.float32)}
-                    entry.update(self._adam.read_state(p))
-                    state[index] = entry
+                # Every parameter has its states from the start, unlike torch's optimizers, and a
+                # state dict says so: torch.distributed.checkpoint.load fills in only the entries
+                # the state dict it loads into already has.
+                entry = {"step": torch.tensor(float(steps), dtype=torch.float32)}
+                entry.update(self._read_state(p))
+                state[index] = entry
                 index += 1
             groups.append(packed)
         return {"state": state, "param_groups": groups}
@@ -238,15 +274,17 @@ class Adam(torch.optim.Optimizer):
                 values = {}
                 for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                     if name in entry:
-                        v = entry[name]
-                        if v.numel() != p.numel():
+                        v = local(entry[name])  # a DTensor's part is this rank's shard
+                        want = local(p)
+                        if v.numel() != want.numel():
                             raise ValueError(
                                 f"strata.optim.{self._name}: state '{name}' of parameter {key} "
-                                f"has {v.numel()} elements; the parameter has {p.numel()}"
+                                f"has {v.numel()} elements; the parameter has {want.numel()}"
+                                + (" on this rank" if is_dtensor(p) else "")
                             )
-                        values[name] = v.detach().to("cpu", torch.float32).reshape(p.shape)
+                        values[name] = v.detach().to("cpu", torch.float32).reshape(want.shape)
                 if p.dtype != torch.float32 and "master_param" not in values:
-                    values["master_param"] = p.detach().to("cpu", torch.float32)
+                    values["master_param"] = local(p).detach().to("cpu", torch.float32)
                 entries.append((p, values))
             if len(steps) > 1:
                 raise ValueError(
@@ -263,7 +301,7 @@ class Adam(torch.optim.Optimizer):
                     self.param_groups[gi][k] = v
             self._adam.set_step_count(gi, step)
             for p, values in entries:
-                self._adam.write_state(p, values)
+                self._write_state(p, values)
 
     def close(self) -> list:
         """Frees the optimizer's states; when it made its own runtime, also unbinds the

@@ -25,6 +25,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from . import _strata
+from .distributed import check_shardable, is_dtensor, local, make_grad, whole_storage
 
 _UNITS = {
     "": 1,
@@ -145,36 +146,54 @@ class Runtime:
 
     def add_layer(self, named_params: Sequence) -> int:
         """Binds (name, parameter) pairs as one new layer, with their gradients (made zero where
-        a parameter has none); returns the layer's index. Parameters already bound are skipped."""
+        a parameter has none); returns the layer's index. Parameters already bound are skipped.
+        A DTensor parameter (FSDP2) binds this rank's shard (Note [Binding an FSDP2 shard] in
+        strata/distributed.py)."""
         self._check_open()
         layer = len(self._layer_grads)
         grads = []
         for name, p in named_params:
             if self.is_bound(p):
                 continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self._rt.register(p, self._unique(name), layer, "parameter", self._home(p))
-            self._bound.append(p)
+            if is_dtensor(p):
+                check_shardable(p, name)
+                if p.grad is None or not is_dtensor(p.grad) or local(p.grad).data_ptr() == 0:
+                    p.grad = make_grad(p)
+                elif whole_storage(local(p.grad)).numel() != whole_storage(local(p)).numel():
+                    p.grad = make_grad(p)
+                param_t, grad_t = whole_storage(local(p)), whole_storage(local(p.grad))
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                param_t, grad_t = p, p.grad
+            self._rt.register(param_t, self._unique(name), layer, "parameter", self._home(param_t))
+            self._bound.append(param_t)
             self._rt.register(
-                p.grad, self._unique(name + ".grad"), layer, "gradient", self._home(p)
+                grad_t, self._unique(name + ".grad"), layer, "gradient", self._home(param_t)
             )
-            self._bound.append(p.grad)
-            grads.append(p.grad)
+            self._bound.append(grad_t)
+            grads.append(grad_t)
         self._layer_grads.append(grads)
         self._rt.set_layers(self._layer_grads)
         return layer
 
+    def bound_tensors(self, p: torch.Tensor) -> tuple:
+        """(parameter, gradient) as strata bound them: `p` and its gradient, or for a DTensor the
+        whole storages of its local shard and of its gradient's."""
+        if is_dtensor(p):
+            return whole_storage(local(p)), whole_storage(local(p.grad))
+        return p, p.grad
+
     def is_bound(self, t: torch.Tensor) -> bool:
-        return self._rt.is_bound(t)
+        return self._rt.is_bound(local(t))
 
     def is_accessible(self, t: torch.Tensor) -> bool:
         """Whether torch can use the bound tensor now (its data is where its device can address)."""
-        return self._rt.is_accessible(t)
+        return self._rt.is_accessible(local(t))
 
     def zero_(self, t: torch.Tensor) -> None:
         """Zeroes a bound tensor in place wherever its data is."""
-        self._rt.zero(t)
+        self._rt.zero(local(t))
 
     # --- a step (the attach hooks and strata.optim call these) ---
     def _before_forward(self, layer: int) -> None:
@@ -268,6 +287,11 @@ def attach(model: torch.nn.Module, runtime: Runtime, layers: Optional[Iterable] 
     One forward and one backward per optimizer step: no gradient accumulation over several
     backward passes while gradients stream. A forward that no step follows (an evaluation) keeps
     its layers held until the next optimizer step or close()."""
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(
+            "strata.attach: the model's parameters are DTensors (FSDP2); FSDP2 moves them itself. "
+            "Pass them to strata.optim.AdamW, whose layers follow the fully_shard units"
+        )
     named = _named_layers(model, layers)
     if not named:
         raise ValueError("strata.attach: the model has no layers (no child modules given or found)")

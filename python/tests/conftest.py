@@ -1,4 +1,5 @@
-"""pytest setup: the `gpu` mark, skipped cleanly on a machine without a CUDA device."""
+"""pytest setup: the `gpu` mark, skipped cleanly on a machine without a CUDA device, and the
+`distributed` mark of tests that launch several processes with torchrun."""
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "distributed: launches 2 processes with torchrun (gloo)")
 
 
 def pytest_collection_modifyitems(config, items):
