@@ -52,47 +52,6 @@ std::pair<double, double> link_rates(const TrainOptions& o) {
   return {h2d, d2h};
 }
 
-// Note [A switch's own-memory floor]: link_rates reads the link through one pinned buffer of
-// torch's, but the reload reads the offloaded tensors' own pinned blocks, which on some hosts move
-// at another rate (as the streamed step's do: Note [Own-memory floor] in bench/mixed_bench.cpp).
-// So the reload is also set against a raw pass over those very buffers, right before it: each
-// copied in turn to one GPU scratch buffer on a stream of its own. 0 without a GPU.
-double own_h2d_ms(const TrainOptions& o,
-                  const std::vector<std::pair<const void*, std::size_t>>& buffers) {
-#ifdef STRATA_HAS_CUDA
-  if (!o.cuda || buffers.empty()) return 0;
-  std::size_t largest = 0;
-  for (const auto& b : buffers) largest = std::max(largest, b.second);
-  void* scratch = nullptr;
-  if (cudaMalloc(&scratch, largest) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, end = nullptr;
-  float ms = 0;
-  bool ok = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
-            cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&end) == cudaSuccess &&
-            cudaEventRecord(start, stream) == cudaSuccess;
-  for (const auto& [ptr, bytes] : buffers) {
-    ok = ok && cudaMemcpyAsync(scratch, ptr, bytes, cudaMemcpyHostToDevice, stream) == cudaSuccess;
-  }
-  ok = ok && cudaEventRecord(end, stream) == cudaSuccess &&
-       cudaEventSynchronize(end) == cudaSuccess &&
-       cudaEventElapsedTime(&ms, start, end) == cudaSuccess;
-  if (start != nullptr) (void)cudaEventDestroy(start);
-  if (end != nullptr) (void)cudaEventDestroy(end);
-  if (stream != nullptr) (void)cudaStreamDestroy(stream);
-  (void)cudaFree(scratch);
-  (void)cudaGetLastError();
-  return ok ? ms : 0;
-#else
-  (void)o;
-  (void)buffers;
-  return 0;
-#endif
-}
-
 // The rollout engine's stand-in: takes, through torch, up to `target` bytes of GPU memory (host
 // memory on the simulated device) in pieces, writes them, and gives them back. Returns what it
 // got.
@@ -151,8 +110,6 @@ PhaseSwitchRecord phase_switch(const TrainOptions& o, int after_step, const Phas
                                  ? driver_free_bytes(o) - free_before
                                  : r.gpu_bytes_before_offload - r.gpu_reserved_after_offload_bytes;
   r.rollout_stand_in_bytes = rollout_stand_in(o, std::max<std::int64_t>(freed, 0));
-
-  if (ops.reload_sources) r.reload_own_floor_ms = own_h2d_ms(o, ops.reload_sources());
 
   start = Clock::now();
   ops.reload();

@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <functional>
 #include <utility>
-#include <vector>
 
 #include "apps/train/train.h"
 
@@ -36,9 +35,6 @@ struct PhaseSwitchOps {
   // Nanoseconds spent so far in cudaMalloc and in cudaFree for the run's GPU memory (a strata run:
   // its GPU tier's upstream calls); may be empty.
   std::function<std::pair<std::int64_t, std::int64_t>()> gpu_upstream_ns;
-  // After the offload: the host buffers (pinned) the reload will copy from, for the reload's
-  // own-memory floor (Note [A switch's own-memory floor] in phase_switch.cpp); may be empty.
-  std::function<std::vector<std::pair<const void*, std::size_t>>()> reload_sources;
 };
 
 // Switches out and back after `after_step`, on the run's device; throws what ops throw.

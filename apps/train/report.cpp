@@ -201,10 +201,6 @@ std::string phase_switch_line(const RunResult& run, const PhaseSwitchRecord& s) 
       str_append(&line, ", ", fixed(s.reload_ms / (s.reload_floor_ms + s.cuda_malloc_ms), 3),
                  " x floor + cudaMalloc (", fixed(s.cuda_malloc_ms, 1), " ms)");
     }
-    if (s.reload_own_floor_ms > 0) {
-      str_append(&line, ", ", fixed(s.reload_ms / (s.reload_own_floor_ms + s.cuda_malloc_ms), 3),
-                 " x own-memory floor (", fixed(s.reload_own_floor_ms, 1), " ms) + cudaMalloc");
-    }
   }
   str_append(&line, "; GPU memory ", format_bytes(s.gpu_bytes_before_offload), " -> ",
              format_bytes(s.gpu_reserved_after_offload_bytes));
@@ -340,8 +336,7 @@ std::string to_json(const Report& report) {
                  ", \"offload_floor_ms\": ", exact(s.offload_floor_ms),
                  ", \"reload_floor_ms\": ", exact(s.reload_floor_ms),
                  ", \"cuda_malloc_ms\": ", exact(s.cuda_malloc_ms),
-                 ", \"cuda_free_ms\": ", exact(s.cuda_free_ms),
-                 ", \"reload_own_floor_ms\": ", exact(s.reload_own_floor_ms), "}");
+                 ", \"cuda_free_ms\": ", exact(s.cuda_free_ms), "}");
     }
     j += r.phase_switches.empty() ? "],\n" : "\n     ],\n";
     j += "     \"steps\": [";

@@ -218,18 +218,8 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       }
       result.steps.push_back(r);
       if (o.phase_switch_every > 0 && step % o.phase_switch_every == 0) {
-        std::vector<rt::TensorHandle> on_gpu;  // what the offload moves, for the reload's floor
         const PhaseSwitchOps ops{
-            .offload =
-                [&] {
-                  for (rt::TensorHandle h : rt.tensors()) {
-                    const rt::TensorInfo info = bridge::unwrap(rt.info(h));
-                    if (info.tier == rt::Tier::kGpu && !info.staged && info.bytes > 0) {
-                      on_gpu.push_back(h);
-                    }
-                  }
-                  bridge::check(rt.offload_all());
-                },
+            .offload = [&] { bridge::check(rt.offload_all()); },
             .reload = [&] { bridge::check(rt.reload_all()); },
             .gpu_bytes = [&] { return rt.stats().gpu_reserved_bytes; },
             .moved_bytes =
@@ -243,15 +233,6 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
                 [&] {
                   const alloc::TierStats s = rt.allocator().stats(rt::Tier::kGpu);
                   return std::pair{s.upstream_alloc_ns, s.upstream_free_ns};
-                },
-            .reload_sources =
-                [&] {
-                  std::vector<std::pair<const void*, std::size_t>> out;
-                  for (rt::TensorHandle h : on_gpu) {
-                    const rt::TensorInfo info = bridge::unwrap(rt.info(h));
-                    if (info.tier == rt::Tier::kPinnedHost) out.emplace_back(info.data, info.bytes);
-                  }
-                  return out;
                 }};
         result.phase_switches.push_back(phase_switch(o, step, ops));
       }

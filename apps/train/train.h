@@ -94,9 +94,6 @@ struct PhaseSwitchRecord {
   // offload frees, the reload allocates), where the run can tell (strata: its GPU tier).
   double cuda_malloc_ms = 0;
   double cuda_free_ms = 0;
-  // A raw host -> GPU pass over the very buffers the reload copies from, right before it (0 where
-  // the run cannot tell, or without a GPU): the reload's own-memory floor.
-  double reload_own_floor_ms = 0;
 };
 
 struct RunResult {
