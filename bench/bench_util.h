@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <string>
 
 #include "absl/status/status.h"
@@ -51,6 +52,17 @@ inline void skip(benchmark::State& state, const std::string& message) {
 
 inline void skip(benchmark::State& state, const std::string& what, const absl::Status& status) {
   skip(state, str_cat(what, ": ", status.ToString()));
+}
+
+// Runs a LibTorch benchmark body: LibTorch reports failures (out of memory, a missing kernel) by
+// throwing, and an exception escaping a benchmark would end the whole binary, not just skip it.
+template <typename Fn>
+void torch_guarded(benchmark::State& state, Fn fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    skip(state, str_cat("LibTorch: ", e.what()));
+  }
 }
 
 inline bool have_gpu() {

@@ -66,6 +66,7 @@ namespace strata {
 namespace {
 
 using bench::skip;
+using bench::torch_guarded;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kLayers = 24;
@@ -397,15 +398,6 @@ void fused_adamw(at::TensorList masters, at::TensorList grads, at::TensorList m,
   at::_fused_adamw_(masters, grads, m, v, /*max_exp_avg_sqs=*/{}, steps, kHyper.lr, kHyper.beta1,
                     kHyper.beta2, kHyper.weight_decay, kHyper.eps, /*amsgrad=*/false,
                     /*maximize=*/false, /*grad_scale=*/std::nullopt, /*found_inf=*/std::nullopt);
-}
-
-template <typename Fn>
-void torch_guarded(benchmark::State& state, Fn fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    skip(state, str_cat("LibTorch: ", e.what()));
-  }
 }
 
 void BM_MixedTorchResident(benchmark::State& state) {

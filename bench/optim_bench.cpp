@@ -70,7 +70,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <exception>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -143,6 +142,7 @@ using strata::bench::kPieces;
 using strata::bench::require_gpu;
 using strata::bench::seconds_between;
 using strata::bench::skip;
+using strata::bench::torch_guarded;
 #ifdef STRATA_HAS_CUDA
 using strata::bench::AdjacentLink;
 using strata::bench::cuda_status;
@@ -1193,16 +1193,6 @@ absl::Status torch_pipeline_step(const Model& model, TorchOffloadRig& r) {
   compute.synchronize();
   r.h2d.synchronize();
   return absl::OkStatus();
-}
-
-// Runs a LibTorch benchmark body, turning exceptions into a skipped benchmark.
-template <typename Fn>
-void torch_guarded(benchmark::State& state, Fn fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    skip(state, str_cat("LibTorch: ", e.what()));
-  }
 }
 #endif  // STRATA_BENCH_TORCH
 
