@@ -11,15 +11,11 @@
 #include "base/units.h"
 
 namespace strata::alloc {
-namespace {
-
-std::int64_t elapsed_ns(std::chrono::steady_clock::time_point start) {
+std::int64_t BlockPool::elapsed_ns(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                               start)
       .count();
 }
-
-}  // namespace
 
 bool BlockPool::BlockLess::operator()(const Block* a, const Block* b) const {
   const auto sa = reinterpret_cast<std::uintptr_t>(a->stream);
@@ -292,21 +288,23 @@ void BlockPool::free_block_locked(Block* block, bool merge) {
   Block* prev = block->prev;
   if (prev != nullptr && !prev->allocated && prev->pending_events == 0) {
     set.erase(prev);
-    prev->size += block->size;
-    prev->next = block->next;
-    if (prev->next != nullptr) prev->next->prev = prev;
-    delete_block_locked(block);
+    absorb_next_locked(prev);
     block = prev;
   }
   Block* next = block->next;
   if (next != nullptr && !next->allocated && next->pending_events == 0) {
     set.erase(next);
-    block->size += next->size;
-    block->next = next->next;
-    if (block->next != nullptr) block->next->prev = block;
-    delete_block_locked(next);
+    absorb_next_locked(block);
   }
   set.insert(block);
+}
+
+void BlockPool::absorb_next_locked(Block* block) {
+  Block* next = block->next;
+  block->size += next->size;
+  block->next = next->next;
+  if (block->next != nullptr) block->next->prev = block;
+  delete_block_locked(next);
 }
 
 absl::Status BlockPool::deallocate(void* ptr) {
@@ -351,38 +349,6 @@ absl::Status BlockPool::deallocate(void* ptr) {
   return absl::OkStatus();
 }
 
-void BlockPool::withhold_locked(Block* block) {
-  if (block->withheld) return;
-  block->withheld = true;
-  ++stats_.num_withheld_blocks;
-  stats_.withheld_bytes.add(static_cast<std::int64_t>(block->size));
-}
-
-void BlockPool::event_done_locked(Block* block) {
-  if (--block->pending_events > 0) return;
-  stats_.pending_free_bytes.add(-static_cast<std::int64_t>(block->size));
-  if (block->withheld) {
-    block->withheld = false;
-    stats_.withheld_bytes.add(-static_cast<std::int64_t>(block->size));
-  }
-  free_block_locked(block, /*merge=*/true);
-}
-
-void BlockPool::retry_unrecorded_locked() {
-  // An event recorded now on the stream completes after all the work the stream had when the block
-  // was freed (and more), so it is a safe stand-in for the one that could not be recorded then.
-  for (std::size_t i = 0; i < unrecorded_.size();) {
-    absl::StatusOr<EventHandle> event = stream_ops_->record(unrecorded_[i].stream);
-    if (!event.ok()) {
-      ++i;
-      continue;
-    }
-    pending_.push_back({*event, unrecorded_[i].block});
-    unrecorded_[i] = unrecorded_.back();
-    unrecorded_.pop_back();
-  }
-}
-
 absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(ptr);
@@ -401,140 +367,6 @@ absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
     block->extra_streams.push_back(stream);
   }
   return absl::OkStatus();
-}
-
-void BlockPool::process_ready_events_locked() {
-  if (!unrecorded_.empty()) retry_unrecorded_locked();
-  // Events complete roughly in the order they were recorded; stop at the first that has not, as
-  // PyTorch does, so the common case costs one query.
-  while (!pending_.empty()) {
-    PendingEvent& front = pending_.front();
-    absl::StatusOr<bool> done = stream_ops_->query(front.event);
-    if (!done.ok() || !*done) return;  // unknown counts as not done: fail closed
-    stream_ops_->release(front.event);
-    Block* block = front.block;
-    pending_.pop_front();
-    event_done_locked(block);
-  }
-}
-
-absl::Status BlockPool::wait_all_pending_locked() {
-  if (!unrecorded_.empty()) retry_unrecorded_locked();
-  absl::Status status;
-  if (!unrecorded_.empty()) {
-    status = absl::UnavailableError(
-        str_cat(unrecorded_.size(), " freed block(s) of tier ", tier_name(config_.tier),
-                " are withheld: no event can be recorded on their streams"));
-  }
-  // The events to wait for now; a wait that fails keeps its event for the next try (Note
-  // [Withheld blocks]).
-  std::deque<PendingEvent> waits;
-  waits.swap(pending_);
-  while (!waits.empty()) {
-    PendingEvent entry = waits.front();
-    waits.pop_front();
-    ++stats_.num_event_waits;
-    mu_.unlock();
-    absl::Status s = stream_ops_->synchronize(entry.event);
-    mu_.lock();
-    if (!s.ok()) {
-      status.Update(s);
-      withhold_locked(entry.block);
-      pending_.push_back(entry);
-      continue;
-    }
-    stream_ops_->release(entry.event);
-    event_done_locked(entry.block);
-  }
-  return status;
-}
-
-absl::Status BlockPool::synchronize_pending() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return wait_all_pending_locked();
-}
-
-void BlockPool::consolidate_locked() {
-  auto is_free = [](const Block* b) { return !b->allocated && b->pending_events == 0; };
-  for (auto& [base, segment] : segments_) {
-    for (Block* b = segment->first; b != nullptr; b = b->next) {
-      if (!is_free(b) || b->next == nullptr || !is_free(b->next)) continue;
-      FreeSet& set = free_set(b->small);
-      set.erase(b);
-      while (b->next != nullptr && is_free(b->next)) {
-        Block* n = b->next;
-        set.erase(n);
-        b->size += n->size;
-        b->next = n->next;
-        if (b->next != nullptr) b->next->prev = b;
-        delete_block_locked(n);
-      }
-      set.insert(b);
-    }
-  }
-  unmerged_frees_ = 0;
-}
-
-void BlockPool::consolidate() {
-  std::lock_guard<std::mutex> lock(mu_);
-  consolidate_locked();
-}
-
-std::size_t BlockPool::release_cached_segments_locked() {
-  consolidate_locked();
-  // Take every entirely free segment out of the pool first, so no other thread can hand out its
-  // block while the lock is released below; reserved_bytes keeps counting them until they are gone.
-  std::vector<Segment*> victims;
-  for (auto& [base, segment] : segments_) {
-    Block* b = segment->first;
-    if (b->next == nullptr && !b->allocated && b->pending_events == 0) victims.push_back(segment);
-  }
-  for (Segment* segment : victims) {
-    free_set(segment->small).erase(segment->first);
-    segments_.erase(reinterpret_cast<std::uintptr_t>(segment->base));
-  }
-  std::size_t released = 0;
-  for (Segment* segment : victims) {
-    mu_.unlock();
-    // Note [Stream ordering]: work queued on the segment's stream before its last free may still
-    // touch it; wait for that stream before the memory leaves the pool. Fail closed: a segment
-    // whose stream cannot be waited on stays in the pool.
-    absl::Status s;
-    if (stream_ops_ != nullptr) {
-      absl::StatusOr<EventHandle> event = stream_ops_->record(segment->stream);
-      s = event.status();
-      if (event.ok()) {
-        s = stream_ops_->synchronize(*event);
-        stream_ops_->release(*event);
-      }
-    }
-    const auto start = std::chrono::steady_clock::now();
-    if (s.ok()) s = upstream_->deallocate(segment->base, segment->size);
-    const std::int64_t took = elapsed_ns(start);
-    mu_.lock();
-    stats_.upstream_free_ns += took;
-    if (!s.ok()) {
-      std::fprintf(stderr, "strata: keeping a segment of tier %s: %s\n",
-                   std::string(tier_name(config_.tier)).c_str(), std::string(s.message()).c_str());
-      segments_.emplace(reinterpret_cast<std::uintptr_t>(segment->base), segment);
-      free_set(segment->small).insert(segment->first);
-      continue;
-    }
-    stats_.reserved_bytes.add(-static_cast<std::int64_t>(segment->size));
-    stats_.segments.add(-1);
-    ++stats_.num_segment_frees;
-    budget_->release(segment->size);
-    released += segment->size;
-    delete_block_locked(segment->first);
-    delete segment;
-  }
-  return released;
-}
-
-absl::StatusOr<std::size_t> BlockPool::trim() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!pending_.empty()) process_ready_events_locked();
-  return release_cached_segments_locked();
 }
 
 absl::Status BlockPool::set_budget(std::size_t budget) {

@@ -58,6 +58,7 @@
 //   done
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -212,6 +213,9 @@ class BlockPool {
     Block* block;
   };
 
+  // Nanoseconds from `start` to now, for the upstream call counters (upstream_alloc_ns and
+  // upstream_free_ns) that grow_locked and release_cached_segments_locked keep.
+  static std::int64_t elapsed_ns(std::chrono::steady_clock::time_point start);
   static std::size_t round_size(std::size_t bytes);
   static std::size_t segment_size_for(std::size_t size, bool small);
   FreeSet& free_set(bool small) { return small ? small_free_ : large_free_; }
@@ -222,6 +226,8 @@ class BlockPool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void split_locked(Block* block, std::size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void free_block_locked(Block* block, bool merge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Merges block->next, free and already out of its free set, into `block`.
+  void absorb_next_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void consolidate_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void process_ready_events_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void retry_unrecorded_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
