@@ -13,16 +13,17 @@ void GradientStats::add_layer(int layer, const std::vector<at::Tensor>& grads) {
         "GradientStats: layer ", layer, " was added twice in one step; reset() between steps")));
   }
   if (grads.empty()) return;
-  // Each tensor's norm in float32, as clip_grad_norm_ takes it of float32 master gradients.
   std::vector<at::Tensor> norms;
-  at::Tensor bad = torch::zeros({}, grads.front().options().dtype(torch::kBool));
+  std::vector<at::Tensor> finite;
   for (const at::Tensor& g : grads) {
-    const at::Tensor f = g.to(torch::kFloat);
-    norms.push_back(f.norm());
-    bad = bad.logical_or(f.isfinite().logical_not().any());
+    // Each tensor's norm in float32, as clip_grad_norm_ takes it of float32 master gradients; to()
+    // returns a float32 gradient itself, so only half-precision ones are converted.
+    norms.push_back(g.to(torch::kFloat).norm());
+    // Read in the gradient's own dtype: converting to float32 keeps every value finite or not.
+    if (check_non_finite_) finite.push_back(g.isfinite().all());
   }
   norms_[layer] = torch::stack(norms);
-  non_finite_[layer] = bad;
+  if (check_non_finite_) non_finite_[layer] = torch::stack(finite).all().logical_not();
 }
 
 void GradientStats::require_layers() const {
@@ -48,6 +49,12 @@ at::Tensor GradientStats::total_norm(const at::Tensor& loss_scale) const {
 
 at::Tensor GradientStats::found_inf() const {
   require_layers();
+  if (non_finite_.size() != norms_.size()) {
+    check(absl::FailedPreconditionError(
+        str_cat("GradientStats: found_inf needs set_check_non_finite(true) before the step's "
+                "layers are added; ",
+                non_finite_.size(), " of ", norms_.size(), " layers were checked")));
+  }
   at::Tensor bad = non_finite_.begin()->second.clone();
   for (const auto& [layer, b] : non_finite_) bad = bad.logical_or(b);
   return bad.to(torch::kFloat).contiguous();

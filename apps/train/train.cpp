@@ -154,6 +154,8 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
     bridge::ModelHooks hooks(rt, /*zero_before_backward=*/true);
     hooks.set_layer_gradients(grads_of_layer);
     LossScaler scaler(o);
+    // Only loss scaling reads found_inf (Note [Opt-in inf check] in bridge/grad_stats.h).
+    hooks.stats().set_check_non_finite(scaler.enabled);
     torch::Tensor grad_scale, found_inf;  // alive until the step that reads them has run
     started = true;
     for (int step = 1; step <= o.steps; ++step) {

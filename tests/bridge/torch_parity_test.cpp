@@ -157,6 +157,7 @@ Compare run(const Case& c, rt::DeviceKind kind, torch::Device device, bool resyn
       return g;
     }();
     GradientStats stats;
+    stats.set_check_non_finite(true);  // compared with torch's found_inf in every case
     torch::manual_seed(11);
     const torch::Tensor x = torch::randn({32, 64}, on).to(c.dtype);
     const torch::Tensor y = torch::randn({32, 16}, on);

@@ -126,6 +126,10 @@ TEST(GradientStatsCensusTest, MisuseSaysWhatWasExpected) {
                  absl::StatusCode::kFailedPrecondition,
                  "GradientStats: layer 3 was added twice in one step; reset() between steps");
   EXPECT_FLOAT_EQ(stats.total_norm().item<float>(), 2.0f);
+  expect_refused("found_inf without the inf check (Note [Opt-in inf check])",
+                 thrown([&] { (void)stats.found_inf(); }), absl::StatusCode::kFailedPrecondition,
+                 "GradientStats: found_inf needs set_check_non_finite(true) before the step's "
+                 "layers are added; 0 of 1 layers were checked");
 }
 
 }  // namespace
