@@ -24,6 +24,15 @@ void ModelHooks::set_layer_gradients(std::vector<std::vector<at::Tensor>> grads)
   grads_ = std::move(grads);
 }
 
+void ModelHooks::set_layer_parameters(std::vector<std::vector<at::Tensor>> params,
+                                      const TorchBinding& binding) {
+  if (in_step_) {
+    check(absl::FailedPreconditionError("ModelHooks: layers cannot change during a step"));
+  }
+  params_ = std::move(params);
+  binding_ = &binding;
+}
+
 void ModelHooks::begin_step() {
   check(runtime_.begin_step());
   in_step_ = true;
@@ -35,6 +44,11 @@ void ModelHooks::begin_step() {
 void ModelHooks::before_forward(int layer) {
   if (!in_step_) begin_step();
   check(runtime_.before_forward(layer));
+  if (binding_ != nullptr && layer >= 0 && layer < static_cast<int>(params_.size())) {
+    for (const at::Tensor& p : params_[static_cast<std::size_t>(layer)]) {
+      binding_->check_accessible(p);
+    }
+  }
   if (std::find(forwarded_.begin(), forwarded_.end(), layer) == forwarded_.end()) {
     forwarded_.push_back(layer);
   }

@@ -22,6 +22,7 @@
 
 #include "ATen/core/Tensor.h"
 #include "bridge/grad_stats.h"
+#include "bridge/torch_runtime.h"
 #include "runtime/runtime.h"
 
 namespace strata::bridge {
@@ -32,6 +33,11 @@ class ModelHooks {
 
   // The bound gradients of each layer (index = layer); layers with none may be empty.
   void set_layer_gradients(std::vector<std::vector<at::Tensor>> grads);
+  // The bound parameters of each layer, which before_forward checks are where torch can use them
+  // once the policy's hook ran (TorchBinding::check_accessible), so that a forward over data that
+  // is away raises a clear error instead of reading a null pointer. `binding` must outlive this.
+  void set_layer_parameters(std::vector<std::vector<at::Tensor>> params,
+                            const TorchBinding& binding);
   int num_layers() const { return static_cast<int>(grads_.size()); }
 
   // Begins a step: the runtime's begin_step, and the step's gradient statistics reset.
@@ -58,6 +64,8 @@ class ModelHooks {
   rt::Runtime& runtime_;
   const bool zero_before_backward_;
   std::vector<std::vector<at::Tensor>> grads_;
+  std::vector<std::vector<at::Tensor>> params_;
+  const TorchBinding* binding_ = nullptr;
   std::vector<int> forwarded_;  // this step, in order
   std::vector<bool> backward_done_;
   bool in_step_ = false;

@@ -487,6 +487,30 @@ bool TorchBinding::is_accessible(const torch::Tensor& t) const {
   return it != state_->by_storage.end() && state_->bound.at(it->second).accessible;
 }
 
+void TorchBinding::check_accessible(const torch::Tensor& t) const {
+  rt::TensorHandle h;
+  std::string name;
+  c10::Device device = c10::kCPU;
+  {
+    const std::lock_guard<std::mutex> lock(state_->mu);
+    auto it = state_->by_storage.find(storage_key(t));
+    if (it == state_->by_storage.end()) return;
+    const State::Bound& b = state_->bound.at(it->second);
+    if (b.accessible) return;
+    h = it->second;
+    name = b.name;
+    device = b.device;
+  }
+  const absl::StatusOr<rt::TensorInfo> info = runtime_.info(h);
+  const std::string where =
+      info.ok() ? std::string(alloc::tier_name(info->tier)) : std::string("another tier");
+  check(absl::FailedPreconditionError(str_cat(
+      "strata: '", name, "' (", describe(t), ") is away in ", where, " memory, which a ",
+      device.str(),
+      " tensor cannot address; torch cannot use it until the runtime brings it back "
+      "(reload_all() after offload_all(), or room in the pinned tier for what is offloaded)")));
+}
+
 std::size_t TorchBinding::size() const {
   const std::lock_guard<std::mutex> lock(state_->mu);
   return state_->bound.size();

@@ -148,6 +148,9 @@ class TorchBinding {
   // Whether t's data pointer currently addresses the runtime's copy (Note [Where a bound tensor's
   // data pointer points]); false for a tensor not bound by this binding.
   bool is_accessible(const torch::Tensor& t) const;
+  // Throws a c10::Error naming the tensor, the tier its data is in and how to bring it back when
+  // t is bound and not accessible: what a torch op on it would otherwise do with a null pointer.
+  void check_accessible(const torch::Tensor& t) const;
   // Tensors bound now.
   std::size_t size() const;
 

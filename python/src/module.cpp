@@ -344,9 +344,13 @@ PYBIND11_MODULE(_strata, m) {
              r.hooks().end_step();
            })
       .def("set_layers",
-           [](Runtime& r, const std::vector<std::vector<torch::Tensor>>& grads) {
+           [](Runtime& r, const std::vector<std::vector<torch::Tensor>>& params,
+              const std::vector<std::vector<torch::Tensor>>& grads) {
+             r.hooks().set_layer_parameters(params, r.binding());
              r.hooks().set_layer_gradients(grads);
            })
+      .def("check_accessible",
+           [](Runtime& r, const torch::Tensor& t) { r.binding().check_accessible(t); })
       .def("total_norm", [](Runtime& r) { return r.hooks().stats().total_norm(); })
       .def("wait_all",
            [](Runtime& r) {

@@ -14,7 +14,9 @@
 A bound tensor's storage is strata's memory: the runtime moves it between the GPU, pinned and
 pageable host memory and points the tensor at it. A tensor whose data is away (in pageable memory,
 or on the GPU while the tensor is a CPU one) cannot be used by torch until it comes back;
-``Runtime.is_accessible`` says whether it can.
+``Runtime.is_accessible`` says whether it can, ``Runtime.check_accessible`` raises if not, and the
+hooks of ``attach`` check every layer's parameters before its forward, so a forward over data that
+is away raises RuntimeError saying where it is.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class Runtime:
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
         self._layer_grads: list = []  # per layer, the bound gradients
+        self._layer_params: list = []  # per layer, the bound parameters
         self._hooks: list = []
         self._closed = False
 
@@ -151,7 +154,7 @@ class Runtime:
         strata/distributed.py)."""
         self._check_open()
         layer = len(self._layer_grads)
-        grads = []
+        grads, params = [], []
         for name, p in named_params:
             if self.is_bound(p):
                 continue
@@ -173,8 +176,10 @@ class Runtime:
             )
             self._bound.append(grad_t)
             grads.append(grad_t)
+            params.append(param_t)
         self._layer_grads.append(grads)
-        self._rt.set_layers(self._layer_grads)
+        self._layer_params.append(params)
+        self._rt.set_layers(self._layer_params, self._layer_grads)
         return layer
 
     def bound_tensors(self, p: torch.Tensor) -> tuple:
@@ -190,6 +195,11 @@ class Runtime:
     def is_accessible(self, t: torch.Tensor) -> bool:
         """Whether torch can use the bound tensor now (its data is where its device can address)."""
         return self._rt.is_accessible(local(t))
+
+    def check_accessible(self, t: torch.Tensor) -> None:
+        """Raises RuntimeError, saying where the data is, when torch cannot use the bound tensor
+        now; the attach hooks check each layer's parameters so before its forward."""
+        self._rt.check_accessible(local(t))
 
     def zero_(self, t: torch.Tensor) -> None:
         """Zeroes a bound tensor in place wherever its data is."""

@@ -1,5 +1,6 @@
 """On the GPU (mark gpu): examples/train_gpt.py's model under layer_prefetch with every role
-streamed against torch.optim.AdamW(fused=True), and a CUDA tensor read while it is away."""
+streamed against torch.optim.AdamW(fused=True), offloaded parameters read through pinned memory,
+and a forward over parameters that are away (in pageable memory) raising instead of crashing."""
 
 import importlib.util
 import pathlib
@@ -55,14 +56,20 @@ def test_train_gpt_matches_torch_fused_adamw(policy):
         assert abs(a - b) <= 1e-6 * abs(b)
 
 
-@pytest.mark.gpu
-def test_offloaded_parameters_read_as_before_and_leak_nothing():
+def small_attached_mlp(**runtime_args):
+    """A CUDA MLP attached to a runtime made with runtime_args, an input, and its output now."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
     model.cuda()
     x = torch.randn(4, 64, device="cuda")
     want = model(x).detach()
-    rt = strata.Runtime(policy="layer_prefetch", roles="all")
+    rt = strata.Runtime(roles="all", **runtime_args)
     strata.attach(model, rt)
+    return model, rt, x, want
+
+
+@pytest.mark.gpu
+def test_offloaded_parameters_read_as_before_and_leak_nothing():
+    model, rt, x, want = small_attached_mlp(policy="layer_prefetch")
     opt = strata.optim.AdamW(model.parameters(), runtime=rt)
     torch.cuda.synchronize()
     rt.offload_all()
@@ -74,3 +81,52 @@ def test_offloaded_parameters_read_as_before_and_leak_nothing():
         assert torch.equal(model(x), want)
     opt.close()
     assert rt.close() == []
+
+
+@pytest.mark.gpu
+def test_a_forward_over_parameters_away_raises_instead_of_crashing():
+    # No room in pinned memory: offload_all puts the parameters in pageable memory, which a CUDA
+    # tensor cannot address.
+    model, rt, x, want = small_attached_mlp(policy="bulk", pinned_budget="4KiB")
+    torch.cuda.synchronize()
+    rt.offload_all()
+    w = model[0].weight
+    assert not rt.is_accessible(w)
+    with pytest.raises(RuntimeError, match=r"'0\.weight' \(.*\) is away in pageable.* memory"):
+        rt.check_accessible(w)
+    with pytest.raises(RuntimeError, match=r"is away in pageable.*reload_all\(\)"):
+        model(x)
+    rt.reload_all()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    assert rt.close() == []
+
+
+RAW_OP = """
+import torch, strata
+model = torch.nn.Linear(64, 64).cuda()
+rt = strata.Runtime(policy="bulk", roles="all", pinned_budget="4KiB")
+strata.attach(torch.nn.Sequential(model), rt)
+torch.cuda.synchronize()
+rt.offload_all()
+for op in (lambda w: w + 1, lambda w: w.sum(), lambda w: w @ w, lambda w: w.cpu()):
+    try:
+        op(model.weight)
+        print("no error")
+    except RuntimeError as e:
+        print("RuntimeError")
+rt.reload_all()
+print("closed", rt.close())
+"""
+
+
+@pytest.mark.gpu
+def test_a_torch_op_on_a_tensor_away_raises_torchs_error():
+    # Outside the hooks, torch's own check of a storage with no data raises; run apart, so a
+    # crash would show as a failure here rather than end the suite.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", RAW_OP], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["RuntimeError"] * 4 + ["closed", "[]"], proc.stdout

@@ -24,3 +24,21 @@ gpu_build() {
   cmake --build "$BUILD" "${targets[@]}" >"$logs/build.log" 2>&1 \
     || { grep -E "error|FAILED" "$logs/build.log" | head -40; return 1; }
 }
+
+# The strata package assembled in /tmp/strata-pkg from python/strata and the built module (the GPU
+# machine has no registry for pip's build backend), on PYTHONPATH; pytest, tqdm and numpy from the
+# wheels in .deps/wheels (tools/gpu/fetch-debs.sh) where the python lacks them.
+python_package() {
+  local pkg=/tmp/strata-pkg
+  rm -rf "$pkg" && mkdir -p "$pkg/strata"
+  cp python/strata/*.py "$pkg/strata/" && cp "$BUILD"/python/strata/_strata*.so "$pkg/strata/" ||
+    return 1
+  local want=()
+  for mod in pytest tqdm numpy; do python3 -c "import $mod" 2>/dev/null || want+=("$mod"); done
+  if ((${#want[@]})); then
+    python3 -m pip install -q --no-index --find-links .deps/wheels "${want[@]}" 2>/dev/null ||
+      python3 -m pip install -q --break-system-packages --no-index --find-links .deps/wheels \
+        "${want[@]}"
+  fi
+  export PYTHONPATH=$pkg
+}

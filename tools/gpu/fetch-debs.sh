@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Fetches the Debian packages that the GPU machine lacks (Abseil, GoogleTest, GoogleMock, Google
-# Benchmark, nlohmann-json) into .deps/debs, and the wheels of pytest and tqdm into .deps/wheels
-# (for tools/gpu/run_python.sh): an ignored folder that travels with the device tool's `carry`. Run it here, where a package registry is reachable; tools/gpu/check.sh unpacks them there.
+# Benchmark, nlohmann-json) into .deps/debs, and the wheels of pytest, tqdm and numpy into
+# .deps/wheels (for tools/gpu/run_python.sh and run_fsdp.sh): an ignored folder that travels with
+# the device tool's `carry`. Run it here, where a package registry is reachable;
+# tools/gpu/check.sh unpacks them there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .deps/debs
@@ -14,4 +16,7 @@ apt-get download libabsl-dev libabsl20220623 libgtest-dev libgmock-dev libbenchm
 ls -la
 cd ../..
 python3 -m pip download -q -d .deps/wheels pytest tqdm
+# numpy for torch.distributed.checkpoint, built for the GPU machine's Python 3.12.
+python3 -m pip download -q -d .deps/wheels --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 numpy
 ls .deps/wheels

@@ -12,12 +12,7 @@ mkdir -p "$OUT"
 source tools/gpu/build.sh
 gpu_build "$OUT" _strata || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-PKG=/tmp/strata-pkg
-rm -rf "$PKG" && mkdir -p "$PKG/strata"
-cp python/strata/*.py "$PKG/strata/" && cp "$BUILD"/python/strata/_strata*.so "$PKG/strata/"
-python3 -m pip install -q --no-index --find-links .deps/wheels pytest tqdm 2>&1 | tail -2 ||
-  python3 -m pip install -q --break-system-packages --no-index --find-links .deps/wheels pytest tqdm
-export PYTHONPATH=$PKG
+python_package || exit 1
 status=0
 echo "== smoke (each call printed before the next)"
 STRATA_SEGV_BACKTRACE=1 python3 python/tests/smoke.py >"$OUT/smoke.log" 2>&1 || status=1
