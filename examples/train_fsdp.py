@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 import strata
@@ -80,11 +81,11 @@ def batch(args, step, rank, world, device):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def build(args, kind, device):
+def build(args, kind, device, mesh):
     torch.manual_seed(args.seed)
     Gpt = load_gpt()
     model = Gpt(args.vocab, args.d_model, args.heads, args.layers, args.seq).to(device)
-    kw = {}
+    kw = {"mesh": mesh}  # fully_shard's default mesh is on the GPU whenever there is one
     if args.dtype != "float32":
         dtype = getattr(torch, args.dtype)
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -134,13 +135,13 @@ def save_checkpoint(path, model, opt, step):
     dcp.save(state, checkpoint_id=path)
 
 
-def run(args, kind, rank, world, device):
+def run(args, kind, rank, world, device, mesh):
     """Trains args.steps steps; returns this run's figures (rank 0 gathers every rank's)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     host_before = host_bytes()
-    model = build(args, kind, device)
+    model = build(args, kind, device, mesh)
     opt = make_optimizer(args, kind, model, rank, device)
     start = load_checkpoint(args.load, model, opt) if args.load else 0
     losses, norms, times = [], [], []
@@ -239,6 +240,12 @@ def main():
     p.add_argument("--reference", action="store_true", help="also FSDP2 + torch.optim.AdamW")
     p.add_argument("--cpu_offload_peer", action="store_true", help="also CPUOffloadPolicy")
     p.add_argument("--match_tol", type=float, default=1e-6, help="relative, vs the reference")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic CUDA kernels (attention on the math backend), so that runs can match "
+        "bitwise; the fast attention kernels' backward adds in a varying order",
+    )
     p.add_argument("--save", default=None, help="a checkpoint folder written after training")
     p.add_argument("--load", default=None, help="a checkpoint folder to start from")
     p.add_argument("--json", default=None)
@@ -251,17 +258,25 @@ def main():
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if use_cuda:
+            torch.backends.cuda.enable_flash_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
+            torch.backends.cuda.enable_cudnn_sdp(False)
     dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
     if args.batch % world:
         raise ValueError(f"--batch {args.batch} does not split over {world} ranks")
 
     report = {"world_size": world, "device": str(device.type), "policy": args.policy}
     report["gpu"] = torch.cuda.get_device_name(device) if use_cuda else None
     report["config"] = {k: v for k, v in vars(args).items() if k != "json"}
-    report["strata"] = run(args, "strata", rank, world, device)
+    report["strata"] = run(args, "strata", rank, world, device, mesh)
     if args.reference:
-        report["reference"] = ref = run(args, "reference", rank, world, device)
+        report["reference"] = ref = run(args, "reference", rank, world, device, mesh)
         diff = compare(report["strata"]["losses"], ref["losses"])
         report["max_loss_diff_vs_reference"] = diff
         report["losses_match_reference"] = diff <= args.match_tol
@@ -271,7 +286,7 @@ def main():
         if ref["step_ms_median"]:
             report["step_vs_reference"] = report["strata"]["step_ms_median"] / ref["step_ms_median"]
     if args.cpu_offload_peer:
-        report["cpu_offload_peer"] = peer = run(args, "peer", rank, world, device)
+        report["cpu_offload_peer"] = peer = run(args, "peer", rank, world, device, mesh)
         if peer["step_ms_median"]:
             report["peer_vs_strata"] = peer["step_ms_median"] / report["strata"]["step_ms_median"]
     if rank == 0:

@@ -1,6 +1,8 @@
 """On the GPU (mark gpu): examples/train_gpt.py's model under layer_prefetch with every role
 streamed against torch.optim.AdamW(fused=True), offloaded parameters read through pinned memory,
-and a forward over parameters that are away (in pageable memory) raising instead of crashing."""
+and a forward over parameters that are away (in pageable memory) raising instead of crashing.
+(A torch op outside the hooks on such a CUDA tensor is an illegal address: torch has no reversible
+"no data here" state; see Note [Where a bound tensor's data pointer points].)"""
 
 import importlib.util
 import pathlib
@@ -94,39 +96,10 @@ def test_a_forward_over_parameters_away_raises_instead_of_crashing():
     assert not rt.is_accessible(w)
     with pytest.raises(RuntimeError, match=r"'0\.weight' \(.*\) is away in pageable.* memory"):
         rt.check_accessible(w)
-    with pytest.raises(RuntimeError, match=r"is away in pageable.*reload_all\(\)"):
+    # The hooks refuse a step while offloaded, before any layer reads a null pointer.
+    with pytest.raises(RuntimeError, match=r"offloaded.*call reload_all first"):
         model(x)
     rt.reload_all()
     with torch.no_grad():
         assert torch.equal(model(x), want)
     assert rt.close() == []
-
-
-RAW_OP = """
-import torch, strata
-model = torch.nn.Linear(64, 64).cuda()
-rt = strata.Runtime(policy="bulk", roles="all", pinned_budget="4KiB")
-strata.attach(torch.nn.Sequential(model), rt)
-torch.cuda.synchronize()
-rt.offload_all()
-for op in (lambda w: w + 1, lambda w: w.sum(), lambda w: w @ w, lambda w: w.cpu()):
-    try:
-        op(model.weight)
-        print("no error")
-    except RuntimeError as e:
-        print("RuntimeError")
-rt.reload_all()
-print("closed", rt.close())
-"""
-
-
-@pytest.mark.gpu
-def test_a_torch_op_on_a_tensor_away_raises_torchs_error():
-    # Outside the hooks, torch's own check of a storage with no data raises; run apart, so a
-    # crash would show as a failure here rather than end the suite.
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", RAW_OP], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["RuntimeError"] * 4 + ["closed", "[]"], proc.stdout
