@@ -154,8 +154,22 @@ class Runtime {
     return out;
   }
 
-  // Zeroes a bound tensor in place wherever its data is.
-  void zero(torch::Tensor& t) {
+  // Zeroes bound tensors in place wherever their data is. Note [Zeroing a tensor that may be
+  // moving]: a policy may still be copying one (layer_prefetch sends a step's gradients home
+  // after the optimizer step and does not wait); its tensor reads the source until the move
+  // completes, so a zero written there now would be lost when the pointer moves to the
+  // destination's old values. Every move completes first (one wait); copies queued later wait
+  // for torch's stream, where the zeroing runs (the hooks fence them behind it).
+  void zero(const std::vector<torch::Tensor>& tensors) {
+    {
+      py::gil_scoped_release release;
+      bridge::check(runtime_->wait_all());
+    }
+    for (const torch::Tensor& t : tensors) zero_one(t);
+  }
+
+ private:
+  void zero_one(torch::Tensor t) {
     if (binding_->is_accessible(t)) {
       t.zero_();
       return;
@@ -166,7 +180,6 @@ class Runtime {
     bridge::check(runtime_->write(h, zeros.data()));
   }
 
- private:
   std::unique_ptr<rt::Runtime> runtime_;
   std::unique_ptr<bridge::TorchBinding> binding_;
   std::unique_ptr<bridge::ModelHooks> hooks_;

@@ -187,16 +187,19 @@ class Adam(torch.optim.Optimizer):
         """Zeroes every gradient. Gradients bound to strata are zeroed in place wherever they are
         (set_to_none does not apply to them: autograd keeps accumulating into strata's memory);
         others as torch does."""
+        bound = []
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None:
                     continue
                 if self._runtime.is_bound(p.grad):
-                    self._runtime.zero_(p.grad)
+                    bound.append(p.grad)
                 elif set_to_none:
                     p.grad = None
                 else:
                     p.grad.zero_()
+        if bound:
+            self._runtime.zero_(*bound)
 
     # --- checkpoints in torch.optim.AdamW's format ---
     def _read_state(self, p: torch.Tensor) -> dict:

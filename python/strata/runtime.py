@@ -201,9 +201,10 @@ class Runtime:
         now; the attach hooks check each layer's parameters so before its forward."""
         self._rt.check_accessible(local(t))
 
-    def zero_(self, t: torch.Tensor) -> None:
-        """Zeroes a bound tensor in place wherever its data is."""
-        self._rt.zero(local(t))
+    def zero_(self, *tensors: torch.Tensor) -> None:
+        """Zeroes bound tensors in place wherever their data is, once every move under way has
+        completed (a move's destination would otherwise keep the values from before)."""
+        self._rt.zero([local(t) for t in tensors])
 
     # --- a step (the attach hooks and strata.optim call these) ---
     def _before_forward(self, layer: int) -> None:

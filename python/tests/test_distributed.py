@@ -52,9 +52,10 @@ def test_two_ranks_match_fsdp2_with_torch_adamw(two_ranks):
     assert len(s["losses"]) == STEPS
     assert two_ranks["losses_match_reference"], two_ranks["max_loss_diff_vs_reference"]
     assert rel(s["losses"], ref["losses"]) <= 1e-6
-    # Clipping: the first step's total norm is torch's exactly (same gradients);
-    # later ones follow the parameters, which differ by torch's CPU rounding of hyperparameters.
-    assert s["grad_norms"][0] == ref["grad_norms"][0]
+    # Clipping: the first step's total norm is torch's (same gradients) to its last bits (on some
+    # CPUs torch's DTensor norm rounds differently in the last place); later ones follow the
+    # parameters, which differ by torch's CPU rounding of hyperparameters.
+    assert rel(s["grad_norms"][:1], ref["grad_norms"][:1]) <= 1e-6
     assert rel(s["grad_norms"], ref["grad_norms"]) <= 1e-5
     assert all(n > 0.5 for n in ref["grad_norms"]), "clipping never engaged"
 
