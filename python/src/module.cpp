@@ -158,10 +158,15 @@ class Runtime {
   // moving]: a policy may still be copying one (layer_prefetch sends a step's gradients home
   // after the optimizer step and does not wait); its tensor reads the source until the move
   // completes, so a zero written there now would be lost when the pointer moves to the
-  // destination's old values. Every move completes first (one wait); copies queued later wait
+  // destination's old values. So when one of them is in flight, every move completes first (one
+  // host wait, only then: gradients that no policy moves cost none); copies queued later wait
   // for torch's stream, where the zeroing runs (the hooks fence them behind it).
   void zero(const std::vector<torch::Tensor>& tensors) {
-    {
+    bool moving = false;
+    for (const torch::Tensor& t : tensors) {
+      moving = moving || bridge::unwrap(runtime_->info(binding_->handle(t))).in_flight;
+    }
+    if (moving) {
       py::gil_scoped_release release;
       bridge::check(runtime_->wait_all());
     }
