@@ -38,6 +38,8 @@ void ModelHooks::begin_step() {
   in_step_ = true;
   forwarded_.clear();
   backward_done_.assign(grads_.size(), false);
+  backward_begun_.assign(grads_.size(), false);
+  zeroed_.assign(grads_.size(), false);
   stats_.reset();
 }
 
@@ -54,8 +56,10 @@ void ModelHooks::before_forward(int layer) {
   }
 }
 
+// Once per layer per step: a second zeroing would erase a backward already under way.
 void ModelHooks::zero(int layer) {
-  if (layer < 0 || layer >= num_layers()) return;
+  if (layer < 0 || layer >= num_layers() || zeroed_[static_cast<std::size_t>(layer)]) return;
+  zeroed_[static_cast<std::size_t>(layer)] = true;
   for (at::Tensor& g : grads_[static_cast<std::size_t>(layer)]) g.zero_();
 }
 
@@ -63,11 +67,30 @@ void ModelHooks::begin_backward() {
   if (zero_before_backward_ && !forwarded_.empty()) zero(forwarded_.back());
 }
 
-void ModelHooks::after_backward(int layer) {
+void ModelHooks::check_backward_hook(const char* hook, int layer) const {
+  if (!in_step_) {
+    check(absl::FailedPreconditionError(
+        str_cat("ModelHooks: ", hook, "(", layer,
+                ") outside a step: a backward whose forward ran before the last step ended")));
+  }
   if (layer < 0 || layer >= num_layers()) {
     check(absl::InvalidArgumentError(
         str_cat("ModelHooks: layer ", layer, " is not one of the ", num_layers(), " layers")));
   }
+}
+
+void ModelHooks::before_backward(int layer) {
+  check_backward_hook("before_backward", layer);
+  const auto l = static_cast<std::size_t>(layer);
+  // After its after_backward (a module run twice in one forward) the layer is gone home already.
+  if (backward_done_[l] || backward_begun_[l]) return;
+  check(runtime_.before_backward(layer));
+  backward_begun_[l] = true;
+  if (zero_before_backward_) zero(layer);
+}
+
+void ModelHooks::after_backward(int layer) {
+  check_backward_hook("after_backward", layer);
   if (backward_done_[static_cast<std::size_t>(layer)]) {
     check(absl::FailedPreconditionError(
         str_cat("ModelHooks: after_backward(", layer, ") twice in one step")));
@@ -76,8 +99,12 @@ void ModelHooks::after_backward(int layer) {
   stats_.add_layer(layer, grads_[static_cast<std::size_t>(layer)]);
   check(runtime_.after_backward(layer));
   if (zero_before_backward_) {
+    // Without before_backward, the layer forwarded before this one is the next to run backward.
     const auto it = std::find(forwarded_.begin(), forwarded_.end(), layer);
-    if (it != forwarded_.begin() && it != forwarded_.end()) zero(*(it - 1));
+    if (it != forwarded_.begin() && it != forwarded_.end() &&
+        !backward_begun_[static_cast<std::size_t>(*(it - 1))]) {
+      zero(*(it - 1));
+    }
   }
 }
 

@@ -12,7 +12,8 @@
 //   hooks.begin_step();
 //   ...forward, hooks.before_forward(l) before layer l...
 //   hooks.begin_backward();
-//   ...backward, hooks.after_backward(l) once layer l's backward is done...
+//   ...backward: hooks.before_backward(l) as layer l's backward begins (a hook on its output),
+//      hooks.after_backward(l) once it is done (a hook on its input)...
 //   hooks.finish_backward();  // layers whose after_backward did not run (the first one)
 //   adam->step(hooks.stats().grad_scale(...)...);
 //   hooks.end_step();
@@ -47,6 +48,11 @@ class ModelHooks {
   void before_forward(int layer);
   // Once forward is done: with zero_before_backward, zeroes the last forwarded layer's gradients.
   void begin_backward();
+  // Once the gradient of layer `layer`'s output is complete, before anything of its backward runs
+  // (a hook on the output): the runtime's before_backward. Optional for a model whose backward
+  // runs its layers in the reverse order of forward; needed otherwise (parallel branches, two
+  // embeddings summed; Note [Backward out of order] in policies/layer_prefetch.cpp).
+  void before_backward(int layer);
   // Once layer `layer`'s backward is done (its gradients accumulated): its part of the statistics,
   // then the runtime's after_backward; with zero_before_backward, then zeroes the gradients of the
   // layer forwarded before it, whose backward comes next. Once per layer per step.
@@ -60,6 +66,7 @@ class ModelHooks {
 
  private:
   void zero(int layer);
+  void check_backward_hook(const char* hook, int layer) const;
 
   rt::Runtime& runtime_;
   const bool zero_before_backward_;
@@ -68,6 +75,8 @@ class ModelHooks {
   const TorchBinding* binding_ = nullptr;
   std::vector<int> forwarded_;  // this step, in order
   std::vector<bool> backward_done_;
+  std::vector<bool> backward_begun_;  // before_backward ran
+  std::vector<bool> zeroed_;          // zero_before_backward done
   bool in_step_ = false;
   GradientStats stats_;
 };

@@ -79,6 +79,10 @@ class Bulk final : public rt::ResidencyPolicy {
     return layered_ ? layered_->on_before_forward(rt, layer) : absl::OkStatus();
   }
 
+  absl::Status on_before_backward(rt::PolicyContext& rt, int layer) override {
+    return layered_ ? layered_->on_before_backward(rt, layer) : absl::OkStatus();
+  }
+
   absl::Status on_after_backward(rt::PolicyContext& rt, int layer) override {
     return layered_ ? layered_->on_after_backward(rt, layer) : absl::OkStatus();
   }

@@ -32,6 +32,17 @@ using rt::RoleSet;
 // every layer streams: nothing says how much of the GPU strata may take. A layer only partly on
 // the GPU streams the rest (stage_layer copies only what is not there). Tensors registered later
 // compete with the resident layers for the main pool.
+//
+// Note [Backward out of order]: a staged layer's tensors report their slot as soon as the fetch is
+// queued, and only a hold makes the compute stream wait for the fetch, so torch must never touch a
+// layer that is staged and not held. after_backward(i) holds the layer forwarded before i, which
+// is right while backward runs in the reverse order of forward. It is not for parallel branches:
+// two embeddings summed into the first block both run their backward right after the block's, and
+// the second one's fetch (prefetched, not held) raced autograd's accumulation into its gradients.
+// So a client that knows when a layer's backward begins calls before_backward, which holds the
+// layer (staging it first when a slot is free); a layer begun with no slot free is held where it
+// is, at home, and torch uses it there. A layer whose backward began or ended is not staged again
+// in the same backward, so nothing moves under autograd.
 class LayerPrefetch final : public rt::ResidencyPolicy {
  public:
   LayerPrefetch(const rt::PolicyConfig& c, bool keep_resident_layers)
@@ -86,7 +97,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
       forward_ = streamed;
       STRATA_RETURN_IF_ERROR(start_forward(rt));
     }
-    if (held_ >= 0) {
+    if (!held_.empty()) {
       STRATA_RETURN_IF_ERROR(release_held(rt));
       const std::size_t prev = position(forward_, last_);
       if (!kept_for_backward(prev)) {
@@ -98,27 +109,64 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return hold(rt, layer, forward_roles(j));
   }
 
+  // Note [Backward out of order].
+  absl::Status on_before_backward(rt::PolicyContext& rt, int layer) override {
+    if (!streams_parameters() || (!in_forward_ && !in_backward_)) return absl::OkStatus();
+    enter_backward();
+    const std::size_t b = position(backward_, layer);
+    if (b == backward_.size() || backward_state_[b] != BackwardState::kPending) {
+      return absl::OkStatus();  // nothing of it streams, or its backward has begun already
+    }
+    backward_state_[b] = BackwardState::kBegun;
+    if (is_held(layer)) return absl::OkStatus();
+    if (!rt.is_staged(layer)) {
+      if (staged_.size() >= slots_) {
+        // Every slot is taken: its backward runs at home, waiting for any copy still arriving.
+        STRATA_RETURN_IF_ERROR(
+            rt.hold_layer_in_place(layer, backward_roles(), rt.compute_stream()));
+        held_.push_back({layer, backward_roles()});
+        return absl::OkStatus();
+      }
+      STRATA_RETURN_IF_ERROR(stage_whole(rt, layer, backward_roles(), rt::StageOrder::kRegistered));
+    } else {
+      // Staged in forward with its parameters only, when the ring held fewer layers.
+      STRATA_RETURN_IF_ERROR(rt.stage_layer(layer, backward_roles()));
+    }
+    return hold(rt, layer, backward_roles());
+  }
+
   absl::Status on_after_backward(rt::PolicyContext& rt, int layer) override {
     if (!streams_parameters() || (!in_forward_ && !in_backward_)) return absl::OkStatus();
-    if (in_forward_) {
-      // Forward is over: its last layers are staged, so backward starts that far in.
-      in_forward_ = false;
-      in_backward_ = true;
-      backward_.assign(forward_.rbegin(), forward_.rend());
-      next_ = std::min<std::size_t>(staged_.size(), backward_.size());
-    }
+    enter_backward();
     const std::size_t b = position(backward_, layer);
     if (b == backward_.size()) return absl::OkStatus();  // nothing of this layer streams
-    if (held_ >= 0) STRATA_RETURN_IF_ERROR(release_held(rt));
+    STRATA_RETURN_IF_ERROR(release_hold(rt, layer));
     STRATA_RETURN_IF_ERROR(unstage(rt, layer, RoleSet{Role::kGradient}));
+    backward_state_[b] = BackwardState::kDone;
     STRATA_RETURN_IF_ERROR(refill(
         rt, backward_, [&](std::size_t) { return backward_roles(); }, as_registered));
     if (b + 1 < backward_.size()) {
+      // Backward in the reverse order of forward comes to this layer next.
+      // Begun ones are held already (before_backward).
       const int following = backward_[b + 1];
-      STRATA_RETURN_IF_ERROR(rt.stage_layer(following, backward_roles()));
+      if (backward_state_[b + 1] != BackwardState::kPending || is_held(following))
+        return absl::OkStatus();
+      if (rt.is_staged(following)) {
+        STRATA_RETURN_IF_ERROR(rt.stage_layer(following, backward_roles()));
+      } else if (staged_.size() < slots_) {
+        STRATA_RETURN_IF_ERROR(
+            stage_whole(rt, following, backward_roles(), rt::StageOrder::kRegistered));
+      } else {
+        // Every slot is taken by layers whose backward is under way (out of order): it is not
+        // staged now, and this backward will not stage it, so it is used at home.
+        backward_state_[b + 1] = BackwardState::kBegun;
+        STRATA_RETURN_IF_ERROR(
+            rt.hold_layer_in_place(following, backward_roles(), rt.compute_stream()));
+        held_.push_back({following, backward_roles()});
+        return absl::OkStatus();
+      }
       return hold(rt, following, backward_roles());
     }
-    in_backward_ = false;
     return absl::OkStatus();
   }
 
@@ -270,32 +318,55 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   // Stages layers of `order` from next_ on while the ring has room: layer k with roles_of(k), its
-  // copies in stage_order(k).
+  // copies in stage_order(k). In backward, a layer whose backward began is skipped (Note
+  // [Backward out of order]).
   template <typename RolesOf, typename StageOrderOf>
   absl::Status refill(rt::PolicyContext& rt, const std::vector<int>& order, RolesOf roles_of,
                       StageOrderOf stage_order) {
     while (staged_.size() < slots_ && next_ < order.size()) {
-      const int layer = order[next_];
-      const bool had_slot = rt.is_staged(layer);
-      absl::Status s = rt.stage_layer(layer, roles_of(next_), stage_order(next_));
-      if (!s.ok()) {
-        // A layer staged part way keeps its slot (the runtime leaves what was queued in place).
-        // Take it back out, so this layer is either staged whole or not at all and the next call
-        // starts it again; its home copy was never touched.
-        // If even that fails (a device error), the layer is listed as staged, so that the next
-        // reset puts it home.
-        if (!had_slot && rt.is_staged(layer) && !rt.unstage_layer(layer, RoleSet()).ok() &&
-            std::find(staged_.begin(), staged_.end(), layer) == staged_.end()) {
-          staged_.push_back(layer);
-        }
-        return s;
+      if (in_backward_ && &order == &backward_ &&
+          backward_state_[next_] != BackwardState::kPending) {
+        ++next_;
+        continue;
       }
-      if (std::find(staged_.begin(), staged_.end(), layer) == staged_.end()) {
-        staged_.push_back(layer);
-      }
+      STRATA_RETURN_IF_ERROR(stage_whole(rt, order[next_], roles_of(next_), stage_order(next_)));
       ++next_;
     }
     return absl::OkStatus();
+  }
+
+  // Stages `layer` and lists it as staged.
+  absl::Status stage_whole(rt::PolicyContext& rt, int layer, RoleSet roles, rt::StageOrder order) {
+    const bool had_slot = rt.is_staged(layer);
+    absl::Status s = rt.stage_layer(layer, roles, order);
+    if (!s.ok()) {
+      // A layer staged part way keeps its slot (the runtime leaves what was queued in place).
+      // Take it back out, so this layer is either staged whole or not at all and the next call
+      // starts it again; its home copy was never touched.
+      // If even that fails (a device error), the layer is listed as staged, so that the next
+      // reset puts it home.
+      if (!had_slot && rt.is_staged(layer) && !rt.unstage_layer(layer, RoleSet()).ok() &&
+          std::find(staged_.begin(), staged_.end(), layer) == staged_.end()) {
+        staged_.push_back(layer);
+      }
+      return s;
+    }
+    if (std::find(staged_.begin(), staged_.end(), layer) == staged_.end()) {
+      staged_.push_back(layer);
+    }
+    return absl::OkStatus();
+  }
+
+  // Forward is over at the first backward hook: its last layers are staged, so backward starts
+  // that far in.
+  void enter_backward() {
+    if (!in_forward_) return;
+    // The last layer forwarded is held; its backward ends at its after_backward, like any other.
+    in_forward_ = false;
+    in_backward_ = true;
+    backward_.assign(forward_.rbegin(), forward_.rend());
+    backward_state_.assign(backward_.size(), BackwardState::kPending);
+    next_ = std::min<std::size_t>(staged_.size(), backward_.size());
   }
 
   static rt::StageOrder as_registered(std::size_t) { return rt::StageOrder::kRegistered; }
@@ -324,7 +395,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Releases what is held and sends every staged layer home (gradients and whatever the optimizer
   // writes are copied back, parameters read in forward are dropped).
   absl::Status reset(rt::PolicyContext& rt) {
-    if (held_ >= 0) STRATA_RETURN_IF_ERROR(release_held(rt));
+    STRATA_RETURN_IF_ERROR(release_held(rt));
     RoleSet keep = write_back();
     if (config().roles.contains(Role::kGradient)) keep = keep | Role::kGradient;
     while (!staged_.empty()) STRATA_RETURN_IF_ERROR(unstage(rt, staged_.front(), keep));
@@ -344,18 +415,29 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // The compute stream waits for the layer's data; the runtime keeps it in place until released.
   absl::Status hold(rt::PolicyContext& rt, int layer, RoleSet roles) {
     STRATA_RETURN_IF_ERROR(rt.hold_layer(layer, roles, rt::Tier::kGpu, rt.compute_stream()));
-    held_ = layer;
+    held_.push_back({layer, roles});
     last_ = layer;
-    held_roles_ = roles;
     return absl::OkStatus();
   }
 
+  bool is_held(int layer) const {
+    return std::any_of(held_.begin(), held_.end(), [&](const Held& h) { return h.layer == layer; });
+  }
+
   // Everything queued on the compute stream until this hook (the held layer's forward or backward)
-  // may use the data; later moves wait for it.
+  // may use the data; later moves wait for it. All or nothing per layer, so a failure leaves the
+  // layer held and this can run again.
+  absl::Status release_hold(rt::PolicyContext& rt, int layer) {
+    auto it =
+        std::find_if(held_.begin(), held_.end(), [&](const Held& h) { return h.layer == layer; });
+    if (it == held_.end()) return absl::OkStatus();
+    STRATA_RETURN_IF_ERROR(rt.release(rt.layer_tensors(it->layer, it->roles), rt.compute_stream()));
+    held_.erase(it);
+    return absl::OkStatus();
+  }
+
   absl::Status release_held(rt::PolicyContext& rt) {
-    // All or nothing, so a failure leaves the layer held and this can run again.
-    STRATA_RETURN_IF_ERROR(rt.release(rt.layer_tensors(held_, held_roles_), rt.compute_stream()));
-    held_ = -1;
+    while (!held_.empty()) STRATA_RETURN_IF_ERROR(release_hold(rt, held_.back().layer));
     return absl::OkStatus();
   }
 
@@ -373,9 +455,15 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   std::size_t slots_cap_;            // most slots the budget leaves room for (Note [Ring under...])
   bool in_forward_ = false;
   bool in_backward_ = false;
-  int held_ = -1;  // layer held for forward or backward, -1 for none
+  enum class BackwardState { kPending, kBegun, kDone };
+  std::vector<BackwardState> backward_state_;  // per backward_ position (Note [Backward out...])
+  struct Held {
+    int layer;
+    RoleSet roles;
+  };
+  // Layers held for forward (one) or backward (those whose backward may be under way).
+  std::vector<Held> held_;
   int last_ = -1;  // the layer held last
-  RoleSet held_roles_;
 };
 
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make(const rt::PolicyConfig& c,

@@ -129,7 +129,7 @@ absl::Status Runtime::Impl::release_locked(const std::vector<Entry*>& members,
 }
 
 absl::StatusOr<std::vector<void*>> Runtime::Impl::acquire_layer_locked(int layer, RoleSet roles,
-                                                                       Tier tier,
+                                                                       std::optional<Tier> tier,
                                                                        StreamHandle stream) {
   STRATA_RETURN_IF_ERROR(check_layer("acquire_layer", layer));
   STRATA_RETURN_IF_ERROR(engine.poll());
@@ -137,7 +137,9 @@ absl::StatusOr<std::vector<void*>> Runtime::Impl::acquire_layer_locked(int layer
   std::vector<void*> out;
   out.reserve(members.size());
   for (std::size_t i = 0; i < members.size(); ++i) {
-    absl::StatusOr<void*> p = acquire_locked(*members[i], tier, stream);
+    const Entry& e = *members[i];
+    absl::StatusOr<void*> p =
+        acquire_locked(*members[i], tier.value_or(e.in_flight ? e.dst.tier : e.loc.tier), stream);
     if (!p.ok()) {
       // Undo the holds taken: nothing was queued on `stream` that uses them yet (only waits), so
       // no release event is needed, and undoing cannot fail.

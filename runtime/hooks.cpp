@@ -8,18 +8,18 @@
 // calling hooks (or a hook and any other call) never interleave inside the policy or the runtime.
 // The on_moved callbacks run under the same mutex and must not call the runtime.
 //
-// Note [Step states]: begin_step opens a step and end_step closes it; before_forward and
-// after_backward belong inside one; an optimizer step (begin_optimizer_step .. end_optimizer_step)
-// may run inside a step or on its own (Adam::step makes both calls), but not inside another. A hook
-// called out of that order is kFailedPrecondition saying what was expected, and changes nothing. A
-// hook that fails leaves the state as it was, so it can be called again: a failed begin_* has not
-// begun (the policy's work so far is put back), a failed end_step has not ended. end_step also
-// fails, naming them, while tensors are still held once the policy's end of step is done: an
-// acquire with no release would otherwise surface only later, as a tensor that cannot move. One
-// exception keeps a failed optimizer step from blocking every later hook: end_optimizer_step ends
-// the optimizer step even when the policy cannot finish its end of it (writing staged states home,
-// under a device error); that work is then finished first by the next hook, or by calling
-// end_optimizer_step again, and that hook fails while it cannot be.
+// Note [Step states]: begin_step opens a step and end_step closes it; before_forward,
+// before_backward and after_backward belong inside one; an optimizer step (begin_optimizer_step ..
+// end_optimizer_step) may run inside a step or on its own (Adam::step makes both calls), but not
+// inside another. A hook called out of that order is kFailedPrecondition saying what was expected,
+// and changes nothing. A hook that fails leaves the state as it was, so it can be called again: a
+// failed begin_* has not begun (the policy's work so far is put back), a failed end_step has not
+// ended. end_step also fails, naming them, while tensors are still held once the policy's end of
+// step is done: an acquire with no release would otherwise surface only later, as a tensor that
+// cannot move. One exception keeps a failed optimizer step from blocking every later hook:
+// end_optimizer_step ends the optimizer step even when the policy cannot finish its end of it
+// (writing staged states home, under a device error); that work is then finished first by the next
+// hook, or by calling end_optimizer_step again, and that hook fails while it cannot be.
 #include <algorithm>
 
 #include "base/status.h"
@@ -118,7 +118,10 @@ absl::Status Runtime::end_step() {
   return absl::OkStatus();
 }
 
-absl::Status Runtime::layer_hook(const char* hook, int layer, bool forward) {
+absl::Status Runtime::layer_hook(LayerHook which, int layer) {
+  const char* hook = which == LayerHook::kBeforeForward    ? "before_forward"
+                     : which == LayerHook::kBeforeBackward ? "before_backward"
+                                                           : "after_backward";
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
   if (!im.step.in_step) return misuse(hook, "no step has begun; call begin_step first");
@@ -130,16 +133,27 @@ absl::Status Runtime::layer_hook(const char* hook, int layer, bool forward) {
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   PolicyContext ctx(*this);
   STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
-  return forward ? im.policy->on_before_forward(ctx, layer)
-                 : im.policy->on_after_backward(ctx, layer);
+  switch (which) {
+    case LayerHook::kBeforeForward:
+      return im.policy->on_before_forward(ctx, layer);
+    case LayerHook::kBeforeBackward:
+      return im.policy->on_before_backward(ctx, layer);
+    case LayerHook::kAfterBackward:
+      return im.policy->on_after_backward(ctx, layer);
+  }
+  return absl::InternalError("layer_hook: unknown hook");
 }
 
 absl::Status Runtime::before_forward(int layer) {
-  return layer_hook("before_forward", layer, /*forward=*/true);
+  return layer_hook(LayerHook::kBeforeForward, layer);
+}
+
+absl::Status Runtime::before_backward(int layer) {
+  return layer_hook(LayerHook::kBeforeBackward, layer);
 }
 
 absl::Status Runtime::after_backward(int layer) {
-  return layer_hook("after_backward", layer, /*forward=*/false);
+  return layer_hook(LayerHook::kAfterBackward, layer);
 }
 
 absl::Status Runtime::begin_optimizer_step() {
@@ -240,6 +254,10 @@ bool PolicyContext::is_staged(int layer) const { return runtime_.impl_->staging.
 
 absl::Status PolicyContext::hold_layer(int layer, RoleSet roles, Tier tier, StreamHandle stream) {
   return runtime_.impl_->acquire_layer_locked(layer, roles, tier, stream).status();
+}
+
+absl::Status PolicyContext::hold_layer_in_place(int layer, RoleSet roles, StreamHandle stream) {
+  return runtime_.impl_->acquire_layer_locked(layer, roles, std::nullopt, stream).status();
 }
 
 absl::Status PolicyContext::release(const std::vector<TensorHandle>& tensors, StreamHandle stream) {

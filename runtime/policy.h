@@ -68,6 +68,9 @@ class PolicyContext {
   // Holds the layer's tensors of `roles` on `tier` for work on `stream` (acquire_layer, without
   // the addresses), all or nothing.
   [[nodiscard]] absl::Status hold_layer(int layer, RoleSet roles, Tier tier, StreamHandle stream);
+  // The same, each tensor where it is (where it is going, if it is moving): nothing moves, and
+  // `stream` waits for whatever copy brings a tensor there.
+  [[nodiscard]] absl::Status hold_layer_in_place(int layer, RoleSet roles, StreamHandle stream);
   [[nodiscard]] absl::Status release(const std::vector<TensorHandle>& tensors, StreamHandle stream);
   StreamHandle compute_stream() const;
 
@@ -115,6 +118,12 @@ class ResidencyPolicy {
   [[nodiscard]] virtual absl::Status on_begin_step(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_end_step(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_before_forward(PolicyContext& rt, int layer) {
+    return absl::OkStatus();
+  }
+  // Before anything of the layer's backward is queued (Runtime::before_backward; clients may
+  // not call it, so a policy must stay correct without it for layers whose backward passes run
+  // in the reverse order of their forward).
+  [[nodiscard]] virtual absl::Status on_before_backward(PolicyContext& rt, int layer) {
     return absl::OkStatus();
   }
   [[nodiscard]] virtual absl::Status on_after_backward(PolicyContext& rt, int layer) {

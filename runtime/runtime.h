@@ -213,6 +213,12 @@ class Runtime {
   [[nodiscard]] absl::Status begin_step();
   [[nodiscard]] absl::Status end_step();
   [[nodiscard]] absl::Status before_forward(int layer);
+  // Once the layer's backward is about to start: the gradient of its output is complete and
+  // nothing of the layer's backward has been queued yet. Optional, but a model whose layers'
+  // backward passes do not run in the reverse order of their forward (parallel branches, several
+  // embeddings feeding one sum) must call it so the policy can hold the layer before autograd
+  // touches its tensors (Note [Backward out of order] in policies/layer_prefetch.cpp).
+  [[nodiscard]] absl::Status before_backward(int layer);
   [[nodiscard]] absl::Status after_backward(int layer);
   [[nodiscard]] absl::Status begin_optimizer_step();
   [[nodiscard]] absl::Status end_optimizer_step();
@@ -268,8 +274,9 @@ class Runtime {
   friend class PolicyContext;
   struct Impl;
   explicit Runtime(std::unique_ptr<Impl> impl);
-  // before_forward / after_backward (hooks.cpp).
-  absl::Status layer_hook(const char* hook, int layer, bool forward);
+  enum class LayerHook { kBeforeForward, kBeforeBackward, kAfterBackward };
+  // before_forward, before_backward and after_backward (hooks.cpp).
+  absl::Status layer_hook(LayerHook hook, int layer);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -63,7 +63,9 @@ struct Runtime::Impl {
   // guards.cpp
   absl::StatusOr<void*> acquire_locked(internal::Entry& e, Tier tier, StreamHandle stream);
   absl::Status release_locked(const std::vector<internal::Entry*>& members, StreamHandle stream);
-  absl::StatusOr<std::vector<void*>> acquire_layer_locked(int layer, RoleSet roles, Tier tier,
+  // `tier` nullopt: each tensor where it is (where it is going, if it is moving).
+  absl::StatusOr<std::vector<void*>> acquire_layer_locked(int layer, RoleSet roles,
+                                                          std::optional<Tier> tier,
                                                           StreamHandle stream);
   // hooks.cpp
   absl::Status check_layer(const char* hook, int layer) const;

@@ -345,6 +345,11 @@ PYBIND11_MODULE(_strata, m) {
       .def("zero", &Runtime::zero)
       .def("begin_step", [](Runtime& r) { r.hooks().begin_step(); })
       .def("before_forward", [](Runtime& r, int layer) { r.hooks().before_forward(layer); })
+      .def("before_backward",
+           [](Runtime& r, int layer) {
+             py::gil_scoped_release release;
+             r.hooks().before_backward(layer);
+           })
       .def("after_backward",
            [](Runtime& r, int layer) {
              py::gil_scoped_release release;

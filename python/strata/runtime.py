@@ -210,6 +210,9 @@ class Runtime:
     def _before_forward(self, layer: int) -> None:
         self._rt.before_forward(layer)
 
+    def _before_backward(self, layer: int) -> None:
+        self._rt.before_backward(layer)
+
     def _after_backward(self, layer: int) -> None:
         self._rt.after_backward(layer)
 
@@ -315,6 +318,7 @@ def attach(model: torch.nn.Module, runtime: Runtime, layers: Optional[Iterable] 
         seen.update(id(p) for _, p in params)
         layer = runtime.add_layer(params)
         runtime._hooks.append(module.register_forward_pre_hook(_pre_hook(runtime, layer)))
+        runtime._hooks.append(module.register_forward_hook(_post_hook(runtime, layer)))
         attached.append(module)
     rest = [(n, p) for n, p in model.named_parameters() if id(p) not in seen]
     if rest:
@@ -331,6 +335,32 @@ def _pre_hook(runtime: Runtime, layer: int):
             if isinstance(a, torch.Tensor) and a.requires_grad:
                 a.register_hook(lambda g: runtime._after_backward(layer))
                 break
+        return None
+
+    return hook
+
+
+def _output_tensors(output):
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for o in output:
+            yield from _output_tensors(o)
+    elif isinstance(output, dict):
+        for o in output.values():
+            yield from _output_tensors(o)
+
+
+def _post_hook(runtime: Runtime, layer: int):
+    def hook(module, args, output):
+        # Once the gradient of an output is complete, autograd is about to run the layer's
+        # backward: the runtime holds the layer first, so autograd never writes into a layer whose
+        # data is still arriving. Layers whose backward does not follow the reverse order of
+        # forward (two embeddings summed, parallel branches) need it; the first output to get its
+        # gradient tells (Note [Backward out of order] in policies/layer_prefetch.cpp).
+        for t in _output_tensors(output):
+            if t.requires_grad:
+                t.register_hook(lambda g: runtime._before_backward(layer))
         return None
 
     return hook

@@ -97,6 +97,63 @@ def test_attached_model_with_every_role_streamed(policy):
     assert rt.close() == []
 
 
+class TwoRoots(torch.nn.Module):
+    """Two embeddings summed into a block: their backward passes run together, after the block's,
+    and their inputs need no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.pos = torch.nn.Embedding(4, 8)
+        self.block = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        return self.head(torch.relu(self.block(x)))
+
+
+def test_attach_hooks_begin_every_layers_backward_before_autograd_reaches_it():
+    model = TwoRoots()
+    rt = strata.Runtime(policy="layer_prefetch", roles="all", device="simulated")
+    strata.attach(model, rt)
+    events = []
+    for name in ("_before_forward", "_before_backward", "_after_backward"):
+        real = getattr(rt, name)
+
+        def logged(layer, real=real, name=name):
+            events.append((name, layer))
+            real(layer)
+
+        setattr(rt, name, logged)
+    grads_seen = {}
+
+    def seen(layer):
+        def hook(grad):
+            grads_seen.setdefault(layer, len(events))
+
+        return hook
+
+    for layer, module in enumerate([model.embed, model.pos, model.block, model.head]):
+        module.weight.register_hook(seen(layer))
+
+    opt = strata.optim.AdamW(model.parameters(), lr=1e-3, runtime=rt)
+    tokens = torch.randint(0, 16, (2, 4))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    began = {layer: i for i, (name, layer) in enumerate(events) if name == "_before_backward"}
+    assert set(began) == {0, 1, 2, 3}, events
+    # Each layer's backward began before autograd computed its weight's gradient.
+    for layer, seen in grads_seen.items():
+        assert began[layer] < seen, (layer, events)
+    assert [e for e in events if e[0] == "_before_forward"] == [
+        ("_before_forward", i) for i in range(4)
+    ]
+    opt.close()
+    assert rt.close() == []
+
+
 @pytest.mark.parametrize("direction", ["torch_to_strata", "strata_to_torch"])
 def test_state_dict_round_trip_with_torch(direction):
     # Ten steps by one, the state dict into the other, ten more steps: as twenty steps of torch.

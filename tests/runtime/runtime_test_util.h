@@ -6,6 +6,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "base/strings.h"
@@ -87,6 +88,21 @@ inline std::vector<unsigned char> read_all(Runtime& rt, TensorHandle h) {
   std::vector<unsigned char> out(rt.info(h)->bytes);
   absl::Status s = rt.read(h, out.data());
   EXPECT_TRUE(s.ok()) << s;
+  return out;
+}
+
+// "G" main GPU pool, "S" staged on the GPU, "P" pinned, "H" pageable; "*" while in flight.
+inline std::string where(Runtime& rt) {
+  EXPECT_TRUE(rt.poll().ok());
+  std::string out;
+  for (TensorHandle h : rt.tensors()) {
+    TensorInfo i = *rt.info(h);
+    if (!out.empty()) out += ' ';
+    const Tier t = i.in_flight ? i.destination : i.tier;
+    const bool staged = i.in_flight ? i.destination_staged : i.staged;
+    out += staged ? "S" : (t == Tier::kGpu ? "G" : (t == Tier::kPinnedHost ? "P" : "H"));
+    if (i.in_flight) out += '*';
+  }
   return out;
 }
 
