@@ -76,7 +76,8 @@ class Runtime:
         policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None means the STRATA_POLICY
             environment variable, else the default policy.
         gpu_budget: the most GPU memory strata may take, in bytes or as "8GiB"; None: no limit.
-        prefetch_depth: layers layer_prefetch brings ahead of use.
+        prefetch_depth: layers layer_prefetch brings ahead of use (0: none; its ring then holds
+            the one layer in use).
         roles: what the policy moves: "optimizer_states" (Adam's moments and master weights),
             "all" (parameters and gradients too, streamed through forward and backward once the
             model is attached), or a list such as "exp_avg,exp_avg_sq".
@@ -94,8 +95,10 @@ class Runtime:
         device: str = "auto",
         pinned_budget: Union[int, str, None] = None,
     ):
-        if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth: expected an int >= 1, got {prefetch_depth!r}")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(
+                f"prefetch_depth: expected an int >= 0 (0: no prefetch), got {prefetch_depth!r}"
+            )
         self._rt = _strata.Runtime(
             policy,
             parse_bytes(gpu_budget, "gpu_budget"),

@@ -2,6 +2,8 @@
 30 steps under every policy, with an LR scheduler, with two param groups, with the model attached
 and every role streamed; state dicts both ways; errors; no leaks."""
 
+import re
+
 import pytest
 import torch
 
@@ -188,20 +190,79 @@ def test_state_dict_refuses_a_mismatched_one():
     opt.close()
 
 
+def raises_exactly(kind, message):
+    """pytest.raises for `kind` whose message is `message`, whole."""
+    return pytest.raises(kind, match=f"^{re.escape(message)}$")
+
+
 def test_errors_carry_the_runtimes_message():
     model = Mlp()
-    with pytest.raises(ValueError, match="unknown policy 'fastest'.*layer_prefetch"):
+    with raises_exactly(
+        ValueError,
+        "INVALID_ARGUMENT: unknown policy 'fastest'; valid policies: bulk, keep_on_gpu, "
+        "layer_prefetch (policy chosen by RuntimeOptions::policy)",
+    ):
         strata.optim.AdamW(model.parameters(), policy="fastest")
-    with pytest.raises(ValueError, match="gpu_budget: expected bytes or a size such as '8GiB'"):
+    with raises_exactly(
+        ValueError,
+        "gpu_budget: expected bytes or a size such as '8GiB' (units B, KB, KiB, MB, MiB, GB, "
+        "GiB, TB, TiB), got 'lots'",
+    ):
         strata.Runtime(gpu_budget="lots")
-    with pytest.raises(ValueError, match="Invalid learning rate: -1"):
+    with raises_exactly(ValueError, "gpu_budget: expected a positive number of bytes, got -5"):
+        strata.Runtime(gpu_budget=-5)
+    with raises_exactly(ValueError, "Invalid learning rate: -1"):
         strata.optim.AdamW(model.parameters(), lr=-1)
-    with pytest.raises(ValueError, match="prefetch_depth"):
-        strata.Runtime(prefetch_depth=0)
-    with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+    with raises_exactly(ValueError, "Invalid beta parameter at index 0: 1.5"):
+        strata.optim.AdamW(model.parameters(), betas=(1.5, 0.9))
+    with raises_exactly(
+        ValueError, "prefetch_depth: expected an int >= 0 (0: no prefetch), got -1"
+    ):
+        strata.Runtime(prefetch_depth=-1)
+    with raises_exactly(
+        ValueError,
+        "INVALID_ARGUMENT: unknown role 'weights'; valid roles: parameter, gradient, exp_avg, "
+        "exp_avg_sq, master_param, other",
+    ):
+        strata.Runtime(roles="weights")
+    with raises_exactly(
+        torch.OutOfMemoryError,
+        "RESOURCE_EXHAUSTED: register_tensor 'group0.param0': out of memory in tier gpu: tried to "
+        "allocate 2.00 KiB (2048 bytes asked); reserved 0 B, allocated 0 B, budget 4.00 KiB, "
+        "largest free block 0 B; a new segment of 2.00 MiB would pass the budget",
+    ):
         strata.optim.AdamW(model.parameters(), policy="keep_on_gpu", gpu_budget=4096)
+    rt = strata.Runtime(device="simulated")
+    with raises_exactly(ValueError, "strata.attach: layers must be modules, got str"):
+        strata.attach(model, rt, layers=["inp"])
+    with raises_exactly(ValueError, "strata.attach: a layer given is not a submodule of the model"):
+        strata.attach(model, rt, layers=[torch.nn.Linear(2, 2)])
+    assert rt.close() == []
+    with raises_exactly(RuntimeError, "strata.Runtime: this runtime was closed"):
+        rt.offload_all()
     # The failed optimizers left nothing bound: the model trains with torch's AdamW.
     train(model, torch.optim.AdamW(model.parameters()), 2)
+
+
+def test_a_forward_while_offloaded_raises_and_training_goes_on_after_reload():
+    _, want = torch_run(steps=4)
+    model = Mlp()
+    rt = strata.Runtime(policy="layer_prefetch", roles="all", device="simulated")
+    strata.attach(model, rt)
+    opt = strata.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, runtime=rt)
+    train(model, opt, 2)
+    rt.offload_all()
+    with raises_exactly(
+        RuntimeError,
+        "FAILED_PRECONDITION: begin_step: tensors are offloaded (offload_all); call reload_all "
+        "first",
+    ):
+        model(torch.randn(4, model.inp.in_features))
+    rt.reload_all()
+    train(model, opt, 2, start=2)
+    assert_close(params_of(model), want)
+    opt.close()
+    assert rt.close() == []
 
 
 def test_gpu_budget_strings():
