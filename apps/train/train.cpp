@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "apps/train/phase_switch.h"
+#include "apps/train/pinned_states.h"
 #include "apps/train/torch_adamw.h"
 #include "apps/train/torch_device.h"
 #include "bridge/grad_stats.h"
@@ -262,10 +263,6 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
   result.ok = true;
 }
 
-void move_states(TorchFusedAdamW& optimizer, torch::Device device) {
-  for (torch::Tensor* t : optimizer.states()) *t = t->to(device, /*non_blocking=*/false);
-}
-
 // A PyTorch trainer's phase switch at its best: parameters, gradients and (when resident) Adam
 // states to host memory with non_blocking copies (torch pins the destinations and caches them),
 // torch's cache emptied; back the same way. set_data keeps each parameter's identity, under
@@ -331,8 +328,8 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   LossScaler scaler(o);
   // torch.optim.AdamW(fused=True)'s kernel, the best PyTorch offers for this step.
   TorchFusedAdamW optimizer({{decay, o.lr, o.weight_decay}, {no_decay, o.lr, 0.0}});
+  PinnedStates pinned;  // the .to() baseline's states between steps
   const torch::Device device = device_of(o);
-  const torch::Device host(torch::kCPU);
   std::pair<std::int64_t, std::int64_t> moved;  // by phase switches: host -> GPU, GPU -> host
 
   for (int step = 1; step <= o.steps; ++step) {
@@ -362,9 +359,9 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
           static_cast<float>(torch::nn::utils::clip_grad_norm_(masters, o.clip_grad_norm));
     }
     if (!r.skipped) {
-      if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, device);
+      if (which == TorchBaseline::kMovedWithTo) pinned.to_gpu(optimizer.states(), device);
       optimizer.step(scaler.enabled ? found_inf : torch::Tensor());
-      if (which == TorchBaseline::kMovedWithTo) move_states(optimizer, host);
+      if (which == TorchBaseline::kMovedWithTo) pinned.to_host(optimizer.states());
       if (low) {
         torch::NoGradGuard no_grad;
         for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
