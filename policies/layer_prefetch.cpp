@@ -118,21 +118,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
       return absl::OkStatus();  // nothing of it streams, or its backward has begun already
     }
     backward_state_[b] = BackwardState::kBegun;
-    if (is_held(layer)) return absl::OkStatus();
-    if (!rt.is_staged(layer)) {
-      if (staged_.size() >= slots_) {
-        // Every slot is taken: its backward runs at home, waiting for any copy still arriving.
-        STRATA_RETURN_IF_ERROR(
-            rt.hold_layer_in_place(layer, backward_roles(), rt.compute_stream()));
-        held_.push_back({layer, backward_roles()});
-        return absl::OkStatus();
-      }
-      STRATA_RETURN_IF_ERROR(stage_whole(rt, layer, backward_roles(), rt::StageOrder::kRegistered));
-    } else {
-      // Staged in forward with its parameters only, when the ring held fewer layers.
-      STRATA_RETURN_IF_ERROR(rt.stage_layer(layer, backward_roles()));
-    }
-    return hold(rt, layer, backward_roles());
+    return hold_for_backward(rt, layer).status();
   }
 
   absl::Status on_after_backward(rt::PolicyContext& rt, int layer) override {
@@ -146,26 +132,12 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     STRATA_RETURN_IF_ERROR(refill(
         rt, backward_, [&](std::size_t) { return backward_roles(); }, as_registered));
     if (b + 1 < backward_.size()) {
-      // Backward in the reverse order of forward comes to this layer next.
-      // Begun ones are held already (before_backward).
-      const int following = backward_[b + 1];
-      if (backward_state_[b + 1] != BackwardState::kPending || is_held(following))
-        return absl::OkStatus();
-      if (rt.is_staged(following)) {
-        STRATA_RETURN_IF_ERROR(rt.stage_layer(following, backward_roles()));
-      } else if (staged_.size() < slots_) {
-        STRATA_RETURN_IF_ERROR(
-            stage_whole(rt, following, backward_roles(), rt::StageOrder::kRegistered));
-      } else {
-        // Every slot is taken by layers whose backward is under way (out of order): it is not
-        // staged now, and this backward will not stage it, so it is used at home.
-        backward_state_[b + 1] = BackwardState::kBegun;
-        STRATA_RETURN_IF_ERROR(
-            rt.hold_layer_in_place(following, backward_roles(), rt.compute_stream()));
-        held_.push_back({following, backward_roles()});
-        return absl::OkStatus();
-      }
-      return hold(rt, following, backward_roles());
+      // Backward in the reverse order of forward comes to this layer next; begun ones are held
+      // already (before_backward).
+      if (backward_state_[b + 1] != BackwardState::kPending) return absl::OkStatus();
+      STRATA_ASSIGN_OR_RETURN(const bool at_home, hold_for_backward(rt, backward_[b + 1]));
+      // Not staged now, so this backward will not stage it: its backward is as good as begun.
+      if (at_home) backward_state_[b + 1] = BackwardState::kBegun;
     }
     return absl::OkStatus();
   }
@@ -355,6 +327,25 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
       staged_.push_back(layer);
     }
     return absl::OkStatus();
+  }
+
+  // Holds `layer` for its backward (Note [Backward out of order]): in its slot, staged first when
+  // a slot is free, else where it is, at home, waiting for any copy still arriving there. Returns
+  // whether it is held at home.
+  absl::StatusOr<bool> hold_for_backward(rt::PolicyContext& rt, int layer) {
+    if (is_held(layer)) return false;
+    if (rt.is_staged(layer)) {
+      // Staged in forward with its parameters only, when the ring held fewer layers.
+      STRATA_RETURN_IF_ERROR(rt.stage_layer(layer, backward_roles()));
+    } else if (staged_.size() < slots_) {
+      STRATA_RETURN_IF_ERROR(stage_whole(rt, layer, backward_roles(), rt::StageOrder::kRegistered));
+    } else {
+      STRATA_RETURN_IF_ERROR(rt.hold_layer_in_place(layer, backward_roles(), rt.compute_stream()));
+      held_.push_back({layer, backward_roles()});
+      return true;
+    }
+    STRATA_RETURN_IF_ERROR(hold(rt, layer, backward_roles()));
+    return false;
   }
 
   // Forward is over at the first backward hook: its last layers are staged, so backward starts
