@@ -134,7 +134,8 @@ absl::StatusOr<std::unique_ptr<TieredAllocator>> TieredAllocator::create(Allocat
       switch (tier) {
         case Tier::kGpu:
           if (use_cuda) {
-            STRATA_ASSIGN_OR_RETURN(upstream, make_cuda_device_upstream(options.cuda_device));
+            STRATA_ASSIGN_OR_RETURN(
+                upstream, make_cuda_device_upstream(options.cuda_device, options.device_method));
           } else {
             upstream = make_simulated_device_upstream(options.simulated_device);
           }

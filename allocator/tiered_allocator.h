@@ -60,6 +60,9 @@ struct AllocatorOptions {
   // cudaHostAlloc on an H200 (3.1-3.3 vs 2.5-2.8 GB/s, unpinning twice as fast) with the same copy
   // bandwidth (55.2 GB/s each way); bench/results has the run.
   PinnedMethod pinned_method = PinnedMethod::kMmapRegister;
+  // How the GPU tier gets its segments (Note [Device memory method] in cuda_backend.cpp): by
+  // default virtual memory where supported, so a phase switch's frees overlap its copies.
+  DeviceMethod device_method = DeviceMethod::kAuto;
   // Cap on each tier's reserved bytes: kNoBudget for none, kMachineBudget (the host tiers'
   // default) for one derived from the machine's memory (Note [Host budgets]).
   std::array<std::size_t, kNumTiers> budgets = {kNoBudget, kMachineBudget, kMachineBudget};

@@ -198,6 +198,18 @@ std::unique_ptr<Upstream> make_simulated_pinned_upstream() {
   return std::make_unique<PageableHostUpstream>("simulated_pinned_host");
 }
 
+std::string_view device_method_name(DeviceMethod method) {
+  switch (method) {
+    case DeviceMethod::kAuto:
+      return "auto";
+    case DeviceMethod::kVirtualMemory:
+      return "virtual memory";
+    case DeviceMethod::kCudaMalloc:
+      return "cudaMalloc";
+  }
+  return "?";
+}
+
 std::string_view pinned_method_name(PinnedMethod method) {
   return method == PinnedMethod::kCudaHostAlloc ? "cudaHostAlloc" : "mmap+cudaHostRegister";
 }

@@ -3,7 +3,8 @@
 // An Upstream hands out and takes back large segments; the pools above it split them into blocks.
 // Upstreams are slow on purpose-free paths (cudaMalloc ~60 us, cudaHostAlloc ~670 us per MiB), so a
 // pool calls them only to grow or trim. Each upstream is its own class, RMM-style:
-//   - CUDA device memory (cudaMalloc), for Tier::kGpu on a machine with a GPU;
+//   - CUDA device memory (virtual memory management, or cudaMalloc: DeviceMethod), for Tier::kGpu
+//     on a machine with a GPU;
 //   - pinned host memory, by cudaHostAlloc or by mmap + cudaHostRegister (PinnedMethod);
 //   - pageable host memory (mmap);
 //   - a simulated device: host memory standing in for GPU memory, with a capacity; the default
@@ -74,8 +75,17 @@ std::unique_ptr<Upstream> make_simulated_pinned_upstream();
 enum class PinnedMethod { kCudaHostAlloc, kMmapRegister };
 std::string_view pinned_method_name(PinnedMethod method);
 
-// kUnavailable when strata was built without CUDA or no GPU is visible.
-absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(int device = 0);
+// How GPU memory is obtained (Note [Device memory method] in cuda_backend.cpp): by CUDA's virtual
+// memory management, whose frees do not wait for the device's other work, or by cudaMalloc, whose
+// cudaFree waits until the whole device is idle. kAuto: virtual memory where the device and driver
+// support it, cudaMalloc otherwise.
+enum class DeviceMethod { kAuto, kVirtualMemory, kCudaMalloc };
+std::string_view device_method_name(DeviceMethod method);
+
+// kUnavailable when strata was built without CUDA or no GPU is visible (or, for
+// kVirtualMemory, when the device does not support it).
+absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(
+    int device = 0, DeviceMethod method = DeviceMethod::kAuto);
 absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod method);
 
 // Number of CUDA devices visible; 0 when built without CUDA or when the driver reports none.

@@ -91,6 +91,18 @@ struct SimulatedDevice::State {
     return ran;
   }
 
+  // Runs operations, one per stream in turn, until `e` completes or nothing can run: a host wait on
+  // one event leaves work queued behind it (or on other streams) still to run, as on a GPU.
+  void run_until(const EventState& e) {
+    for (bool progress = true; progress && !e.done;) {
+      progress = false;
+      for (auto& [id, q] : streams) {
+        if (run_front(q)) progress = true;
+        if (e.done) return;
+      }
+    }
+  }
+
   // Random completion: up to two runnable operations, each of a stream picked at random.
   void run_some() {
     if (!deferred || !random.has_value()) return;
@@ -226,7 +238,7 @@ absl::Status SimulatedDevice::synchronize(EventHandle event) {
     return absl::InvalidArgumentError(
         str_cat("simulated device: synchronize on unknown event ", event));
   }
-  if (!e->done) state_->run_all();
+  if (!e->done) state_->run_until(*e);
   if (!e->done) {
     return absl::DeadlineExceededError(
         "simulated device: the event can never complete (its stream waits on an unrecorded event)");

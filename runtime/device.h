@@ -8,7 +8,8 @@
 //
 // SimulatedDevice runs on machines without a GPU, with host memory standing in for GPU memory. In
 // immediate mode (the default) each operation runs when it is enqueued. In deferred mode operations
-// queue per stream and run only when the host waits, or when a test calls run_pending() /
+// queue per stream and run only when the host waits (an event wait runs the streams in turn until
+// the event completes, leaving later work queued), or when a test calls run_pending() /
 // run_one(); that makes in-flight states observable on the CPU (a copy not yet done, a stream
 // waiting on another) and lets tests delay copy streams on purpose. With random completion on top
 // (set_random_completion), every enqueue and every event query also runs a few queued operations

@@ -9,14 +9,17 @@
 //      is in the GPU tier's pool to pinned memory (pageable where pinned has no room), and marks it
 //      offloaded; a tensor that cannot move (held by an acquire) fails the call, and what moved
 //      stays moved, marked, for reload_all;
-//   3. waits for the copies (one host wait), then, unless keep_cached, frees the staging ring and
-//      gives every entirely free segment of the GPU tier back to the driver.
+//   3. unless keep_cached, frees the staging ring and gives every segment of the GPU tier back to
+//      the driver as soon as it is entirely free, while later copies still stream (Note [Freeing
+//      behind the copies]); then waits for the rest of the copies.
 // reload_all moves every tensor marked offloaded back to the GPU tier's pool (it may call
 // cudaMalloc; it pins no host memory, the host blocks go back to their pool), waits, and lets the
 // policy reserve its ring again (on_reload_all) and resume where it was. From offload_all until
 // reload_all no step can begin, even when nothing was on the GPU to move (a step would take GPU
 // memory for the policy's ring); reading tensors (a checkpoint) can. reload_all with nothing
 // offloaded does nothing.
+#include <vector>
+
 #include "base/status.h"
 #include "base/strings.h"
 #include "runtime/runtime_impl.h"
@@ -42,6 +45,7 @@ absl::Status Runtime::offload_all(OffloadOptions options) {
   im.step.offloaded = true;
   // A tensor still arriving somewhere moves once it has landed.
   STRATA_RETURN_IF_ERROR(im.engine.wait_all());
+  std::vector<Entry*> moving;
   for (const auto& e : im.registry.entries()) {
     if (!options.roles.contains(e->spec.role) || e->loc.tier != Tier::kGpu || e->bytes == 0) {
       continue;
@@ -51,6 +55,9 @@ absl::Status Runtime::offload_all(OffloadOptions options) {
                                                    "' is staged (layer ", e->spec.layer,
                                                    "); unstage_layer first"));
     }
+    moving.push_back(e.get());
+  }
+  for (Entry* e : moving) {
     absl::Status s = im.engine.migrate(*e, Tier::kPinnedHost);
     if (s.code() == absl::StatusCode::kResourceExhausted) {
       s = im.engine.migrate(*e, Tier::kPageableHost);
@@ -62,12 +69,26 @@ absl::Status Runtime::offload_all(OffloadOptions options) {
     }
     e->offloaded = true;
   }
+  if (!options.keep_cached) {
+    // Note [Freeing behind the copies]: the ring holds nothing now and no copy reads it; each
+    // segment goes back as soon as the copies out of it have landed, while the later ones still
+    // stream. The copies go in registration order, the order in which the tensors' blocks were
+    // carved out of the segments, so one segment's tensors mostly leave together (and the
+    // tensors registered first are the first to get pinned memory). On virtual memory the frees do
+    // not wait for those copies (Note [Device memory method] in allocator/cuda_backend.cpp), so
+    // they hide behind the link; with cudaFree the first free waits for every copy queued, and the
+    // rest follow, as if freed at the end.
+    STRATA_RETURN_IF_ERROR(im.staging.release());
+    for (Entry* e : moving) {
+      STRATA_RETURN_IF_ERROR(im.engine.wait_entry(*e));
+      STRATA_RETURN_IF_ERROR(im.allocator->trim(Tier::kGpu).status());
+    }
+  }
   STRATA_RETURN_IF_ERROR(im.engine.wait_all());
   // The blocks the copies read are reusable (kept) or can go back to the driver (trimmed) only
   // once no copy or kernel can still use them.
   STRATA_RETURN_IF_ERROR(im.allocator->pool(Tier::kGpu).synchronize_pending());
   if (options.keep_cached) return absl::OkStatus();
-  STRATA_RETURN_IF_ERROR(im.staging.release());
   return im.allocator->trim(Tier::kGpu).status();
 }
 

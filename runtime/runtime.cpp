@@ -103,7 +103,8 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
     staging_upstream = alloc::make_simulated_device_upstream(a.simulated_device);
     bounce_upstream = alloc::make_simulated_pinned_upstream();
   } else {
-    STRATA_ASSIGN_OR_RETURN(staging_upstream, alloc::make_cuda_device_upstream(a.cuda_device));
+    STRATA_ASSIGN_OR_RETURN(staging_upstream,
+                            alloc::make_cuda_device_upstream(a.cuda_device, a.device_method));
     STRATA_ASSIGN_OR_RETURN(bounce_upstream, alloc::make_pinned_host_upstream(a.pinned_method));
   }
   if (options.wrap_internal_upstream) {
@@ -167,6 +168,11 @@ RuntimeStats Runtime::stats() const {
   const alloc::Budget& gpu = *impl_->allocator->budget(Tier::kGpu);
   s.gpu_reserved_bytes = static_cast<std::int64_t>(gpu.reserved());
   s.gpu_reserved_peak_bytes = static_cast<std::int64_t>(gpu.peak());
+  for (const alloc::TierStats& t :
+       {impl_->allocator->stats(Tier::kGpu), impl_->staging.pool().stats()}) {
+    s.gpu_upstream_alloc_ns += t.upstream_alloc_ns;
+    s.gpu_upstream_free_ns += t.upstream_free_ns;
+  }
   return s;
 }
 

@@ -115,6 +115,10 @@ struct RuntimeStats {
   // now and at most since the allocator's peaks were last reset; never above gpu_budget().
   std::int64_t gpu_reserved_bytes = 0;
   std::int64_t gpu_reserved_peak_bytes = 0;
+  // Time spent taking GPU memory from the driver and giving it back (cudaMalloc and cudaFree, or
+  // virtual memory's map and unmap), by the GPU tier and the staging ring together.
+  std::int64_t gpu_upstream_alloc_ns = 0;
+  std::int64_t gpu_upstream_free_ns = 0;
   double h2d_gbps() const { return h2d_busy_ms > 0 ? timed_bytes_h2d / h2d_busy_ms / 1e6 : 0; }
   double d2h_gbps() const { return d2h_busy_ms > 0 ? timed_bytes_d2h / d2h_busy_ms / 1e6 : 0; }
 };

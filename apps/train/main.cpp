@@ -48,6 +48,9 @@
 
 ABSL_FLAG(std::string, strata_gpu_budget, "",
           "GPU memory strata may use for model state, e.g. 8GiB (default: no limit)");
+ABSL_FLAG(std::string, strata_gpu_memory, "auto",
+          "how strata's GPU tier gets its memory: virtual (CUDA virtual memory management, whose "
+          "frees overlap copies in flight), cudamalloc, or auto (virtual where supported)");
 ABSL_FLAG(std::string, strata_roles, "optimizer_states",
           "what bulk moves and layer_prefetch streams: optimizer_states, or all (parameters and "
           "gradients too, for a model larger than the GPU budget), or a list such as "
@@ -217,6 +220,16 @@ int run(int argc, char** argv) {
     o.gpu_budget = *budget;
   }
 
+  const std::string memory_flag = absl::GetFlag(FLAGS_strata_gpu_memory);
+  if (memory_flag == "virtual") {
+    o.gpu_memory = alloc::DeviceMethod::kVirtualMemory;
+  } else if (memory_flag == "cudamalloc") {
+    o.gpu_memory = alloc::DeviceMethod::kCudaMalloc;
+  } else if (memory_flag != "auto") {
+    return usage_error(str_cat("--strata_gpu_memory must be auto, virtual or cudamalloc, not '",
+                               memory_flag, "'"));
+  }
+
   for (const auto& [flag, path] : {std::pair{"--json", absl::GetFlag(FLAGS_json)},
                                    std::pair{"--chart", absl::GetFlag(FLAGS_chart)}}) {
     if (std::string bad = check_writable(flag, path); !bad.empty()) return usage_error(bad);
@@ -262,8 +275,9 @@ int run(int argc, char** argv) {
               o.dtype == torch::kFloat ? "" : " parameters and gradients, float32 master weights",
               o.clip_grad_norm > 0 ? str_cat("global norm ", o.clip_grad_norm).c_str() : "off");
   std::printf(
-      "strata GPU budget: %s; moved or streamed: %s\n",
+      "strata GPU budget: %s (GPU memory method: %s); moved or streamed: %s\n",
       o.gpu_budget == static_cast<std::size_t>(-1) ? "none" : format_bytes(o.gpu_budget).c_str(),
+      std::string(alloc::device_method_name(o.gpu_memory)).c_str(),
       moves ? str_cat(o.roles.to_string(), report.compare ? " (keep_on_gpu moves nothing)" : "")
                   .c_str()
             : "nothing (keep_on_gpu keeps everything on the GPU)");

@@ -103,6 +103,7 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
   ro.device = o.cuda ? rt::DeviceKind::kCuda : rt::DeviceKind::kSimulated;
   ro.allocator.track_allocations = true;  // for the leak report
   ro.allocator.budgets[alloc::tier_index(rt::Tier::kGpu)] = o.gpu_budget;
+  ro.allocator.device_method = o.gpu_memory;
   std::unique_ptr<rt::Runtime> runtime =
       bridge::unwrap(rt::Runtime::create(std::move(ro), policy::builtin_policies()));
   rt::Runtime& rt = *runtime;
@@ -234,8 +235,8 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
                 [&] { return rt.allocator().stats(rt::Tier::kPinnedHost).num_segment_allocs; },
             .gpu_upstream_ns =
                 [&] {
-                  const alloc::TierStats s = rt.allocator().stats(rt::Tier::kGpu);
-                  return std::pair{s.upstream_alloc_ns, s.upstream_free_ns};
+                  const rt::RuntimeStats s = rt.stats();
+                  return std::pair{s.gpu_upstream_alloc_ns, s.gpu_upstream_free_ns};
                 }};
         result.phase_switches.push_back(phase_switch(o, step, ops));
       }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "allocator/tier.h"
+#include "allocator/upstream.h"
 #include "apps/train/gpt.h"
 #include "runtime/tensor.h"
 
@@ -35,6 +36,8 @@ struct TrainOptions {
   bool cuda = false;  // the GPU; otherwise the simulated device, with the model on the CPU
   std::size_t gpu_budget = static_cast<std::size_t>(-1);  // strata's GPU tier; unlimited
   int prefetch_depth = 1;                                 // layer_prefetch's K
+  // How strata's GPU tier gets its memory (Note [Device memory method] in allocator/).
+  alloc::DeviceMethod gpu_memory = alloc::DeviceMethod::kAuto;
   // What bulk moves and layer_prefetch streams; with parameters and gradients too, a model larger
   // than the GPU budget trains (Note [Bulk over budget] in policies/bulk.cpp).
   rt::RoleSet roles = rt::RoleSet::optimizer_states();

@@ -118,6 +118,8 @@ class Runtime {
     d["staged_peak_bytes"] = s.staged_peak_bytes;
     d["gpu_reserved_bytes"] = s.gpu_reserved_bytes;
     d["gpu_reserved_peak_bytes"] = s.gpu_reserved_peak_bytes;
+    d["gpu_upstream_alloc_ms"] = s.gpu_upstream_alloc_ns / 1e6;
+    d["gpu_upstream_free_ms"] = s.gpu_upstream_free_ns / 1e6;
     return d;
   }
 

@@ -50,10 +50,24 @@ struct SimulatedPinnedHost {
     return make_simulated_pinned_upstream();
   }
 };
-struct GpuCudaDevice {
+struct GpuCudaDevice {  // the default: virtual memory where the device supports it
   static constexpr Access kAccess = Access::kDevice;
   static constexpr bool kNeedsGpu = true;
   static absl::StatusOr<std::unique_ptr<Upstream>> make() { return make_cuda_device_upstream(0); }
+};
+struct GpuCudaMalloc {
+  static constexpr Access kAccess = Access::kDevice;
+  static constexpr bool kNeedsGpu = true;
+  static absl::StatusOr<std::unique_ptr<Upstream>> make() {
+    return make_cuda_device_upstream(0, DeviceMethod::kCudaMalloc);
+  }
+};
+struct GpuVirtualMemory {
+  static constexpr Access kAccess = Access::kDevice;
+  static constexpr bool kNeedsGpu = true;
+  static absl::StatusOr<std::unique_ptr<Upstream>> make() {
+    return make_cuda_device_upstream(0, DeviceMethod::kVirtualMemory);
+  }
 };
 struct GpuPinnedHostAlloc {
   static constexpr Access kAccess = Access::kHost;
@@ -102,9 +116,9 @@ class UpstreamConformance : public ::testing::Test {
   std::unique_ptr<Upstream> upstream_;
 };
 
-using Upstreams =
-    ::testing::Types<SimulatedDevice, SimulatedAddressOnly, PageableHost, SimulatedPinnedHost,
-                     GpuCudaDevice, GpuPinnedHostAlloc, GpuPinnedMmapRegister>;
+using Upstreams = ::testing::Types<SimulatedDevice, SimulatedAddressOnly, PageableHost,
+                                   SimulatedPinnedHost, GpuCudaDevice, GpuCudaMalloc,
+                                   GpuVirtualMemory, GpuPinnedHostAlloc, GpuPinnedMmapRegister>;
 class UpstreamNames {
  public:
   template <typename T>
@@ -114,6 +128,8 @@ class UpstreamNames {
     if (std::is_same_v<T, PageableHost>) return "PageableHost";
     if (std::is_same_v<T, SimulatedPinnedHost>) return "SimulatedPinnedHost";
     if (std::is_same_v<T, GpuCudaDevice>) return "GpuCudaDevice";
+    if (std::is_same_v<T, GpuCudaMalloc>) return "GpuCudaMalloc";
+    if (std::is_same_v<T, GpuVirtualMemory>) return "GpuVirtualMemory";
     if (std::is_same_v<T, GpuPinnedHostAlloc>) return "GpuPinnedHostAlloc";
     return "GpuPinnedMmapRegister";
   }

@@ -194,5 +194,72 @@ TEST(PhaseSwitchTest, SomeRolesOnlyAndKeepingTheMemoryCached) {
   ASSERT_TRUE(m.step(2).ok());
 }
 
+// Records, at each segment the GPU tier gives back, how many copies the device still had queued.
+class FreeRecordingUpstream final : public alloc::Upstream {
+ public:
+  FreeRecordingUpstream(std::unique_ptr<alloc::Upstream> inner, std::vector<int>* pending_at_free)
+      : inner_(std::move(inner)), pending_at_free_(pending_at_free) {}
+  void watch(SimulatedDevice* device) { device_ = device; }
+  std::string_view name() const override { return inner_->name(); }
+  absl::StatusOr<void*> allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
+  absl::Status deallocate(void* ptr, std::size_t bytes) override {
+    if (device_ != nullptr) pending_at_free_->push_back(device_->pending_copies());
+    return inner_->deallocate(ptr, bytes);
+  }
+
+ private:
+  std::unique_ptr<alloc::Upstream> inner_;
+  std::vector<int>* pending_at_free_;
+  SimulatedDevice* device_ = nullptr;
+};
+
+// Note [Freeing behind the copies] in runtime/phase.cpp: a segment goes back to the driver as soon
+// as the copies out of it have landed, while the copies out of the others are still queued.
+TEST(PhaseSwitchTest, SegmentsGoBackWhileLaterCopiesStillStream) {
+  constexpr int kTensors = 6;
+  constexpr std::size_t kBig = 3 * kMiB / sizeof(float);  // a large block: a segment of its own
+  for (bool keep_cached : {false, true}) {
+    std::vector<int> pending_at_free;
+    RuntimeOptions options;
+    options.policy = "keep_on_gpu";
+    auto recording = std::make_unique<FreeRecordingUpstream>(
+        alloc::make_simulated_device_upstream({.capacity = 256 * kMiB}), &pending_at_free);
+    FreeRecordingUpstream* upstream = recording.get();
+    options.allocator.upstreams[alloc::tier_index(Tier::kGpu)] = std::move(recording);
+    auto device = std::make_unique<SimulatedDevice>();
+    SimulatedDevice* raw = device.get();
+    raw->set_deferred(true);
+    options.device_override = std::move(device);
+    absl::StatusOr<std::unique_ptr<Runtime>> made =
+        Runtime::create(std::move(options), policy::builtin_policies());
+    ASSERT_TRUE(made.ok()) << made.status();
+    Runtime& rt = **made;
+    std::vector<float> v(kBig);
+    std::map<std::string, Bytes> before;
+    for (int t = 0; t < kTensors; ++t) {
+      for (std::size_t i = 0; i < kBig; ++i) v[i] = static_cast<float>(i % 101 + t);
+      TensorHandle h =
+          *rt.register_tensor(spec(str_cat("t", t), t, Role::kParameter, kBig), v.data());
+      before[str_cat("t", t)] = read_all(rt, h);
+    }
+    ASSERT_TRUE(rt.wait_all().ok());
+    upstream->watch(raw);
+    ASSERT_TRUE(rt.offload_all({.keep_cached = keep_cached}).ok());
+    upstream->watch(nullptr);
+    if (keep_cached) {
+      EXPECT_TRUE(pending_at_free.empty()) << "cached segments stay in the pool";
+    } else {
+      ASSERT_EQ(pending_at_free.size(), static_cast<std::size_t>(kTensors));
+      EXPECT_GT(pending_at_free.front(), 0) << "the first segment waited for every copy";
+      EXPECT_EQ(pending_at_free.back(), 0);
+    }
+    EXPECT_EQ(rt.allocator().stats(Tier::kGpu).allocated_bytes.current, 0);
+    ASSERT_TRUE(rt.reload_all().ok());
+    for (TensorHandle h : rt.tensors()) {
+      EXPECT_EQ(read_all(rt, h), before[rt.info(h)->spec.name]) << rt.info(h)->spec.name;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata::rt

@@ -5,7 +5,8 @@
 # with no budget and the whole training state (21 GB) on the GPU; then --compare with switches,
 # each policy's switch cost beside PyTorch's (.to() with non_blocking copies). Each switch reports
 # its time against the link floor of its bytes (raw pinned copies right before it) and the GPU
-# memory the driver saw freed (cudaMemGetInfo). Logs and JSON go to OUT.
+# memory the driver saw freed (cudaMemGetInfo). Logs and JSON go to OUT. First, the probe of
+# tools/gpu/probes/free_overlap.cu: whether each way of freeing GPU memory waits for copies.
 #   tools/gpu/run_phase_switch.sh OUT_DIR
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_phase_switch.sh OUT_DIR}
@@ -14,6 +15,8 @@ mkdir -p "$OUT"
 source tools/gpu/build.sh
 gpu_build "$OUT" strata-train || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+/usr/local/cuda/bin/nvcc -O2 -arch=sm_90 tools/gpu/probes/free_overlap.cu -lcuda \
+  -o "$BUILD/free_overlap" && "$BUILD/free_overlap" | tee "$OUT/free_overlap.txt"
 MODEL="--layers=24 --d_model=2048 --heads=16 --vocab=32000 --seq=512 --batch=8 --lr=1e-4"
 status=0
 run() {  # name flags...
@@ -27,6 +30,10 @@ run layer_prefetch-switched --strata_policy=layer_prefetch --strata_roles=all \
   --strata_gpu_budget=8GiB --steps=6 --phase_switch_every=2
 run layer_prefetch-plain --strata_policy=layer_prefetch --strata_roles=all \
   --strata_gpu_budget=8GiB --steps=6
+# The same switches with cudaMalloc'd segments, whose cudaFree waits for every copy in flight
+# (Note [Device memory method] in allocator/cuda_backend.cpp): the frees cannot hide.
+run layer_prefetch-switched-cudamalloc --strata_policy=layer_prefetch --strata_roles=all \
+  --strata_gpu_budget=8GiB --steps=6 --phase_switch_every=2 --strata_gpu_memory=cudamalloc
 python3 - "$OUT" <<'PY'
 import json, sys
 d = sys.argv[1]
