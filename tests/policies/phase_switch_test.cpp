@@ -194,6 +194,29 @@ TEST(PhaseSwitchTest, SomeRolesOnlyAndKeepingTheMemoryCached) {
   ASSERT_TRUE(m.step(2).ok());
 }
 
+// Note [Allocating before the copies]: a reload that does not fit (another engine kept some of the
+// GPU) moves nothing, says so, and succeeds once there is room.
+TEST(PhaseSwitchTest, AReloadThatDoesNotFitMovesNothing) {
+  Model m("keep_on_gpu", {});
+  ASSERT_TRUE(m.step(1).ok());
+  const auto before = m.bytes();
+  ASSERT_TRUE(m.rt().offload_all().ok());
+  ASSERT_TRUE(m.rt().allocator().set_budget(Tier::kGpu, 2 * kMiB).ok());
+  const absl::Status refused = m.rt().reload_all();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(std::string(refused.message()).find("(nothing came back; call reload_all again once"),
+            std::string::npos)
+      << refused;
+  EXPECT_TRUE(m.rt().offloaded());
+  for (TensorHandle h : m.rt().tensors()) EXPECT_NE(m.rt().info(h)->tier, Tier::kGpu);
+  EXPECT_EQ(m.rt().allocator().stats(Tier::kGpu).allocated_bytes.current, 0);
+  EXPECT_EQ(m.bytes(), before);
+  ASSERT_TRUE(m.rt().allocator().set_budget(Tier::kGpu, alloc::kNoBudget).ok());
+  ASSERT_TRUE(m.rt().reload_all().ok());
+  EXPECT_EQ(m.bytes(), before);
+  ASSERT_TRUE(m.step(2).ok());
+}
+
 // Records, at each segment the GPU tier gives back, how many copies the device still had queued.
 class FreeRecordingUpstream final : public alloc::Upstream {
  public:
