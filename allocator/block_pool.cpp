@@ -17,30 +17,6 @@ std::int64_t BlockPool::elapsed_ns(std::chrono::steady_clock::time_point start) 
       .count();
 }
 
-bool BlockPool::BlockLess::operator()(const Block* a, const Block* b) const {
-  const auto sa = reinterpret_cast<std::uintptr_t>(a->stream);
-  const auto sb = reinterpret_cast<std::uintptr_t>(b->stream);
-  if (sa != sb) return sa < sb;
-  if (a->size != b->size) return a->size < b->size;
-  return a->ptr < b->ptr;
-}
-
-// A key sorts before every block of its stream and size, so lower_bound lands on the lowest
-// address.
-bool BlockPool::BlockLess::operator()(const Block* a, const FitKey& k) const {
-  const auto sa = reinterpret_cast<std::uintptr_t>(a->stream);
-  const auto sk = reinterpret_cast<std::uintptr_t>(k.stream);
-  if (sa != sk) return sa < sk;
-  return a->size < k.size;
-}
-
-bool BlockPool::BlockLess::operator()(const FitKey& k, const Block* b) const {
-  const auto sk = reinterpret_cast<std::uintptr_t>(k.stream);
-  const auto sb = reinterpret_cast<std::uintptr_t>(b->stream);
-  if (sk != sb) return sk < sb;
-  return k.size <= b->size;
-}
-
 BlockPool::BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
                      std::shared_ptr<StreamOps> stream_ops)
     : config_(config),
@@ -205,9 +181,9 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
 BlockPool::Block* BlockPool::take_best_fit_locked(StreamHandle stream, bool small,
                                                   std::size_t size) {
   FreeSet& set = free_set(small);
-  auto it = set.lower_bound(FitKey{stream, size});
-  if (it == set.end() || (*it)->stream != stream) return nullptr;
-  Block* block = *it;
+  auto it = set.lower_bound(FreeKey{reinterpret_cast<std::uintptr_t>(stream), size, 0, nullptr});
+  if (it == set.end() || it->stream != reinterpret_cast<std::uintptr_t>(stream)) return nullptr;
+  Block* block = it->block;
   set.erase(it);
   return block;
 }
@@ -268,7 +244,7 @@ void BlockPool::split_locked(Block* block, std::size_t size) {
   if (rest->next != nullptr) rest->next->prev = rest;
   block->next = rest;
   block->size = size;
-  free_set(rest->small).insert(rest);
+  free_set(rest->small).insert(free_key(rest));
 }
 
 void BlockPool::free_block_locked(Block* block, bool merge) {
@@ -280,23 +256,23 @@ void BlockPool::free_block_locked(Block* block, bool merge) {
   block->owner.clear();
   if (!merge) {
     ++unmerged_frees_;
-    set.insert(block);
+    set.insert(free_key(block));
     return;
   }
   // Merge with free neighbours; blocks waiting on events are neither allocated nor in the free set
   // and stay apart until their events complete.
   Block* prev = block->prev;
   if (prev != nullptr && !prev->allocated && prev->pending_events == 0) {
-    set.erase(prev);
+    set.erase(free_key(prev));
     absorb_next_locked(prev);
     block = prev;
   }
   Block* next = block->next;
   if (next != nullptr && !next->allocated && next->pending_events == 0) {
-    set.erase(next);
+    set.erase(free_key(next));
     absorb_next_locked(block);
   }
-  set.insert(block);
+  set.insert(free_key(block));
 }
 
 void BlockPool::absorb_next_locked(Block* block) {
@@ -528,7 +504,7 @@ absl::Status BlockPool::validate() const {
       const bool is_free = !b->allocated && b->pending_events == 0;
       if (is_free) {
         ++free_blocks;
-        if ((b->small ? small_free_ : large_free_).count(const_cast<Block*>(b)) == 0) {
+        if ((b->small ? small_free_ : large_free_).count(free_key(b)) == 0) {
           return absl::InternalError("free block missing from its free set");
         }
         if (unmerged_frees_ == 0 && prev != nullptr && !prev->allocated &&

@@ -104,12 +104,12 @@ void BlockPool::consolidate_locked() {
     for (Block* b = segment->first; b != nullptr; b = b->next) {
       if (!is_free(b) || b->next == nullptr || !is_free(b->next)) continue;
       FreeSet& set = free_set(b->small);
-      set.erase(b);
+      set.erase(free_key(b));
       while (b->next != nullptr && is_free(b->next)) {
-        set.erase(b->next);
+        set.erase(free_key(b->next));
         absorb_next_locked(b);
       }
-      set.insert(b);
+      set.insert(free_key(b));
     }
   }
   unmerged_frees_ = 0;
@@ -130,7 +130,7 @@ std::size_t BlockPool::release_cached_segments_locked() {
     if (b->next == nullptr && !b->allocated && b->pending_events == 0) victims.push_back(segment);
   }
   for (Segment* segment : victims) {
-    free_set(segment->small).erase(segment->first);
+    free_set(segment->small).erase(free_key(segment->first));
     segments_.erase(reinterpret_cast<std::uintptr_t>(segment->base));
   }
   std::size_t released = 0;
@@ -157,7 +157,7 @@ std::size_t BlockPool::release_cached_segments_locked() {
       std::fprintf(stderr, "strata: keeping a segment of tier %s: %s\n",
                    std::string(tier_name(config_.tier)).c_str(), std::string(s.message()).c_str());
       segments_.emplace(reinterpret_cast<std::uintptr_t>(segment->base), segment);
-      free_set(segment->small).insert(segment->first);
+      free_set(segment->small).insert(free_key(segment->first));
       continue;
     }
     stats_.reserved_bytes.add(-static_cast<std::int64_t>(segment->size));

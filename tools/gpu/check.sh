@@ -8,8 +8,8 @@
 # --quick: 3 benchmark repetitions instead of 5. A call of the device tool lasts at most 600 s: the
 # test, sanitizer and benchmark steps can be left out of one call and run in another
 # (--no-cpu-tests skips only the suites that CI runs anyway).
-# Files in OUT_DIR: summary.txt, allocator_bench.json, runtime_bench.json, optim_bench.json,
-# logs.tar.gz (every log).
+# Files in OUT_DIR: summary.txt, allocator_bench.json, allocator_scaling.json and .svg,
+# runtime_bench.json, optim_bench.json, logs.tar.gz (every log).
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick] [--no-tests] [--no-cpu-tests] [--no-sanitizers] [--no-bench]}
 shift
@@ -141,6 +141,12 @@ tail -5 "$LOGS/optim_bench.txt"
   --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true --benchmark_out="$OUT/allocator_bench.json" \
   --benchmark_out_format=json >"$LOGS/allocator_bench.txt" 2>&1 || status=1
 tail -5 "$LOGS/allocator_bench.txt"
+# Every repetition kept (no aggregates only): the plot takes median, min and max from them.
+"$BUILD/bin/strata_allocator_scaling_bench" --benchmark_repetitions=$REPS \
+  --benchmark_min_time=0.2 --benchmark_out="$OUT/allocator_scaling.json" \
+  --benchmark_out_format=json >"$LOGS/allocator_scaling.txt" 2>&1 || status=1
+python3 tools/plot_scaling.py "$OUT/allocator_scaling.json" "$OUT/allocator_scaling.svg" \
+  --goal-ns=200 --title="strata pooled allocate+deallocate against live blocks" || status=1
 "$BUILD/bin/strata_runtime_bench" --benchmark_repetitions=$REPS \
   --benchmark_report_aggregates_only=true --benchmark_out="$OUT/runtime_bench.json" \
   --benchmark_out_format=json >"$LOGS/runtime_bench.txt" 2>&1 || status=1
