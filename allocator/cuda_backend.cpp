@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -219,6 +220,12 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
   CudaVmmDeviceUpstream(int device, std::size_t granularity)
       : CudaDeviceUpstream(device), granularity_(granularity) {}
   std::string_view name() const override { return "cuda_device(virtual memory)"; }
+  // Note [Pool visibility for memory checkers]: compute-sanitizer refuses NVTX heaps on mapped
+  // address ranges ("one or more of the parameters is invalid", one warning per call, each
+  // counted as an error), so these segments are not registered: a checker sees each whole
+  // segment, not its blocks. STRATA_GPU_MEMORY=cudamalloc gives block bounds back.
+  void on_block_live(const void*, const void*, std::size_t) override {}
+  void on_block_dead(const void*, const void*) override {}
 
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
     const VmmApi& api = VmmApi::get();
@@ -260,7 +267,6 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
       std::lock_guard<std::mutex> lock(mu_);
       mapped_[p] = {handle, size};
     }
-    nvtx_register_heap(p, bytes);
     return p;
   }
 
@@ -278,7 +284,6 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
     }
     const VmmApi& api = VmmApi::get();
     DeviceGuard guard(device());
-    nvtxMemHeapUnregister(nvtx_domain(), reinterpret_cast<nvtxMemHeapHandle_t>(ptr));
     const auto va = reinterpret_cast<CUdeviceptr>(ptr);
     absl::Status status;
     // At exit the driver may already be gone (Note [Stream ordering] rule 5): nothing to return.
@@ -482,6 +487,16 @@ std::string cuda_device_name(int device) {
 absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(int device,
                                                                     DeviceMethod method) {
   if (absl::Status s = require_gpu(device); !s.ok()) return s;
+  if (method == DeviceMethod::kAuto) {
+    const char* env = std::getenv("STRATA_GPU_MEMORY");
+    const std::string_view choice = env == nullptr ? "" : env;
+    if (choice == "cudamalloc") method = DeviceMethod::kCudaMalloc;
+    if (choice == "virtual") method = DeviceMethod::kVirtualMemory;
+    if (!choice.empty() && choice != "cudamalloc" && choice != "virtual") {
+      return absl::InvalidArgumentError(
+          str_cat("STRATA_GPU_MEMORY must be virtual or cudamalloc, not '", choice, "'"));
+    }
+  }
   if (method == DeviceMethod::kCudaMalloc ||
       (method == DeviceMethod::kAuto && !device_supports_vmm(device))) {
     return std::unique_ptr<Upstream>(new CudaDeviceUpstream(device));

@@ -51,7 +51,8 @@ class Upstream {
   // Note [Pool visibility for memory checkers]: the pool reports each block it hands out (with
   // the bytes asked, not the rounded size) and each block that returns to its free set, so a
   // checker such as compute-sanitizer sees an access outside every live block even where it falls
-  // inside a segment. The CUDA device upstream forwards these to the NVTX memory API. Called with
+  // inside a segment. The CUDA device upstream over cudaMalloc forwards these to the NVTX memory
+  // API (compute-sanitizer refuses NVTX heaps on virtual-memory mappings). Called with
   // the pool's lock held; must be cheap. Default: nothing.
   virtual void on_block_live(const void* segment, const void* ptr, std::size_t bytes) {}
   virtual void on_block_dead(const void* segment, const void* ptr) {}
@@ -78,7 +79,9 @@ std::string_view pinned_method_name(PinnedMethod method);
 // How GPU memory is obtained (Note [Device memory method] in cuda_backend.cpp): by CUDA's virtual
 // memory management, whose frees do not wait for the device's other work, or by cudaMalloc, whose
 // cudaFree waits until the whole device is idle. kAuto: virtual memory where the device and driver
-// support it, cudaMalloc otherwise.
+// support it, cudaMalloc otherwise; the environment variable STRATA_GPU_MEMORY=virtual|cudamalloc
+// decides kAuto instead (a memory checker's run wants cudaMalloc: block bounds are reported to it
+// only on cudaMalloc'd segments).
 enum class DeviceMethod { kAuto, kVirtualMemory, kCudaMalloc };
 std::string_view device_method_name(DeviceMethod method);
 

@@ -242,7 +242,8 @@ TEST_F(GpuAllocatorTest, GpuOutOfMemoryMessageFromTheDevice) {
 // Note [Pool visibility for memory checkers]: a write one byte past a 1000-byte block lands in the
 // block's rounding slack, inside the segment, so nothing breaks and a plain run passes; under
 // compute-sanitizer memcheck it must be reported (tools/gpu/check.sh runs this probe alone and
-// expects exactly one error), which shows the pool's NVTX registration reaches the checker.
+// expects exactly one error, over cudaMalloc'd segments: STRATA_GPU_MEMORY=cudamalloc), which
+// shows the pool's NVTX registration reaches the checker.
 TEST_F(GpuAllocatorTest, GpuProbeWritePastABlockInsideItsSegment) {
   absl::StatusOr<void*> a = allocator_->allocate(Tier::kGpu, 1000, {.stream = stream_});
   absl::StatusOr<void*> b = allocator_->allocate(Tier::kGpu, 1000, {.stream = stream_});
