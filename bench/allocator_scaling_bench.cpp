@@ -10,7 +10,7 @@
 // code, the same on every device, and 10^6 blocks need no memory behind them. Counters: live and
 // free blocks, segments, and whether the timed loop reached the upstream (it must not).
 //   build/bin/strata_allocator_scaling_bench --benchmark_repetitions=5
-//       --benchmark_report_aggregates_only=true --benchmark_out=scaling.json
+//       --benchmark_enable_random_interleaving=true --benchmark_out=scaling.json
 //       --benchmark_out_format=json                                  (one command line)
 //   python3 tools/plot_scaling.py scaling.json scaling.svg
 #include <cmath>

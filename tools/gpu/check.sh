@@ -145,9 +145,11 @@ tail -5 "$LOGS/optim_bench.txt"
   --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true --benchmark_out="$OUT/allocator_bench.json" \
   --benchmark_out_format=json >"$LOGS/allocator_bench.txt" 2>&1 || status=1
 tail -5 "$LOGS/allocator_bench.txt"
-# Every repetition kept (no aggregates only): the plot takes median, min and max from them.
+# Every repetition kept (no aggregates only): the plot takes median, min and max from them; the
+# sizes run interleaved, so a drift of the machine spreads over all of them.
 "$BUILD/bin/strata_allocator_scaling_bench" --benchmark_repetitions=$REPS \
-  --benchmark_min_time=0.2 --benchmark_out="$OUT/allocator_scaling.json" \
+  --benchmark_enable_random_interleaving=true --benchmark_min_time=0.2 \
+  --benchmark_out="$OUT/allocator_scaling.json" \
   --benchmark_out_format=json >"$LOGS/allocator_scaling.txt" 2>&1 || status=1
 python3 tools/plot_scaling.py "$OUT/allocator_scaling.json" "$OUT/allocator_scaling.svg" \
   --goal-ns=200 --title="strata pooled allocate+deallocate against live blocks" || status=1
