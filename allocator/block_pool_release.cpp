@@ -137,8 +137,10 @@ std::size_t BlockPool::release_cached_segments_locked() {
   for (Segment* segment : victims) {
     mu_.unlock();
     // Note [Stream ordering]: work queued on the segment's stream before its last free may still
-    // touch it; wait for that stream before the memory leaves the pool. Fail closed: a segment
-    // whose stream cannot be waited on stays in the pool.
+    // touch it; wait for that stream before the memory leaves the pool. Work on other streams is
+    // covered by the blocks' own events (record_stream), and must be: a virtual-memory segment
+    // is unmapped at once, with no device-wide wait as cudaFree's to hide a missing one. Fail
+    // closed: a segment whose stream cannot be waited on stays in the pool.
     absl::Status s;
     if (stream_ops_ != nullptr) {
       absl::StatusOr<EventHandle> event = stream_ops_->record(segment->stream);

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -168,9 +169,10 @@ struct VmmApi {
   PFN_cuDeviceGetAttribute_v2000 attribute = nullptr;
   absl::Status loaded;
 
+  // Never destroyed: a segment may go back during static destruction.
   static const VmmApi& get() {
-    static const VmmApi api = load();
-    return api;
+    static const VmmApi* api = new VmmApi(load());
+    return *api;
   }
 
  private:
@@ -285,14 +287,24 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
     const VmmApi& api = VmmApi::get();
     DeviceGuard guard(device());
     const auto va = reinterpret_cast<CUdeviceptr>(ptr);
-    absl::Status status;
     // At exit the driver may already be gone (Note [Stream ordering] rule 5): nothing to return.
-    for (auto [what, r] : {std::pair{"cuMemUnmap", api.unmap(va, m.size)},
-                           std::pair{"cuMemRelease", api.release(m.handle)},
-                           std::pair{"cuMemAddressFree", api.address_free(va, m.size)}}) {
-      if (r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED) status.Update(fail(what, r, m.size));
+    const CUresult unmapped = api.unmap(va, m.size);
+    if (unmapped == CUDA_ERROR_DEINITIALIZED) return absl::OkStatus();
+    if (unmapped != CUDA_SUCCESS) {
+      // Still mapped and usable: the pool keeps the segment, so it stays ours.
+      std::lock_guard<std::mutex> lock(mu_);
+      mapped_[ptr] = m;
+      return fail("cuMemUnmap", unmapped, m.size);
     }
-    return status;
+    // Unmapped, the range is unusable whatever follows: a failure to release is reported, not
+    // returned, so the pool does not keep a segment that is gone.
+    for (auto [what, r] : {std::pair{"cuMemRelease", api.release(m.handle)},
+                           std::pair{"cuMemAddressFree", api.address_free(va, m.size)}}) {
+      if (r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED) {
+        std::fprintf(stderr, "strata: %s\n", std::string(fail(what, r, m.size).message()).c_str());
+      }
+    }
+    return absl::OkStatus();
   }
 
  private:
@@ -309,8 +321,8 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
     return prop;
   }
 
-  // Creating or reserving can fail only for want of memory or address space, which the pool meets
-  // by trimming and retrying; mapping failures are the driver's.
+  // A failure to create or reserve is reported as out of memory, as a failed cudaMalloc is, so the
+  // pool trims its cache and retries; mapping failures are the driver's (kInternal).
   absl::Status fail(const char* what, CUresult r, std::size_t bytes) const {
     const char* name = nullptr;
     if (VmmApi::get().error_name == nullptr || VmmApi::get().error_name(r, &name) != CUDA_SUCCESS) {

@@ -228,9 +228,11 @@ class Runtime {
   [[nodiscard]] absl::Status end_optimizer_step();
   // Phase switches, under every policy (Note [Phase switches] in phase.cpp): offload_all moves
   // every registered tensor of `options.roles` that is on the GPU to host memory (pinned while it
-  // has room, pageable after), waits for the copies, then gives the GPU memory it emptied (the GPU
-  // tier's free segments and the staging ring) back to the driver, unless options.keep_cached;
-  // reload_all brings back what offload_all moved and lets the policy resume where it was. Until
+  // has room, pageable after) and gives the GPU memory it empties (the GPU tier's segments and the
+  // staging ring) back to the driver as the copies land, unless options.keep_cached; reload_all
+  // takes GPU memory for all of it first (when that does not fit it moves nothing and fails with
+  // kResourceExhausted), then brings back what offload_all moved and lets the policy resume where
+  // it was. Until
   // then a step cannot begin (kFailedPrecondition); tensors can still be read. A tensor held by an
   // acquire cannot move: offload_all fails naming it, having moved nothing of it.
   [[nodiscard]] absl::Status offload_all(OffloadOptions options = {});

@@ -202,8 +202,9 @@ std::string phase_switch_line(const RunResult& run, const PhaseSwitchRecord& s) 
                  " x floor + allocations (", fixed(s.cuda_malloc_ms, 1), " ms)");
     }
   }
-  // The measure of a switch: both directions against their link floors, with the time the
-  // driver took to hand the GPU memory back added to the floor (the frees may hide behind copies).
+  // The measure of a switch: both directions against their link floors, the time spent
+  // taking GPU memory from the driver set aside (the frees are inside the offload's time: they
+  // hide behind its copies on virtual memory).
   if (s.offload_floor_ms > 0 && s.reload_floor_ms > 0) {
     const double total = s.offload_ms + s.reload_ms;
     str_append(&line, "; the whole switch ", fixed(total, 1), " ms = ",

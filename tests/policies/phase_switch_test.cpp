@@ -210,6 +210,7 @@ TEST(PhaseSwitchTest, AReloadThatDoesNotFitMovesNothing) {
   EXPECT_TRUE(m.rt().offloaded());
   for (TensorHandle h : m.rt().tensors()) EXPECT_NE(m.rt().info(h)->tier, Tier::kGpu);
   EXPECT_EQ(m.rt().allocator().stats(Tier::kGpu).allocated_bytes.current, 0);
+  EXPECT_EQ(m.rt().stats().gpu_reserved_bytes, 0) << "the segments it took went back too";
   EXPECT_EQ(m.bytes(), before);
   ASSERT_TRUE(m.rt().allocator().set_budget(Tier::kGpu, alloc::kNoBudget).ok());
   ASSERT_TRUE(m.rt().reload_all().ok());
