@@ -204,6 +204,15 @@ struct VmmApi {
   }
 };
 
+// Device memory of `device`, pinned (not migratable): what every virtual-memory segment is made of.
+CUmemAllocationProp vmm_properties(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
 bool device_supports_vmm(int device) {
   const VmmApi& api = VmmApi::get();
   if (!api.loaded.ok()) return false;
@@ -233,7 +242,7 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
     const VmmApi& api = VmmApi::get();
     DeviceGuard guard(device());
     const std::size_t size = (bytes + granularity_ - 1) / granularity_ * granularity_;
-    CUmemAllocationProp prop = properties();
+    CUmemAllocationProp prop = vmm_properties(device());
     CUmemGenericAllocationHandle handle = 0;
     if (CUresult r = api.create(&handle, size, &prop, 0); r != CUDA_SUCCESS) {
       std::size_t free_bytes = 0, total_bytes = 0;
@@ -312,14 +321,6 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
     CUmemGenericAllocationHandle handle = 0;
     std::size_t size = 0;
   };
-
-  CUmemAllocationProp properties() const {
-    CUmemAllocationProp prop{};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = device();
-    return prop;
-  }
 
   // A failure to create or reserve is reported as out of memory, as a failed cudaMalloc is, so the
   // pool trims its cache and retries; mapping failures are the driver's (kInternal).
@@ -500,30 +501,26 @@ absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(int device,
                                                                     DeviceMethod method) {
   if (absl::Status s = require_gpu(device); !s.ok()) return s;
   if (method == DeviceMethod::kAuto) {
-    const char* env = std::getenv("STRATA_GPU_MEMORY");
-    const std::string_view choice = env == nullptr ? "" : env;
-    if (choice == "cudamalloc") method = DeviceMethod::kCudaMalloc;
-    if (choice == "virtual") method = DeviceMethod::kVirtualMemory;
-    if (!choice.empty() && choice != "cudamalloc" && choice != "virtual") {
-      return absl::InvalidArgumentError(
-          str_cat("STRATA_GPU_MEMORY must be virtual or cudamalloc, not '", choice, "'"));
+    if (const char* env = std::getenv("STRATA_GPU_MEMORY"); env != nullptr && *env != '\0') {
+      absl::StatusOr<DeviceMethod> chosen = parse_device_method(env);
+      if (!chosen.ok())
+        return absl::InvalidArgumentError(
+            str_cat("STRATA_GPU_MEMORY: ", chosen.status().message()));
+      method = *chosen;
     }
   }
-  if (method == DeviceMethod::kCudaMalloc ||
-      (method == DeviceMethod::kAuto && !device_supports_vmm(device))) {
+  const bool vmm = method != DeviceMethod::kCudaMalloc && device_supports_vmm(device);
+  if (!vmm && method != DeviceMethod::kVirtualMemory) {
     return std::unique_ptr<Upstream>(new CudaDeviceUpstream(device));
   }
-  if (!device_supports_vmm(device)) {
+  if (!vmm) {
     const absl::Status why = VmmApi::get().loaded;
     return absl::UnavailableError(str_cat(
         "CUDA device ", device, " does not support virtual memory management",
         why.ok() ? "" : str_cat(" (", why.message(), ")"), "; use DeviceMethod::kCudaMalloc"));
   }
   DeviceGuard guard(device);
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
+  const CUmemAllocationProp prop = vmm_properties(device);
   std::size_t granularity = 0;
   if (VmmApi::get().granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) !=
           CUDA_SUCCESS ||

@@ -210,6 +210,14 @@ std::string_view device_method_name(DeviceMethod method) {
   return "?";
 }
 
+absl::StatusOr<DeviceMethod> parse_device_method(std::string_view name) {
+  if (name == "auto") return DeviceMethod::kAuto;
+  if (name == "virtual") return DeviceMethod::kVirtualMemory;
+  if (name == "cudamalloc") return DeviceMethod::kCudaMalloc;
+  return absl::InvalidArgumentError(
+      str_cat("must be auto, virtual or cudamalloc, not '", name, "'"));
+}
+
 std::string_view pinned_method_name(PinnedMethod method) {
   return method == PinnedMethod::kCudaHostAlloc ? "cudaHostAlloc" : "mmap+cudaHostRegister";
 }

@@ -84,6 +84,8 @@ std::string_view pinned_method_name(PinnedMethod method);
 // only on cudaMalloc'd segments).
 enum class DeviceMethod { kAuto, kVirtualMemory, kCudaMalloc };
 std::string_view device_method_name(DeviceMethod method);
+// "auto", "virtual" or "cudamalloc" (strata-train's --strata_gpu_memory, STRATA_GPU_MEMORY).
+absl::StatusOr<DeviceMethod> parse_device_method(std::string_view name);
 
 // kUnavailable when strata was built without CUDA or no GPU is visible (or, for
 // kVirtualMemory, when the device does not support it).

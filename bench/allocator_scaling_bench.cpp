@@ -33,9 +33,9 @@
 namespace {
 
 using strata::kMiB;
-using strata::bench::skip;
 using strata::alloc::Tier;
 using strata::alloc::TieredAllocator;
+using strata::bench::skip;
 
 std::vector<std::size_t> draw_sizes(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -117,9 +117,10 @@ absl::Status Runtime::reload_all() {
   // only then are the copies queued, back to back. Taking GPU memory from the driver while a copy
   // streams is slower (cudaMalloc of 1 GiB: 0.1 ms idle, 1.1 ms beside a copy, in
   // tools/gpu/probes/free_overlap.cu on an H200), and while the host allocates the next block the
-  // copy queue runs dry: interleaved, the 24-block switch's reload took 1.13-1.18 x its link
-  // floor. Up front the link waits only for the allocations, once. And a reload that does not fit
-  // moves nothing.
+  // copy queue runs dry. On the 24-block switch this took the reload from 1.04-1.10 to 1.06 x its
+  // link floor plus the allocation time; the rest is the driver's work on memory another engine
+  // has just given back (bench/results/2026-11-24-H200-c14555e/h2d_pages.txt). And a reload that
+  // does not fit moves nothing.
   std::vector<Entry*> coming;
   for (const auto& e : im.registry.entries()) {
     if (e->offloaded) coming.push_back(e.get());

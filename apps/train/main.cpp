@@ -220,15 +220,10 @@ int run(int argc, char** argv) {
     o.gpu_budget = *budget;
   }
 
-  const std::string memory_flag = absl::GetFlag(FLAGS_strata_gpu_memory);
-  if (memory_flag == "virtual") {
-    o.gpu_memory = alloc::DeviceMethod::kVirtualMemory;
-  } else if (memory_flag == "cudamalloc") {
-    o.gpu_memory = alloc::DeviceMethod::kCudaMalloc;
-  } else if (memory_flag != "auto") {
-    return usage_error(str_cat("--strata_gpu_memory must be auto, virtual or cudamalloc, not '",
-                               memory_flag, "'"));
-  }
+  absl::StatusOr<alloc::DeviceMethod> memory =
+      alloc::parse_device_method(absl::GetFlag(FLAGS_strata_gpu_memory));
+  if (!memory.ok()) return usage_error(str_cat("--strata_gpu_memory ", memory.status().message()));
+  o.gpu_memory = *memory;
 
   for (const auto& [flag, path] : {std::pair{"--json", absl::GetFlag(FLAGS_json)},
                                    std::pair{"--chart", absl::GetFlag(FLAGS_chart)}}) {
