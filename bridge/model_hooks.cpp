@@ -33,13 +33,15 @@ void ModelHooks::set_layer_parameters(std::vector<std::vector<at::Tensor>> param
   binding_ = &binding;
 }
 
-void ModelHooks::begin_step() {
+void ModelHooks::begin_step(MicroBatch micro_batch) {
   check(runtime_.begin_step());
   in_step_ = true;
+  micro_batch_ = micro_batch;
   forwarded_.clear();
   backward_done_.assign(grads_.size(), false);
   backward_begun_.assign(grads_.size(), false);
-  zeroed_.assign(grads_.size(), false);
+  // A later micro-batch adds to the gradients: as if zeroed already.
+  zeroed_.assign(grads_.size(), !micro_batch.first);
   stats_.reset();
 }
 
@@ -96,8 +98,9 @@ void ModelHooks::after_backward(int layer) {
         str_cat("ModelHooks: after_backward(", layer, ") twice in one step")));
   }
   backward_done_[static_cast<std::size_t>(layer)] = true;
-  stats_.add_layer(layer, grads_[static_cast<std::size_t>(layer)]);
+  if (micro_batch_.last) stats_.add_layer(layer, grads_[static_cast<std::size_t>(layer)]);
   check(runtime_.after_backward(layer));
+  if (after_layer_ && micro_batch_.last) after_layer_(layer);
   if (zero_before_backward_) {
     // Without before_backward, the layer forwarded before this one is the next to run backward.
     const auto it = std::find(forwarded_.begin(), forwarded_.end(), layer);

@@ -19,6 +19,7 @@
 //   hooks.end_step();
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "ATen/core/Tensor.h"
@@ -41,8 +42,18 @@ class ModelHooks {
                             const TorchBinding& binding);
   int num_layers() const { return static_cast<int>(grads_.size()); }
 
-  // Begins a step: the runtime's begin_step, and the step's gradient statistics reset.
-  void begin_step();
+  // Gradient accumulation: a step's micro-batches each run forward and backward between
+  // begin_step and end_step; only the first zeroes the gradients (the others add to them), and
+  // only the last takes the statistics and calls set_after_layer's function (the gradients are
+  // final only then).
+  struct MicroBatch {
+    bool first = true;
+    bool last = true;
+  };
+  // Begins a step (or a micro-batch of one): the runtime's begin_step, and on the first
+  // micro-batch the step's gradient statistics reset.
+  void begin_step(MicroBatch micro_batch);
+  void begin_step() { begin_step(MicroBatch{.first = true, .last = true}); }
   bool in_step() const { return in_step_; }
   // Before layer `layer` computes its forward (in any order; the order is remembered).
   void before_forward(int layer);
@@ -57,6 +68,10 @@ class ModelHooks {
   // then the runtime's after_backward; with zero_before_backward, then zeroes the gradients of the
   // layer forwarded before it, whose backward comes next. Once per layer per step.
   void after_backward(int layer);
+  // Called with the layer in after_backward, right after the runtime's after_backward: where an
+  // optimizer steps each layer during backward (Adam::step_layer; Note [Overlapped step] in
+  // optim/adam.h). Empty: nothing.
+  void set_after_layer(std::function<void(int)> fn) { after_layer_ = std::move(fn); }
   // after_backward for every layer forwarded this step whose after_backward has not run, last
   // forwarded first; a step with no forward hooks forwards every layer in order first.
   void finish_backward();
@@ -78,7 +93,9 @@ class ModelHooks {
   std::vector<bool> backward_begun_;  // before_backward ran
   std::vector<bool> zeroed_;          // zero_before_backward done
   bool in_step_ = false;
+  MicroBatch micro_batch_;
   GradientStats stats_;
+  std::function<void(int)> after_layer_;
 };
 
 }  // namespace strata::bridge

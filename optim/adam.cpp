@@ -308,16 +308,28 @@ absl::Status Adam::check_can_step() {
 }
 
 absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
+  if (overlap_open_) {
+    return absl::FailedPreconditionError(
+        "Adam: step() while a step begun by step_layer is open; complete it with finish_step");
+  }
+  overlapped_.clear();
+  return run_step(grad_scale, found_inf, /*new_step=*/true);
+}
+
+absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, bool new_step) {
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(check_can_step());
-  last_step_.clear();
+  if (new_step) last_step_.clear();
+  const std::size_t stepped_before = last_step_.size();
   if (absl::Status begin = rt.begin_optimizer_step(); !begin.ok()) {
     // The runtime has put back what the policy staged.
     return absl::Status(begin.code(), str_cat("Adam step failed before any kernel ran (nothing "
                                               "changed; it can be retried): ",
                                               begin.message()));
   }
-  for (std::int64_t& s : steps_) ++s;
+  if (new_step) {
+    for (std::int64_t& s : steps_) ++s;
+  }
   if (found_inf != nullptr) skips_possible_ = true;
   // Note [A failed step]: parameters are stepped one launch after another, so a step that fails
   // part way has stepped those launched before the failure (last_step_parameters() lists them).
@@ -347,7 +359,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
     if (rt.release(held, rt.compute_stream()).ok()) held.clear();
   }
   (void)rt.end_optimizer_step();  // what it cannot finish, the next hook does
-  if (last_step_.empty()) {
+  if (last_step_.size() == stepped_before && new_step) {
     for (std::int64_t& s : steps_) --s;
     return absl::Status(status.code(), str_cat("Adam step failed before any kernel ran (nothing "
                                                "changed; it can be retried): ",
@@ -371,50 +383,74 @@ std::vector<int> Adam::last_step_layers() const {
   return out;
 }
 
-absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
-                               std::vector<rt::TensorHandle>& held, int& failed_layer) {
-  rt::Runtime& rt = runtime_;
+AdamTensor Adam::kernel_tensor(const Slot& s, const std::array<void*, 6>& ptrs) {
+  AdamTensor t;
+  t.param = ptrs[0];
+  t.grad = ptrs[1];
+  t.exp_avg = static_cast<float*>(ptrs[2]);
+  t.exp_avg_sq = static_cast<float*>(ptrs[3]);
+  t.max_exp_avg_sq = static_cast<float*>(ptrs[4]);
+  t.master = static_cast<float*>(ptrs[5]);
+  t.param_type = s.param_type;
+  t.grad_type = s.grad_type;
+  t.numel = s.numel;
+  return t;
+}
+
+std::vector<AdamScalars> Adam::step_scalars() const {
   std::vector<AdamScalars> scalars;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     scalars.push_back(adam_scalars(groups_[g].hyper, steps_[g]));
     if (skips_possible_) scalars.back().skipped = skipped_ + g;
   }
-  const rt::StreamHandle stream = rt.compute_stream();
-  const bool simulated = rt.device().is_simulated();
+  return scalars;
+}
 
-  // Queues the kernel for `list` (tensors of one group, of the slots `of`) on the compute stream;
-  // once queued, those parameters count as stepped.
+absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamScalars& scalars,
+                                const float* grad_scale, const float* found_inf) {
+  if (list.empty()) return absl::OkStatus();
+  rt::Runtime& rt = runtime_;
+  const rt::StreamHandle stream = rt.compute_stream();
+  if (rt.device().is_simulated()) {
+    const int threads = options_.cpu_threads;
+    return rt.device().enqueue_host(stream, [list, s = scalars, threads, grad_scale, found_inf] {
+      if (found_inf != nullptr && *found_inf != 0.0f) return;
+      const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
+      adam_step_cpu(list.data(), list.size(), s, inv, threads);
+    });
+  }
+#ifdef STRATA_HAS_CUDA
+  const cudaError_t err = adam_step_cuda(list.data(), list.size(), scalars, grad_scale, found_inf,
+                                         static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    return absl::InternalError(str_cat("Adam kernel launch failed: ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+#else
+  return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
+#endif
+}
+
+absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
+                               std::vector<rt::TensorHandle>& held, int& failed_layer) {
+  rt::Runtime& rt = runtime_;
+  const std::vector<AdamScalars> scalars = step_scalars();
+  const rt::StreamHandle stream = rt.compute_stream();
+
+  // Queues the kernel for `list` (tensors of one group, of the slots `of`); once queued, those
+  // parameters count as stepped.
   auto launch = [&](const std::vector<AdamTensor>& list, const std::vector<std::size_t>& of,
                     std::size_t g) -> absl::Status {
-    if (list.empty()) return absl::OkStatus();
-    absl::Status queued;
-    if (simulated) {
-      const int threads = options_.cpu_threads;
-      queued =
-          rt.device().enqueue_host(stream, [list, s = scalars[g], threads, grad_scale, found_inf] {
-            if (found_inf != nullptr && *found_inf != 0.0f) return;
-            const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
-            adam_step_cpu(list.data(), list.size(), s, inv, threads);
-          });
-    } else {
-#ifdef STRATA_HAS_CUDA
-      const cudaError_t err = adam_step_cuda(list.data(), list.size(), scalars[g], grad_scale,
-                                             found_inf, static_cast<cudaStream_t>(stream));
-      if (err != cudaSuccess) {
-        queued =
-            absl::InternalError(str_cat("Adam kernel launch failed: ", cudaGetErrorString(err)));
-      }
-#else
-      queued = absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
-#endif
-    }
-    if (queued.ok()) {
+    absl::Status queued = queue_kernel(list, scalars[g], grad_scale, found_inf);
+    if (queued.ok() && !list.empty()) {
       for (std::size_t index : of) last_step_.push_back(slots_[index].param);
     }
     return queued;
   };
 
   for (int layer : rt.optimizer_layer_order()) {
+    // Note [Overlapped step]: stepped during backward already.
+    if (std::find(overlapped_.begin(), overlapped_.end(), layer) != overlapped_.end()) continue;
     auto it = by_layer_.find(layer);
     // Note [Per-parameter pipelining]: a staged layer arrives tensor by tensor, so its parameters
     // are stepped one at a time in the order their moments arrive (Note [Staging order] in
@@ -430,10 +466,8 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     if (it != by_layer_.end()) {
       for (std::size_t index : pipelined ? arrived : it->second) {
         const Slot* s = &slots_[index];
-        AdamTensor t;
-        void* ptrs[6] = {};
-        const rt::TensorHandle hs[6] = {s->param,      s->grad,           s->exp_avg,
-                                        s->exp_avg_sq, s->max_exp_avg_sq, s->master};
+        std::array<void*, 6> ptrs = {};
+        const std::array<rt::TensorHandle, 6> hs = s->kernel_tensors();
         for (int k = 0; k < 6; ++k) {
           if (!hs[k].valid()) continue;
           absl::StatusOr<void*> p = rt.acquire(hs[k], rt::Tier::kGpu, stream);
@@ -441,15 +475,7 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
           held.push_back(hs[k]);
           ptrs[k] = *p;
         }
-        t.param = ptrs[0];
-        t.grad = ptrs[1];
-        t.exp_avg = static_cast<float*>(ptrs[2]);
-        t.exp_avg_sq = static_cast<float*>(ptrs[3]);
-        t.max_exp_avg_sq = static_cast<float*>(ptrs[4]);
-        t.master = static_cast<float*>(ptrs[5]);
-        t.param_type = s->param_type;
-        t.grad_type = s->grad_type;
-        t.numel = s->numel;
+        const AdamTensor t = kernel_tensor(*s, ptrs);
         if (pipelined) {
           STRATA_RETURN_IF_ERROR(launch({t}, {index}, s->group));
           STRATA_RETURN_IF_ERROR(rt.release(held, stream));

@@ -10,6 +10,29 @@
 // Hyperparameters are per parameter group and the learning rate may change between steps; step
 // counters are int64 on the host.
 //
+// Note [Overlapped step]: with overlap, the step is taken layer by layer during backward, each
+// layer as soon as its gradients are final (step_layer), while its parameters and gradients are
+// still on the GPU and the policy streams its states around backward's compute; finish_step then
+// validates it. Clipping and loss scaling's inf check depend on every gradient, which backward has
+// not all produced when the first layer steps, so the layers are stepped speculatively: dividing by
+// the loss scale alone, as if clipping did not trigger and no gradient were inf or NaN, with the
+// bytes they overwrite kept (Runtime::keep_for_undo; Note [Undo log] in runtime/undo.cpp).
+// finish_step reads the true grad_scale and found_inf (one host wait of a few bytes) and compares:
+//   - equal, bit for bit, and no inf: the speculation was the step; what was kept is dropped, and
+//     any layer backward could not step (not on the GPU then, or no host memory for its undo) is
+//     stepped now, as step() would;
+//   - otherwise (clipping triggered, or inf found): every kept byte goes back (a host wait for
+//     every stream, and a copy back for what was copied off the GPU), and step() runs with the true
+//     values. That costs one sequential step more, on the steps where it happens (clipping that
+//     fires on 0.12% of steps in BLOOM-176B's training, far more in a short fine-tune with a tight
+//     threshold).
+// Either way the result is bitwise the sequential step's: each element's update depends only on
+// its own values and the step's scalars, never on the order in which layers step. What is kept:
+// the parameters and every state the kernel writes (14 bytes a bfloat16 parameter with its float32
+// master copy and moments), in host memory, from each layer's step until finish_step; gradients are
+// only read, and stay where the policy put them (home, for a streamed gradient) until the next
+// step zeroes them.
+//
 // Example:
 //   AdamOptions options;
 //   options.groups.push_back({.params = {{w0, w0_grad}, {w1, w1_grad}},
@@ -35,6 +58,8 @@
 #include "runtime/runtime.h"
 
 namespace strata::optim {
+
+struct AdamTensor;  // optim/adam_kernels.h
 
 struct ParamGroup {
   // (parameter, its gradient), both registered with the runtime: float32, bfloat16 or float16
@@ -77,6 +102,29 @@ class Adam {
   // Note [A failed step] in adam.cpp for what it changed.
   [[nodiscard]] absl::Status step(const float* grad_scale = nullptr,
                                   const float* found_inf = nullptr);
+
+  // Note [Overlapped step]. Steps `layer` now, during backward, once its gradients are final (after
+  // the runtime's after_backward(layer)), dividing its gradients by `grad_scale` (the loss scale,
+  // a device scalar that stays alive until finish_step; null: 1) and keeping what a redo needs.
+  // The step's first call begins it (the step counters move); every call of a step passes the same
+  // grad_scale. A layer with a tensor not on the GPU (a policy that keeps it on the host during
+  // backward), or whose undo does not fit the host, is left for finish_step, not an error. A
+  // failure leaves the layer unstepped and nothing held; finish_step still completes the step.
+  [[nodiscard]] absl::Status step_layer(int layer, const float* grad_scale = nullptr);
+  enum class StepOutcome {
+    kSequential,   // no layer was stepped during backward: step() ran
+    kSpeculation,  // the speculation held (layers backward left were stepped now)
+    kRedone,       // clipping triggered or inf was found: rolled back and stepped again
+  };
+  // Completes the step step_layer began, with the true grad_scale and found_inf (as step() takes
+  // them); without step_layer calls since the last step, it is step(). A failure rolls the step
+  // back when it can (the error says which), so that it can be taken again.
+  [[nodiscard]] absl::StatusOr<StepOutcome> finish_step(const float* grad_scale = nullptr,
+                                                        const float* found_inf = nullptr);
+  // Whether step_layer began a step that finish_step has not completed.
+  bool overlapped_step_open() const { return overlap_open_; }
+  // Layers stepped during backward in the open (or last) overlapped step, in order.
+  const std::vector<int>& overlapped_layers() const { return overlapped_; }
 
   // The parameters the last step() stepped, in the order their kernels were queued: all of them
   // after a step that succeeded, none after one that failed before any kernel ran, and those before
@@ -124,7 +172,13 @@ class Adam {
     std::array<rt::TensorHandle, 4> states() const {
       return {exp_avg, exp_avg_sq, max_exp_avg_sq, master};
     }
+    // Every tensor the kernel takes, valid or not, in AdamTensor's order.
+    std::array<rt::TensorHandle, 6> kernel_tensors() const {
+      return {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master};
+    }
   };
+  // The kernel's view of a slot, from the addresses of its kernel_tensors().
+  static AdamTensor kernel_tensor(const Slot& s, const std::array<void*, 6>& ptrs);
   // The name a tensor of the slot was registered under.
   static std::string name_in(const Slot& s, rt::TensorHandle h);
   // The name of one of this optimizer's state tensors.
@@ -138,6 +192,17 @@ class Adam {
   // step] in adam.cpp); the parameters it stepped go to last_step_.
   absl::Status step_layers(const float* grad_scale, const float* found_inf,
                            std::vector<rt::TensorHandle>& held, int& failed_layer);
+  // step()'s body; with new_step false the step counters moved already (finish_step).
+  absl::Status run_step(const float* grad_scale, const float* found_inf, bool new_step);
+  // The kernel's scalars of each group for this step.
+  std::vector<AdamScalars> step_scalars() const;
+  // Queues the kernel for `list` (tensors of group g) on the compute stream.
+  absl::Status queue_kernel(const std::vector<AdamTensor>& list, const AdamScalars& scalars,
+                            const float* grad_scale, const float* found_inf);
+  // A float32 device scalar's value (`absent` for null): one host wait on the compute stream.
+  absl::StatusOr<float> read_scalar(const float* p, float absent);
+  // The parameters of `layer` in slots and whether each of their tensors is on the GPU.
+  bool layer_on_gpu(int layer) const;
   // The slots of a layer in the order its staged states arrive; empty when it is not staged.
   const std::vector<std::size_t>& arrival_order(int layer);
 
@@ -170,6 +235,10 @@ class Adam {
   absl::Status count_skipped(const float* found_inf);
   // Runtime::unregistrations() when every handle was last found registered.
   std::uint64_t checked_unregistrations_ = ~std::uint64_t{0};
+  // Note [Overlapped step]: the step step_layer began, its speculative scale and its layers.
+  bool overlap_open_ = false;
+  const float* speculative_scale_ = nullptr;
+  std::vector<int> overlapped_;
 };
 
 }  // namespace strata::optim

@@ -99,6 +99,10 @@ class Bulk final : public rt::ResidencyPolicy {
     return layered_ ? layered_->on_end_optimizer_step(rt) : absl::OkStatus();
   }
 
+  absl::Status on_undo_rolled_back(rt::PolicyContext& rt) override {
+    return layered_ ? layered_->on_undo_rolled_back(rt) : absl::OkStatus();
+  }
+
   absl::Status on_end_step(rt::PolicyContext& rt) override {
     if (layered_) STRATA_RETURN_IF_ERROR(layered_->on_end_step(rt));
     if (!config().offload_after_step) return absl::OkStatus();

@@ -43,6 +43,20 @@ using rt::RoleSet;
 // layer (staging it first when a slot is free); a layer begun with no slot free is held where it
 // is, at home, and torch uses it there. A layer whose backward began or ended is not staged again
 // in the same backward, so nothing moves under autograd.
+//
+// Note [Overlapped backward]: with PolicyConfig::overlap kBackward the optimizer steps each layer
+// right after its backward (Note [Overlapped step] in optim/adam.h), so the layer's optimizer
+// states must be on the GPU by then and go home while backward goes on:
+//   - with parameters streamed, a layer is staged for backward with every role the policy moves
+//     (parameters, gradients and states in one slot), and a layer that has states stays staged
+//     after its backward until the optimizer released it; that release writes back what the
+//     optimizer wrote and the gradients (a redo reads them), and refills the ring with the next
+//     backward layer;
+//   - with only optimizer states streamed, begin_step stages the states of the last layers (the
+//     first of backward) while forward runs, and each release during backward writes a layer back
+//     and stages the next in backward order.
+// The layers released during backward are left out of the optimizer step that follows it (it
+// steps only what backward could not), until rollback_undo says they are to be stepped again.
 class LayerPrefetch final : public rt::ResidencyPolicy {
  public:
   LayerPrefetch(const rt::PolicyConfig& c, bool keep_resident_layers)
@@ -75,7 +89,16 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   absl::Status on_begin_step(rt::PolicyContext& rt) override {
     STRATA_RETURN_IF_ERROR(reset(rt));
-    return settle(rt);
+    STRATA_RETURN_IF_ERROR(settle(rt));
+    stepped_.clear();
+    overlapping_ = overlap();
+    if (!overlapping_ || streams_parameters()) return absl::OkStatus();
+    // Note [Overlapped backward]: states come in backward order, the first while forward runs.
+    order_ = streamed_layers(rt, config().roles);
+    std::reverse(order_.begin(), order_.end());
+    STRATA_RETURN_IF_ERROR(configure(rt));
+    next_ = 0;
+    return refill_optimizer(rt);
   }
 
   absl::Status on_before_forward(rt::PolicyContext& rt, int layer) override {
@@ -127,7 +150,14 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     const std::size_t b = position(backward_, layer);
     if (b == backward_.size()) return absl::OkStatus();  // nothing of this layer streams
     STRATA_RETURN_IF_ERROR(release_hold(rt, layer));
-    STRATA_RETURN_IF_ERROR(unstage(rt, layer, RoleSet{Role::kGradient}));
+    if (overlapping_ && rt.is_staged(layer) && rt.layer_bytes(layer, state_roles()) > 0) {
+      // Note [Overlapped backward]: it stays until the optimizer released it.
+      if (std::find(awaiting_.begin(), awaiting_.end(), layer) == awaiting_.end()) {
+        awaiting_.push_back(layer);
+      }
+    } else {
+      STRATA_RETURN_IF_ERROR(unstage(rt, layer, RoleSet{Role::kGradient}));
+    }
     backward_state_[b] = BackwardState::kDone;
     STRATA_RETURN_IF_ERROR(refill(
         rt, backward_, [&](std::size_t) { return backward_roles(); }, as_registered));
@@ -143,11 +173,14 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   absl::Status on_begin_optimizer_step(rt::PolicyContext& rt) override {
+    overlapping_ = false;
     STRATA_RETURN_IF_ERROR(reset(rt));
     STRATA_RETURN_IF_ERROR(settle(rt));
     order_.clear();
     const std::vector<int> streamed = streamed_layers(rt, config().roles);
     for (int layer : rt.optimizer_layer_order()) {
+      // Note [Overlapped backward]: what backward stepped is not fetched again.
+      if (std::find(stepped_.begin(), stepped_.end(), layer) != stepped_.end()) continue;
       if (std::binary_search(streamed.begin(), streamed.end(), layer)) order_.push_back(layer);
     }
     STRATA_RETURN_IF_ERROR(configure(rt));
@@ -156,12 +189,34 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   absl::Status on_layer_released(rt::PolicyContext& rt, int layer) override {
-    STRATA_RETURN_IF_ERROR(unstage(rt, layer, write_back()));
-    return refill_optimizer(rt);
+    if (!overlapping_) {
+      STRATA_RETURN_IF_ERROR(unstage(rt, layer, write_back()));
+      return refill_optimizer(rt);
+    }
+    // Note [Overlapped backward]: stepped during backward; the gradients go home too, for a redo.
+    RoleSet home = write_back();
+    if (config().roles.contains(Role::kGradient)) home = home | Role::kGradient;
+    STRATA_RETURN_IF_ERROR(unstage(rt, layer, home));
+    std::erase(awaiting_, layer);
+    if (std::find(stepped_.begin(), stepped_.end(), layer) == stepped_.end()) {
+      stepped_.push_back(layer);
+    }
+    if (!streams_parameters()) return refill_optimizer(rt);
+    if (!in_backward_) return absl::OkStatus();
+    return refill(
+        rt, backward_, [&](std::size_t) { return backward_roles(); }, as_registered);
+  }
+
+  absl::Status on_undo_rolled_back(rt::PolicyContext&) override {
+    stepped_.clear();
+    return absl::OkStatus();
   }
 
   // A step that ends without an optimizer step (evaluation) leaves nothing held or staged.
-  absl::Status on_end_step(rt::PolicyContext& rt) override { return reset(rt); }
+  absl::Status on_end_step(rt::PolicyContext& rt) override {
+    overlapping_ = false;
+    return reset(rt);
+  }
 
   // Phase switches (Note [Phase switches] in runtime/phase.cpp): nothing staged or held while the
   // runtime moves tensors; then the ring comes back as it was (the resident layers are back in the
@@ -179,11 +234,21 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     STRATA_RETURN_IF_ERROR(reset(rt));
     order_.clear();
     next_ = 0;
+    stepped_.clear();
     return absl::OkStatus();
   }
 
  private:
   bool streams_parameters() const { return config().roles.contains(Role::kParameter); }
+  bool overlap() const { return config().overlap == rt::Overlap::kBackward; }
+  // The optimizer's states among the roles this policy moves.
+  RoleSet state_roles() const {
+    RoleSet out;
+    for (Role r : {Role::kExpAvg, Role::kExpAvgSq, Role::kMasterParam, Role::kOther}) {
+      if (config().roles.contains(r)) out = out | r;
+    }
+    return out;
+  }
   // The optimizer writes parameters and moments; it only reads gradients.
   RoleSet write_back() const {
     RoleSet out;
@@ -194,6 +259,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return out;
   }
   RoleSet backward_roles() const {
+    if (overlap()) return config().roles;  // Note [Overlapped backward]
     return config().roles.contains(Role::kGradient) ? RoleSet{Role::kParameter, Role::kGradient}
                                                     : RoleSet{Role::kParameter};
   }
@@ -390,6 +456,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     RoleSet keep = write_back();
     if (config().roles.contains(Role::kGradient)) keep = keep | Role::kGradient;
     while (!staged_.empty()) STRATA_RETURN_IF_ERROR(unstage(rt, staged_.front(), keep));
+    awaiting_.clear();
     in_forward_ = false;
     in_backward_ = false;
     return absl::OkStatus();
@@ -455,6 +522,11 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Layers held for forward (one) or backward (those whose backward may be under way).
   std::vector<Held> held_;
   int last_ = -1;  // the layer held last
+  // Note [Overlapped backward]: between begin_step and the optimizer step under kBackward; layers
+  // staged after their backward until their release; layers released so far.
+  bool overlapping_ = false;
+  std::vector<int> awaiting_;
+  std::vector<int> stepped_;
 };
 
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make(const rt::PolicyConfig& c,

@@ -54,6 +54,19 @@ absl::StatusOr<std::unique_ptr<ResidencyPolicy>> PolicyRegistry::create(
   return it->second(config);
 }
 
+absl::StatusOr<Overlap> parse_overlap(std::string_view name) {
+  if (name == "none") return Overlap::kNone;
+  if (name == "backward") return Overlap::kBackward;
+  return absl::InvalidArgumentError(
+      str_cat("unknown overlap '", name,
+              "'; use none (the optimizer steps after backward) or "
+              "backward (each layer steps as soon as its backward is done)"));
+}
+
+std::string_view overlap_name(Overlap overlap) {
+  return overlap == Overlap::kBackward ? "backward" : "none";
+}
+
 PolicyChoice choose_policy_name(const std::optional<std::string>& option) {
   if (option.has_value()) return {*option, "RuntimeOptions::policy"};
   const PolicyFlag flag = absl::GetFlag(FLAGS_strata_policy);

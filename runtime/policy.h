@@ -87,6 +87,13 @@ class PolicyContext {
 
 inline constexpr std::string_view kDefaultPolicy = "layer_prefetch";
 
+// When the optimizer steps (Note [Overlapped step] in optim/adam.h): after backward (kNone), or
+// each layer as soon as its backward is done (kBackward), speculatively, validated after backward.
+enum class Overlap { kNone, kBackward };
+// "none" / "backward"; kInvalidArgument naming both for anything else.
+absl::StatusOr<Overlap> parse_overlap(std::string_view name);
+std::string_view overlap_name(Overlap overlap);
+
 struct PolicyConfig {
   // layer_prefetch: layers fetched ahead of the one the optimizer works on (K >= 0). The staging
   // area holds K + 1 layers.
@@ -95,6 +102,9 @@ struct PolicyConfig {
   RoleSet roles = RoleSet::optimizer_states();
   // bulk: move everything of `roles` to the host after every step and back before the next.
   bool offload_after_step = false;
+  // layer_prefetch: with kBackward, a layer's optimizer states come to the GPU during backward and
+  // the layer stays staged after its backward until the optimizer released it (its step).
+  Overlap overlap = Overlap::kNone;
 };
 
 class ResidencyPolicy {
@@ -142,6 +152,11 @@ class ResidencyPolicy {
   // Phase switches (Note [Phase switches] in runtime/phase.cpp): before offload_all moves
   // tensors, the policy puts home what it staged and releases what it holds; after reload_all
   // brought them back, it reserves again what it needs (its staging ring) and resumes.
+  // Runtime::rollback_undo put back the bytes of a step taken during backward: the layers the
+  // optimizer released since the step began are to be stepped again.
+  [[nodiscard]] virtual absl::Status on_undo_rolled_back(PolicyContext& rt) {
+    return absl::OkStatus();
+  }
   [[nodiscard]] virtual absl::Status on_offload_all(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_reload_all(PolicyContext& rt) { return absl::OkStatus(); }
   // The order in which the optimizer walks layers; default ascending.

@@ -119,6 +119,12 @@ struct RuntimeStats {
   // virtual memory's map and unmap), by the GPU tier and the staging ring together.
   std::int64_t gpu_upstream_alloc_ns = 0;
   std::int64_t gpu_upstream_free_ns = 0;
+  // Note [Undo log] in undo.cpp: host bytes kept for an overlapped step's redo, now and at most,
+  // and the bytes of them that had to be copied off the GPU (tensors resting there; a staged
+  // tensor's old home block is kept instead, with no copy).
+  std::int64_t undo_bytes = 0;
+  std::int64_t undo_peak_bytes = 0;
+  std::int64_t undo_copied_bytes = 0;
   double h2d_gbps() const { return h2d_busy_ms > 0 ? timed_bytes_h2d / h2d_busy_ms / 1e6 : 0; }
   double d2h_gbps() const { return d2h_busy_ms > 0 ? timed_bytes_d2h / d2h_busy_ms / 1e6 : 0; }
 };
@@ -239,6 +245,25 @@ class Runtime {
   [[nodiscard]] absl::Status reload_all();
   // Whether the runtime is between offload_all and reload_all.
   bool offloaded() const;
+
+  // --- undo log (Note [Undo log] in undo.cpp): what an optimizer step taken during backward,
+  // before it is known to be valid, keeps so that it can be redone exactly --- Keeps the tensor's
+  // bytes as they are before the work queued on `stream` after this call writes it. The tensor must
+  // be held on the GPU (acquire). A staged tensor costs no copy: its write-back goes to a fresh
+  // block of its home tier and the old home block is kept; a tensor resting on the GPU is copied to
+  // pinned host memory on the D2H stream, and `stream` waits for that copy. A tensor kept already
+  // is left as it is. kResourceExhausted when the host has no room for it (nothing kept, nothing
+  // changed); kFailedPrecondition when it is not held on the GPU.
+  [[nodiscard]] absl::Status keep_for_undo(TensorHandle tensor, StreamHandle stream);
+  // The step stands: the kept bytes are dropped, freed behind the copy streams (no host wait).
+  [[nodiscard]] absl::Status commit_undo();
+  // Puts back every kept tensor's bytes wherever the tensor is now and frees what was kept, then
+  // lets the policy know (ResidencyPolicy::on_undo_rolled_back). Waits on the host for every
+  // stream. kFailedPrecondition while a kept tensor is held or staged (end the step's use of it
+  // first). A failure part way keeps what is not yet put back; call again.
+  [[nodiscard]] absl::Status rollback_undo();
+  // Tensors kept now.
+  std::size_t undo_tensors() const;
   std::vector<int> optimizer_layer_order() const;
 
   // Calls fn(tensor, tier, address) on the host whenever the address that compute should use for a

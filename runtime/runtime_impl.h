@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "runtime/migration.h"
@@ -71,6 +72,14 @@ struct Runtime::Impl {
   absl::Status check_layer(const char* hook, int layer) const;
   absl::Status finish_optimizer_step(PolicyContext& ctx);
   std::string outstanding_holds() const;
+  // undo.cpp (Note [Undo log])
+  struct UndoRecord {
+    internal::Entry* entry;
+    Tier tier;              // of `kept`
+    void* kept;             // the bytes from before the step: the old home block, or a copy
+    void* fresh = nullptr;  // redirect: the block the write-back fills
+  };
+  absl::Status check_no_undo(std::string_view what) const;
   // runtime.cpp
   absl::Status release_scratch();
   std::size_t gpu_budget_locked() const;
@@ -84,6 +93,8 @@ struct Runtime::Impl {
   StepState step;
   int next_callback = 1;
   std::map<int, std::function<absl::Status()>> before_optimizer_step;
+  std::vector<UndoRecord> undo;
+  std::size_t undo_bytes = 0;
   mutable std::mutex mu;
 };
 

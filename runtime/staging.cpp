@@ -232,10 +232,20 @@ absl::Status StagingRing::unstage(int layer, std::optional<RoleSet> write_back) 
   std::size_t handled = 0;
   for (; handled < slot.occupants.size(); ++handled) {
     Entry* e = slot.occupants[handled];
-    if (copy_home.contains(e->spec.role)) {
+    // Note [Undo log]: a kept tensor's home is a fresh block, which only the write-back fills.
+    if (copy_home.contains(e->spec.role) || e->undo_fresh != nullptr) {
       if (e->in_flight) engine_.finish(*e, /*early=*/true);  // still arriving: chain on the GPU
-      status = engine_.migrate(*e, e->rest.tier, e->rest.ptr, -1);
-      if (!status.ok()) break;
+      if (e->undo_fresh != nullptr) {
+        // Note [Undo log]: into the fresh block, which is home from now on; the old one is the
+        // log's.
+        status = engine_.migrate(*e, e->rest.tier, e->undo_fresh, -1);
+        if (!status.ok()) break;
+        e->rest = {};
+        e->undo_fresh = nullptr;
+      } else {
+        status = engine_.migrate(*e, e->rest.tier, e->rest.ptr, -1);
+        if (!status.ok()) break;
+      }
       copied = true;
     } else {
       // Discard: the kept home block still holds the data (the staged copy was only read). The

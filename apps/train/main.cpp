@@ -8,7 +8,8 @@
 //                          [--strata_roles=optimizer_states|all] [--steps=20] [--layers=4
 //                          --d_model=128 --heads=4 --vocab=256
 //                          --seq=64 --batch=8] [--dtype=float32|bfloat16|float16]
-//                          [--clip_grad_norm=1.0] [--phase_switch_every=N] [--compare]
+//                          [--clip_grad_norm=1.0] [--phase_switch_every=N]
+//                          [--strata_overlap=none|backward] [--grad_accum=N] [--compare]
 //                          [--json=FILE] [--chart=FILE.svg]
 //
 // Exit codes: 0 trained (with --compare: at least two strata policies trained with bitwise equal
@@ -76,6 +77,12 @@ ABSL_FLAG(int, phase_switch_every, 0,
           "after every N-th step, a phase switch as an RL trainer makes one for its rollout: "
           "offload_all, a stand-in for the rollout engine allocating the freed GPU memory through "
           "torch, reload_all (0: none)");
+ABSL_FLAG(std::string, strata_overlap, "none",
+          "when the optimizer steps: none (after backward), or backward (each layer as soon as its "
+          "backward is done, validated after backward and redone when clipping triggers or inf is "
+          "found; results are bitwise the same)");
+ABSL_FLAG(int, grad_accum, 1,
+          "micro-batches per step: gradients accumulate over them before the optimizer steps");
 ABSL_FLAG(bool, compare, false,
           "train under every strata policy and PyTorch's AdamW baselines, side by side");
 ABSL_FLAG(std::string, json, "", "write everything measured to this JSON file");
@@ -190,6 +197,8 @@ int run(int argc, char** argv) {
     return usage_error("--clip_grad_norm must be a finite number >= 0 (0: off)");
   }
   if (o.phase_switch_every < 0) return usage_error("--phase_switch_every must be 0 or more");
+  o.grad_accum = absl::GetFlag(FLAGS_grad_accum);
+  if (o.grad_accum < 1) return usage_error("--grad_accum must be 1 or more");
 
   // Every policy must see the same numbers: deterministic kernels where torch has a choice, and a
   // fixed cuBLAS workspace (read when cuBLAS starts, so before any GPU work).
@@ -224,6 +233,10 @@ int run(int argc, char** argv) {
       alloc::parse_device_method(absl::GetFlag(FLAGS_strata_gpu_memory));
   if (!memory.ok()) return usage_error(str_cat("--strata_gpu_memory ", memory.status().message()));
   o.gpu_memory = *memory;
+
+  absl::StatusOr<rt::Overlap> overlap = rt::parse_overlap(absl::GetFlag(FLAGS_strata_overlap));
+  if (!overlap.ok()) return usage_error(str_cat("--strata_overlap: ", overlap.status().message()));
+  o.overlap = *overlap;
 
   for (const auto& [flag, path] : {std::pair{"--json", absl::GetFlag(FLAGS_json)},
                                    std::pair{"--chart", absl::GetFlag(FLAGS_chart)}}) {
@@ -276,6 +289,13 @@ int run(int argc, char** argv) {
       moves ? str_cat(o.roles.to_string(), report.compare ? " (keep_on_gpu moves nothing)" : "")
                   .c_str()
             : "nothing (keep_on_gpu keeps everything on the GPU)");
+  if (o.overlap == rt::Overlap::kBackward || o.grad_accum > 1) {
+    std::printf("optimizer step: %s; %d micro-batch(es) a step\n",
+                o.overlap == rt::Overlap::kBackward
+                    ? "each layer during backward (--strata_overlap=backward)"
+                    : "after backward",
+                o.grad_accum);
+  }
   std::fflush(stdout);
 
   const StepCallback progress = [&](const RunResult& run, const StepRecord& step) {
@@ -286,9 +306,20 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   };
   if (report.compare) {
+    // With --strata_overlap=backward each policy that moves anything runs twice, without and with
+    // the step overlapped with backward, so that the comparison covers both.
+    std::vector<std::string> runs;
     for (const std::string& p : policies) {
+      runs.push_back(p);
+      if (o.overlap == rt::Overlap::kBackward && p != "keep_on_gpu") {
+        runs.push_back(str_cat(p, kOverlapSuffix));
+      }
+    }
+    TrainOptions plain = o;
+    plain.overlap = rt::Overlap::kNone;
+    for (const std::string& p : runs) {
       std::printf("\n== strata, policy %s\n", p.c_str());
-      report.runs.push_back(run_strata(o, p, progress));
+      report.runs.push_back(run_strata(plain, p, progress));
       print_run_end(report.runs.back());
     }
     for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
@@ -298,7 +329,9 @@ int run(int argc, char** argv) {
     }
   } else {
     std::printf("policy: %s (from %s)\n\n", choice.name.c_str(), choice.source.c_str());
-    report.runs.push_back(run_strata(o, choice.name, progress));
+    report.runs.push_back(run_strata(
+        o, o.overlap == rt::Overlap::kBackward ? str_cat(choice.name, kOverlapSuffix) : choice.name,
+        progress));
     print_run_end(report.runs.back());
   }
   report.comparison = compare_runs(report.runs);

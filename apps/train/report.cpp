@@ -161,6 +161,7 @@ std::string progress_line(const RunResult& run, const StepRecord& s, int total_s
       str_cat("[", run.name, "] step ", s.step, "/", total_steps, "  loss ", fixed(s.loss, 4),
               "  step ", fixed(s.step_ms, 1), " ms  optim ", fixed(s.optimizer_ms, 1), " ms");
   if (s.grad_norm > 0) str_append(&line, "  norm ", fixed(s.grad_norm, 3));
+  if (s.redone) str_append(&line, " (step redone)");
   if (s.loss_scale != 1.0f)
     str_append(&line, "  scale ", s.loss_scale, s.skipped ? " (skipped)" : "");
   if (run.strata || s.h2d_bytes + s.d2h_bytes > 0) {
@@ -356,7 +357,8 @@ std::string to_json(const Report& report) {
                  ", \"loss\": ", exact(s.loss), ", \"step_ms\": ", exact(s.step_ms),
                  ", \"optimizer_ms\": ", exact(s.optimizer_ms),
                  ", \"grad_norm\": ", exact(s.grad_norm), ", \"loss_scale\": ", exact(s.loss_scale),
-                 ", \"skipped\": ", s.skipped ? "true" : "false", ", \"h2d_bytes\": ", s.h2d_bytes,
+                 ", \"skipped\": ", s.skipped ? "true" : "false",
+                 ", \"redone\": ", s.redone ? "true" : "false", ", \"h2d_bytes\": ", s.h2d_bytes,
                  ", \"d2h_bytes\": ", s.d2h_bytes, ", \"h2d_gbps\": ", exact(s.h2d_gbps),
                  ", \"d2h_gbps\": ", exact(s.d2h_gbps), ", \"waited_ms\": ", exact(s.waited_ms),
                  ", \"peak_gpu_bytes\": ", s.peak_gpu_bytes,

@@ -75,8 +75,10 @@ struct LossScaler {
 struct Batch {
   torch::Tensor inputs, targets;
 };
-Batch batch_for(const TrainOptions& o, int step) {
-  torch::Tensor tokens = synthetic_batch(o.model, o.seed, step).to(device_of(o));
+// Micro-batch `micro` of `step` (1-based; one per step without accumulation: micro 0).
+Batch batch_for(const TrainOptions& o, int step, int micro = 0) {
+  const int index = (step - 1) * o.grad_accum + micro + 1;
+  torch::Tensor tokens = synthetic_batch(o.model, o.seed, index).to(device_of(o));
   return {tokens.slice(1, 0, -1), tokens.slice(1, 1)};
 }
 
@@ -92,10 +94,18 @@ std::string message_of(const std::exception& e) {
 }
 
 // The strata run proper; throws (c10::Error) on failure, which run_strata records.
-void train_strata(const TrainOptions& o, const std::string& policy, const StepCallback& on_step,
+void train_strata(const TrainOptions& o, const std::string& run_name, const StepCallback& on_step,
                   RunResult& result, bool& started) {
+  std::string policy = run_name;
+  rt::Overlap overlap = o.overlap;
+  if (policy.ends_with(kOverlapSuffix)) {
+    policy.resize(policy.size() - kOverlapSuffix.size());
+    overlap = rt::Overlap::kBackward;
+  }
+  const bool overlapped = overlap == rt::Overlap::kBackward;
   rt::RuntimeOptions ro;
   ro.policy = policy;
+  ro.policy_config.overlap = overlap;
   ro.policy_config.prefetch_depth = o.prefetch_depth;
   ro.policy_config.roles = o.roles;
   // bulk: the states go to host memory after every step and come back before the next one.
@@ -159,25 +169,41 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
     // Only loss scaling reads found_inf (Note [Opt-in inf check] in bridge/grad_stats.h).
     hooks.stats().set_check_non_finite(scaler.enabled);
     torch::Tensor grad_scale, found_inf;  // alive until the step that reads them has run
+    // Note [Overlapped step]: each layer steps as its backward ends, dividing by the loss scale
+    // alone; finish_step validates against the true grad_scale and found_inf.
+    if (overlapped) {
+      hooks.set_after_layer([&](int layer) {
+        bridge::check(
+            adam->step_layer(layer, scaler.enabled ? scaler.scale.data_ptr<float>() : nullptr));
+      });
+    }
     started = true;
     for (int step = 1; step <= o.steps; ++step) {
-      const Batch batch = batch_for(o, step);
       rt.allocator().reset_peak_stats();
       reset_torch_peak(o);
       const rt::RuntimeStats before = rt.stats();
       const Clock::time_point start = Clock::now();
 
-      hooks.begin_step();
-      // Each layer's after_backward runs as soon as its backward is done, so that a policy
-      // streaming parameters and gradients can send them out and bring the next layer in while
-      // backward goes on; the embeddings' (layer 0) runs once backward returns.
-      torch::Tensor logits = model->forward(
-          batch.inputs, [&](int layer) { hooks.before_forward(layer); },
-          [&](int layer) { hooks.after_backward(layer); });
-      torch::Tensor loss = loss_of(logits, batch.targets);
-      hooks.begin_backward();
-      scaler.scaled(loss).backward();
-      hooks.finish_backward();
+      // Gradient accumulation: each micro-batch's loss is divided by their number, as the mean
+      // over the whole batch; the last micro-batch's hooks take the statistics (and overlap).
+      torch::Tensor loss = torch::zeros({}, torch::TensorOptions().device(device_of(o)));
+      for (int micro = 0; micro < o.grad_accum; ++micro) {
+        const Batch batch = batch_for(o, step, micro);
+        const bool last = micro + 1 == o.grad_accum;
+        hooks.begin_step({.first = micro == 0, .last = last});
+        // Each layer's after_backward runs as soon as its backward is done, so that a policy
+        // streaming parameters and gradients can send them out and bring the next layer in while
+        // backward goes on; the embeddings' (layer 0) runs once backward returns.
+        torch::Tensor logits = model->forward(
+            batch.inputs, [&](int layer) { hooks.before_forward(layer); },
+            [&](int layer) { hooks.after_backward(layer); });
+        torch::Tensor micro_loss = loss_of(logits, batch.targets) / o.grad_accum;
+        hooks.begin_backward();
+        scaler.scaled(micro_loss).backward();
+        hooks.finish_backward();
+        loss = loss + micro_loss.detach();
+        if (!last) hooks.end_step();
+      }
       bridge::GradientStats& stats = hooks.stats();
       const torch::Tensor loss_scale = scaler.enabled ? scaler.scale : torch::Tensor();
       grad_scale = o.clip_grad_norm > 0 || scaler.enabled
@@ -188,8 +214,9 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       const torch::Tensor step_scale = scaler.scale.clone();
       synchronize(o);
       const Clock::time_point optimizer_start = Clock::now();
-      bridge::check(adam->step(grad_scale.defined() ? grad_scale.data_ptr<float>() : nullptr,
-                               found_inf.defined() ? found_inf.data_ptr<float>() : nullptr));
+      const optim::Adam::StepOutcome outcome = bridge::unwrap(
+          adam->finish_step(grad_scale.defined() ? grad_scale.data_ptr<float>() : nullptr,
+                            found_inf.defined() ? found_inf.data_ptr<float>() : nullptr));
       synchronize(o);
       if (found_inf.defined()) scaler.update(found_inf);
       const double optimizer_ms = ms_since(optimizer_start);
@@ -208,6 +235,7 @@ void train_strata(const TrainOptions& o, const std::string& policy, const StepCa
       r.grad_norm = grad_norm.item<float>();
       r.loss_scale = step_scale.item<float>();
       r.skipped = found_inf.defined() && found_inf.item<float>() != 0.0f;
+      r.redone = outcome == optim::Adam::StepOutcome::kRedone;
       r.h2d_bytes = after.migrated_bytes_h2d - before.migrated_bytes_h2d;
       r.d2h_bytes = after.migrated_bytes_d2h - before.migrated_bytes_d2h;
       const double h2d_ms = after.h2d_busy_ms - before.h2d_busy_ms;
@@ -334,12 +362,17 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   std::pair<std::int64_t, std::int64_t> moved;  // by phase switches: host -> GPU, GPU -> host
 
   for (int step = 1; step <= o.steps; ++step) {
-    const Batch batch = batch_for(o, step);
     reset_torch_peak(o);
     const Clock::time_point start = Clock::now();
     model->zero_grad();
-    torch::Tensor loss = loss_of(model->forward(batch.inputs, [](int) {}), batch.targets);
-    scaler.scaled(loss).backward();
+    torch::Tensor loss = torch::zeros({}, torch::TensorOptions().device(device));
+    for (int micro = 0; micro < o.grad_accum; ++micro) {
+      const Batch batch = batch_for(o, step, micro);
+      torch::Tensor micro_loss =
+          loss_of(model->forward(batch.inputs, [](int) {}), batch.targets) / o.grad_accum;
+      scaler.scaled(micro_loss).backward();
+      loss = loss + micro_loss.detach();
+    }
     synchronize(o);
     const Clock::time_point optimizer_start = Clock::now();
     StepRecord r;

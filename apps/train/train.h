@@ -18,11 +18,13 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "allocator/tier.h"
 #include "allocator/upstream.h"
 #include "apps/train/gpt.h"
+#include "runtime/policy.h"
 #include "runtime/tensor.h"
 
 namespace strata::apps {
@@ -48,7 +50,15 @@ struct TrainOptions {
   torch::Dtype dtype = torch::kFloat;
   // Global gradient-norm clipping as torch.nn.utils.clip_grad_norm_; 0: off.
   double clip_grad_norm = 1.0;
+  // The overlap of run names without a "+overlap" suffix (Note [Overlapped step] in
+  // optim/adam.h): kBackward steps each layer during backward.
+  rt::Overlap overlap = rt::Overlap::kNone;
+  // Micro-batches per step (gradient accumulation), each of `model.batch` sequences.
+  int grad_accum = 1;
 };
+
+// The suffix of a run name whose optimizer steps during backward: "layer_prefetch+overlap".
+inline constexpr std::string_view kOverlapSuffix = "+overlap";
 
 // float16 runs scale the loss dynamically as torch.amp.GradScaler does (these defaults).
 inline constexpr double kInitialLossScale = 65536.0;
@@ -63,10 +73,13 @@ struct StepRecord {
   std::int64_t d2h_bytes = 0;
   double h2d_gbps = 0;  // over the time the copy streams were busy (0: nothing timed)
   double d2h_gbps = 0;
-  double waited_ms = 0;               // time compute waited on prefetches, on the GPU
-  float grad_norm = 0;                // before clipping, as clip_grad_norm_ returns it
-  float loss_scale = 1;               // the step's loss scale (float16)
-  bool skipped = false;               // its gradients held inf/NaN: no parameter changed
+  double waited_ms = 0;  // time compute waited on prefetches, on the GPU
+  float grad_norm = 0;   // before clipping, as clip_grad_norm_ returns it
+  float loss_scale = 1;  // the step's loss scale (float16)
+  bool skipped = false;  // its gradients held inf/NaN: no parameter changed
+  // Overlapped runs: the step taken during backward was rolled back and taken again (clipping
+  // triggered, or inf was found).
+  bool redone = false;
   std::int64_t peak_gpu_bytes = 0;    // strata's GPU memory and torch's own, at their peaks
   std::int64_t strata_gpu_bytes = 0;  // of which strata's (GPU tier and staging ring, <= budget)
   double fragmentation[alloc::kNumTiers] = {};  // strata runs: per tier, at the end of the step
@@ -127,6 +140,7 @@ using StepCallback = std::function<void(const RunResult&, const StepRecord&)>;
 // The model's layers' step working sets (parameters, gradients, two moments), by strata layer.
 std::vector<std::int64_t> layer_step_bytes(const TrainOptions& options);
 
+// `policy`: a policy's name, with kOverlapSuffix for a run that steps during backward.
 RunResult run_strata(const TrainOptions& options, const std::string& policy,
                      const StepCallback& on_step);
 

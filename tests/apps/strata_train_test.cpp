@@ -67,6 +67,33 @@ TEST(StrataTrainTest, ThePolicyCanComeFromTheEnvironment) {
   EXPECT_TRUE(contains(o.output, "policy: bulk (from STRATA_POLICY)")) << o.output;
 }
 
+// Note [Overlapped step]: with a clip threshold below the gradients' norm every step is redone,
+// with one above it none is; both match the sequential step bitwise, with gradient accumulation
+// too.
+TEST(StrataTrainTest, OverlappedStepsGiveTheSameLossesAsSequentialOnes) {
+  const std::string json = ::testing::TempDir() + "/overlap.json";
+  for (const std::string flags : {"--clip_grad_norm=0.05", "--clip_grad_norm=100 --grad_accum=2"}) {
+    SCOPED_TRACE(flags);
+    Outcome o = run_train(
+        "--compare --strata_overlap=backward --dtype=bfloat16 --strata_roles=all --layers=4 "
+        "--steps=4 --json=" +
+        json + " " + flags);
+    EXPECT_EQ(o.exit_code, 0) << o.output;
+    EXPECT_TRUE(contains(o.output,
+                         "(bulk, bulk+overlap, keep_on_gpu, layer_prefetch, "
+                         "layer_prefetch+overlap): yes, bitwise"))
+        << o.output;
+    const std::string j = read_file(json);
+    EXPECT_TRUE(contains(j, "\"losses_identical_across_policies\": true")) << j;
+    const bool clipped = contains(flags, "0.05");
+    EXPECT_EQ(contains(o.output, "(step redone)"), clipped) << o.output;
+    EXPECT_EQ(contains(j, "\"redone\": true"), clipped);
+  }
+  Outcome bad = run_train("--strata_overlap=forward --steps=1");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "--strata_overlap: unknown overlap 'forward'")) << bad.output;
+}
+
 TEST(StrataTrainTest, CompareGivesIdenticalLossesAndAJsonWithEveryField) {
   const std::string json = ::testing::TempDir() + "/compare.json";
   const std::string svg = ::testing::TempDir() + "/compare.svg";

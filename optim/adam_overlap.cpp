@@ -1,0 +1,157 @@
+// optim/adam_overlap.cpp: the overlapped step (Note [Overlapped step] in adam.h): step_layer,
+// finish_step and what they share.
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+#include "base/status.h"
+#include "base/strings.h"
+#include "optim/adam.h"
+#include "optim/adam_kernels.h"
+
+namespace strata::optim {
+
+bool Adam::layer_on_gpu(int layer) const {
+  auto it = by_layer_.find(layer);
+  if (it == by_layer_.end()) return true;
+  for (std::size_t index : it->second) {
+    const Slot& s = slots_[index];
+    for (rt::TensorHandle h : s.kernel_tensors()) {
+      if (!h.valid()) continue;
+      absl::StatusOr<rt::TensorInfo> info = runtime_.info(h);
+      if (!info.ok()) return false;
+      const rt::Tier tier = info->in_flight ? info->destination : info->tier;
+      if (info->bytes > 0 && tier != rt::Tier::kGpu) return false;
+    }
+  }
+  return true;
+}
+
+absl::Status Adam::step_layer(int layer, const float* grad_scale) {
+  rt::Runtime& rt = runtime_;
+  if (!overlap_open_) {
+    STRATA_RETURN_IF_ERROR(check_can_step());
+    overlap_open_ = true;
+    speculative_scale_ = grad_scale;
+    overlapped_.clear();
+    last_step_.clear();
+    for (std::int64_t& s : steps_) ++s;
+  } else if (grad_scale != speculative_scale_) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: step_layer(", layer,
+                ") with another grad_scale than the step's first layer; every layer of a step "
+                "divides by the same loss scale"));
+  }
+  auto it = by_layer_.find(layer);
+  if (it == by_layer_.end()) return absl::OkStatus();  // nothing of this optimizer's
+  if (std::find(overlapped_.begin(), overlapped_.end(), layer) != overlapped_.end()) {
+    return absl::FailedPreconditionError(
+        str_cat("Adam: step_layer(", layer, ") twice in one step"));
+  }
+  // Acquiring a tensor that rests on the host would move it into the GPU's main pool for good:
+  // such a layer is stepped after backward, where the policy streams it.
+  if (!layer_on_gpu(layer)) return absl::OkStatus();
+  const rt::StreamHandle stream = rt.compute_stream();
+  std::vector<rt::TensorHandle> held;
+  auto give_back = [&](absl::Status s) {
+    for (int attempt = 0; attempt < 2 && !held.empty(); ++attempt) {
+      if (rt.release(held, stream).ok()) held.clear();
+    }
+    return s;
+  };
+  std::vector<std::vector<AdamTensor>> per_group(groups_.size());
+  std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
+  for (std::size_t index : it->second) {
+    const Slot& s = slots_[index];
+    std::array<void*, 6> ptrs = {};
+    const std::array<rt::TensorHandle, 6> hs = s.kernel_tensors();
+    for (int k = 0; k < 6; ++k) {
+      if (!hs[k].valid()) continue;
+      absl::StatusOr<void*> p = rt.acquire(hs[k], rt::Tier::kGpu, stream);
+      if (!p.ok()) return give_back(p.status());
+      held.push_back(hs[k]);
+      ptrs[k] = *p;
+      if (k == 1) continue;  // the gradient is only read
+      absl::Status kept = rt.keep_for_undo(hs[k], stream);
+      // No host memory for the redo: the layer waits for the step after backward.
+      if (kept.code() == absl::StatusCode::kResourceExhausted) return give_back(absl::OkStatus());
+      if (!kept.ok()) return give_back(kept);
+    }
+    per_group[s.group].push_back(kernel_tensor(s, ptrs));
+    slots_of_group[s.group].push_back(index);
+  }
+  const std::vector<AdamScalars> scalars = step_scalars();
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    // Speculation: no inf (found_inf is not known yet); grad_scale is the loss scale alone.
+    absl::Status queued = queue_kernel(per_group[g], scalars[g], speculative_scale_, nullptr);
+    if (!queued.ok()) {
+      // Groups queued before this one changed their parameters: the layer counts as stepped, and
+      // finish_step's validation decides (a redo rolls those back too).
+      if (g > 0) overlapped_.push_back(layer);
+      return give_back(queued);
+    }
+    for (std::size_t index : slots_of_group[g]) last_step_.push_back(slots_[index].param);
+  }
+  overlapped_.push_back(layer);
+  // The policy writes the layer back and fetches the next (Note [Overlapped backward] in
+  // policies/layer_prefetch.cpp); a failure leaves it held, so try twice before giving up.
+  STRATA_RETURN_IF_ERROR(give_back(absl::OkStatus()));
+  absl::Status released = rt.release_layer(layer, rt::RoleSet(), stream);
+  if (!released.ok()) released = rt.release_layer(layer, rt::RoleSet(), stream);
+  return released;
+}
+
+absl::StatusOr<float> Adam::read_scalar(const float* p, float absent) {
+  if (p == nullptr) return absent;
+  rt::Runtime& rt = runtime_;
+  float value = 0;
+  STRATA_RETURN_IF_ERROR(rt.device().copy_async(&value, p, sizeof(float), rt.compute_stream()));
+  STRATA_RETURN_IF_ERROR(rt.device().stream_synchronize(rt.compute_stream()));
+  return value;
+}
+
+absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
+                                                    const float* found_inf) {
+  if (!overlap_open_) {
+    STRATA_RETURN_IF_ERROR(step(grad_scale, found_inf));
+    return StepOutcome::kSequential;
+  }
+  rt::Runtime& rt = runtime_;
+  // Note [Overlapped step]: one host wait reads what the speculation assumed and what is true.
+  STRATA_ASSIGN_OR_RETURN(const float assumed, read_scalar(speculative_scale_, 1.0f));
+  STRATA_ASSIGN_OR_RETURN(const float truth, read_scalar(grad_scale, 1.0f));
+  STRATA_ASSIGN_OR_RETURN(const float inf, read_scalar(found_inf, 0.0f));
+  const bool held =
+      std::bit_cast<std::uint32_t>(assumed) == std::bit_cast<std::uint32_t>(truth) && inf == 0.0f;
+  if (held) {
+    STRATA_RETURN_IF_ERROR(rt.commit_undo());
+    // Layers backward could not step are stepped now, as step() would. The step stays open until
+    // they are, so that a failure can be finished by calling again.
+    absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
+    if (!rest.ok()) {
+      return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
+                                               "backward stand; stepping the others failed: ",
+                                               rest.message()));
+    }
+    overlap_open_ = false;
+    return StepOutcome::kSpeculation;
+  }
+  absl::Status back = rt.rollback_undo();
+  if (!back.ok()) {
+    return absl::Status(back.code(),
+                        str_cat("Adam: the step taken during backward must be redone (clipping "
+                                "triggered or inf was found) but rolling it back failed; call "
+                                "finish_step again: ",
+                                back.message()));
+  }
+  // Rolled back: as if step_layer had never run, and step() takes the step (a failure there
+  // leaves it untaken, to be retried with step()).
+  overlap_open_ = false;
+  overlapped_.clear();
+  last_step_.clear();
+  for (std::int64_t& s : steps_) --s;
+  STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
+  return StepOutcome::kRedone;
+}
+
+}  // namespace strata::optim

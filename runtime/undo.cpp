@@ -1,0 +1,183 @@
+// runtime/undo.cpp: the undo log: keep_for_undo, commit_undo, rollback_undo.
+//
+// Note [Undo log]: an optimizer step taken layer by layer during backward (Note [Overlapped step]
+// in optim/adam.h) runs before the step's global facts are known (the gradient norm that decides
+// clipping, loss scaling's inf check). It is a speculation, and when it turns out wrong the step is
+// redone from the bytes it started from, so those bytes must outlive the in-place kernel until the
+// step is validated. Where they are kept depends on where the tensor is:
+//   - staged (a copy in a staging slot, its home block on the host): the home block already holds
+//     the old bytes, so it is kept as it is and the write-back goes into a fresh block of the same
+//     tier, which becomes the tensor's home. No byte more crosses the link; the price is host
+//     memory, a second home for every kept tensor until the step is validated.
+//   - resting on the GPU (keep_on_gpu, bulk, layer_prefetch's resident layers): the GPU budget has
+//     no room for a second copy, so the bytes are copied to pinned host memory on the D2H stream,
+//     which the compute stream waits for before the kernel overwrites them. That costs D2H traffic,
+//     on a direction these policies leave idle during backward.
+// commit_undo frees what was kept behind the copy streams, with no host wait: a fetch queued
+// earlier may still read an old home block. rollback_undo waits for everything, swaps a kept home
+// block back where the tensor's fresh block still is its home (no copy) and copies the bytes back
+// otherwise, then tells the policy. While the log holds anything, a step cannot begin, tensors
+// cannot go (unregister) and offload_all waits: each would outlive or move what the log refers to.
+#include <algorithm>
+
+#include "base/status.h"
+#include "base/strings.h"
+#include "base/units.h"
+#include "runtime/runtime_impl.h"
+
+namespace strata::rt {
+
+using internal::Entry;
+using internal::Location;
+
+absl::Status Runtime::Impl::check_no_undo(std::string_view what) const {
+  if (undo.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      str_cat(what, ": an optimizer step taken during backward keeps ", undo.size(),
+              " tensor(s) for its redo (first '", undo.front().entry->spec.name,
+              "'); validate it first (commit_undo or rollback_undo; Adam::finish_step does)"));
+}
+
+absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  STRATA_ASSIGN_OR_RETURN(Entry * e, im.registry.get(tensor));
+  if (e->undo_kept || e->bytes == 0) return absl::OkStatus();
+  const Location& now = e->in_flight ? e->dst : e->loc;
+  if (e->holds == 0 || now.tier != Tier::kGpu) {
+    return absl::FailedPreconditionError(
+        str_cat("keep_for_undo '", e->spec.name, "': acquire it on the GPU first (it is ",
+                e->holds == 0 ? "not held" : "held elsewhere", ")"));
+  }
+  RuntimeStats& stats = im.engine.stats();
+  const std::string owner = str_cat("undo: ", e->spec.name);
+  if (now.slot >= 0) {
+    // Staged: the home block keeps the old bytes; the write-back goes into a fresh one.
+    absl::StatusOr<void*> fresh =
+        im.allocator->allocate(e->rest.tier, e->bytes, {.stream = nullptr, .owner = owner});
+    if (!fresh.ok()) {
+      return absl::Status(fresh.status().code(),
+                          str_cat("keeping '", e->spec.name, "' for an overlapped step's redo (",
+                                  format_bytes(e->bytes), " of ", tier_name(e->rest.tier),
+                                  "): ", fresh.status().message()));
+    }
+    // `rest` stays the old block until the write-back is queued: a fetch from it may still be
+    // arriving, and its completion must not free it.
+    im.undo.push_back({e, e->rest.tier, e->rest.ptr, *fresh});
+    e->undo_fresh = *fresh;
+  } else {
+    // Resting on the GPU: a copy to pinned host memory, which `stream` waits for.
+    absl::StatusOr<void*> copy =
+        im.allocator->allocate(Tier::kPinnedHost, e->bytes, {.stream = nullptr, .owner = owner});
+    if (!copy.ok()) {
+      return absl::Status(
+          copy.status().code(),
+          str_cat("keeping '", e->spec.name, "' for an overlapped step's redo (",
+                  format_bytes(e->bytes), " of pinned host memory): ", copy.status().message()));
+    }
+    Device& dev = im.engine.device();
+    const StreamHandle d2h = im.engine.d2h();
+    auto fail = [&](const absl::Status& s, bool queued) {
+      if (queued) {
+        im.engine.free_after(Tier::kPinnedHost, *copy, {d2h});
+      } else {
+        (void)im.allocator->deallocate(Tier::kPinnedHost, *copy);
+      }
+      return s;
+    };
+    // The copy reads what every earlier use wrote: the work queued on `stream`, the data's
+    // arrival when it is still coming, and its other streams' releases.
+    absl::StatusOr<EventHandle> before = dev.record(stream);
+    if (!before.ok()) return fail(before.status(), false);
+    absl::Status s = dev.stream_wait(d2h, *before);
+    dev.release(*before);
+    if (s.ok() && e->in_flight) s = dev.stream_wait(d2h, e->arrival);
+    for (const Entry::Ready& r : e->ready) {
+      if (s.ok()) s = dev.stream_wait(d2h, r.event);
+    }
+    if (!s.ok()) return fail(s, false);
+    s = dev.copy_async(*copy, now.ptr, e->bytes, d2h);
+    if (!s.ok()) return fail(s, true);
+    absl::StatusOr<EventHandle> copied = dev.record(d2h);
+    if (!copied.ok()) return fail(copied.status(), true);
+    s = dev.stream_wait(stream, *copied);
+    dev.release(*copied);
+    if (!s.ok()) return fail(s, true);
+    im.undo.push_back({e, Tier::kPinnedHost, *copy});
+    stats.undo_copied_bytes += static_cast<std::int64_t>(e->bytes);
+  }
+  e->undo_kept = true;
+  im.undo_bytes += e->bytes;
+  stats.undo_bytes = static_cast<std::int64_t>(im.undo_bytes);
+  stats.undo_peak_bytes = std::max(stats.undo_peak_bytes, stats.undo_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::commit_undo() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  for (const Impl::UndoRecord& r : im.undo) {
+    if (r.entry->undo_fresh != nullptr) {
+      // Still staged, its write-back not queued yet: it goes home to the old block after all.
+      (void)im.allocator->deallocate(r.tier, r.fresh);
+    } else {
+      // A fetch queued before the step may still read an old home block.
+      im.engine.free_after(r.tier, r.kept, {im.engine.h2d(), im.engine.d2h()});
+    }
+    r.entry->undo_kept = false;
+    r.entry->undo_fresh = nullptr;
+  }
+  im.undo.clear();
+  im.undo_bytes = 0;
+  im.engine.stats().undo_bytes = 0;
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::rollback_undo() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  for (const Impl::UndoRecord& r : im.undo) {
+    const Entry& e = *r.entry;
+    if (e.holds > 0 || (e.in_flight ? e.dst.slot : e.loc.slot) >= 0) {
+      return absl::FailedPreconditionError(
+          str_cat("rollback_undo: tensor '", e.spec.name, "' is ", e.holds > 0 ? "held" : "staged",
+                  "; end the step's use of it (end_optimizer_step or end_step) first"));
+    }
+  }
+  Device& dev = im.engine.device();
+  STRATA_RETURN_IF_ERROR(im.engine.wait_all());
+  for (StreamHandle s : {im.engine.compute(), im.engine.h2d(), im.engine.d2h()}) {
+    STRATA_RETURN_IF_ERROR(dev.stream_synchronize(s));
+  }
+  // Each record leaves the log once its bytes are back, so a failure part way can be retried.
+  while (!im.undo.empty()) {
+    const Impl::UndoRecord r = im.undo.back();
+    Entry& e = *r.entry;
+    STRATA_RETURN_IF_ERROR(im.engine.wait_ready_on_host(e));
+    if (r.fresh != nullptr && e.loc.ptr == r.fresh && e.loc.slot < 0) {
+      // Its home is still the block the write-back filled: the kept block is home again.
+      (void)im.allocator->deallocate(r.tier, r.fresh);
+      e.loc = {r.tier, r.kept, -1};
+      im.engine.notify(e, e.loc.tier, e.loc.ptr);
+    } else {
+      STRATA_RETURN_IF_ERROR(im.engine.host_copy(e.loc.ptr, r.kept, e.bytes));
+      // A fresh block that stopped being its home was freed by the move that took it away.
+      (void)im.allocator->deallocate(r.tier, r.kept);
+    }
+    e.undo_kept = false;
+    e.undo_fresh = nullptr;
+    ++e.version;
+    im.undo_bytes -= e.bytes;
+    im.undo.pop_back();
+  }
+  im.engine.stats().undo_bytes = 0;
+  PolicyContext ctx(*this);
+  return im.policy->on_undo_rolled_back(ctx);
+}
+
+std::size_t Runtime::undo_tensors() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->undo.size();
+}
+
+}  // namespace strata::rt
