@@ -31,7 +31,7 @@
 //                              faster than BM_TorchPerLayerPipeline; peak extra GPU memory (the
 //                              staging ring) <= (K + 1) x the largest layer's moments + 1%.
 //                              After the timed steps, one more step with its copies traced
-//                              (bench/copy_trace.h): trace_* counters say how long each
+//                              (runtime/copy_trace.h): trace_* counters say how long each
 //                              direction of the link copied alone, with the other, or not at
 //                              all; STRATA_TRACE_DIR=DIR also writes the copies as CSV.
 //   BM_TorchCpuAdamW           torch::optim::AdamW on CPU tensors, 1/8 of the model (4 layers);
@@ -114,11 +114,11 @@
 #include "base/strings.h"
 #include "base/units.h"
 #include "bench/bench_util.h"
-#include "bench/copy_trace.h"
 #include "bench/link_rig.h"
 #include "optim/adam.h"
 #include "optim/adam_math.h"
 #include "policies/builtin.h"
+#include "runtime/copy_trace.h"
 #include "runtime/device.h"
 #include "runtime/runtime.h"
 #include "runtime/tensor.h"
@@ -607,7 +607,7 @@ absl::StatusOr<double> time_to_idle(Fn fn) {
 
 struct StrataRig final : Rig {
   Model model;
-  strata::bench::CopyTracer* tracer = nullptr;  // the runtime's device (CUDA rigs); idle until used
+  strata::rt::CopyTracer* tracer = nullptr;  // the runtime's device (CUDA rigs); idle until used
   std::unique_ptr<rt::Runtime> runtime;
   std::unique_ptr<optim::Adam> adam;  // declared after the runtime: destroyed first
   std::vector<rt::TensorHandle> params;
@@ -635,7 +635,7 @@ absl::StatusOr<std::unique_ptr<StrataRig>> make_strata_rig(const Model& model, s
   options.device = device;
   if (device == rt::DeviceKind::kCuda) {
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<rt::Device> cuda, rt::make_cuda_device());
-    auto tracer = std::make_unique<strata::bench::CopyTracer>(std::move(cuda));
+    auto tracer = std::make_unique<strata::rt::CopyTracer>(std::move(cuda));
     out->tracer = tracer.get();
     options.device_override = std::move(tracer);
   }
@@ -773,28 +773,28 @@ std::optional<StrataTimed> time_strata_steps(benchmark::State& state, rt::Runtim
 
 #ifdef STRATA_HAS_CUDA
 // One more step from an idle device, outside the clock, with its copies traced: how the step used
-// each direction of the link (bench/copy_trace.h). With STRATA_TRACE_DIR set, the copies are also
+// each direction of the link (runtime/copy_trace.h). With STRATA_TRACE_DIR set, the copies are also
 // written to $STRATA_TRACE_DIR/<name>.csv (direction, bytes, start and end in ms).
-absl::StatusOr<strata::bench::LinkUse> traced_step(StrataRig& r, const std::string& name) {
+absl::StatusOr<strata::rt::LinkUse> traced_step(StrataRig& r, const std::string& name) {
   rt::Runtime& runtime = *r.runtime;
   STRATA_RETURN_IF_ERROR(cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
   STRATA_RETURN_IF_ERROR(r.tracer->start(runtime.h2d_stream()));
   const absl::Status step = r.adam->step();
   const absl::Status idle = cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  absl::StatusOr<std::vector<strata::bench::CopySpan>> spans = r.tracer->finish();
+  absl::StatusOr<std::vector<strata::rt::CopySpan>> spans = r.tracer->finish();
   STRATA_RETURN_IF_ERROR(step);
   STRATA_RETURN_IF_ERROR(idle);
   if (!spans.ok()) return spans.status();
   if (const char* dir = std::getenv("STRATA_TRACE_DIR"); dir != nullptr && *dir != '\0') {
     std::ofstream csv(str_cat(dir, "/", name, ".csv"));
     csv << "direction,bytes,start_ms,end_ms\n";
-    for (const strata::bench::CopySpan& c : *spans) {
+    for (const strata::rt::CopySpan& c : *spans) {
       csv << (c.stream == runtime.h2d_stream() ? "h2d" : "d2h") << ',' << c.bytes << ','
           << c.start_ms << ',' << c.end_ms << '\n';
     }
     if (!csv) return absl::InternalError(str_cat("writing the trace into ", dir, " failed"));
   }
-  return strata::bench::link_use(*spans, runtime.h2d_stream(), runtime.d2h_stream());
+  return strata::rt::link_use(*spans, runtime.h2d_stream(), runtime.d2h_stream());
 }
 #endif
 
@@ -933,7 +933,7 @@ void BM_StrataLayerPrefetch(benchmark::State& state) {
   const Snapshot& before = timed->before;
   const Snapshot& after = timed->after;
   const std::int64_t used_after = device_used_bytes();
-  absl::StatusOr<strata::bench::LinkUse> use = traced_step(r, str_cat("layer_prefetch_k", depth));
+  absl::StatusOr<strata::rt::LinkUse> use = traced_step(r, str_cat("layer_prefetch_k", depth));
   if (!use.ok()) return skip(state, "traced step", use.status());
   if (absl::Status s = check_strata(str_cat("strata layer_prefetch K=", depth), r); !s.ok()) {
     return skip(state, "result check", s);

@@ -35,6 +35,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "allocator/upstream.h"
 #include "apps/train/report.h"
 #include "apps/train/train.h"
@@ -83,6 +84,10 @@ ABSL_FLAG(std::string, strata_overlap, "none",
           "found; results are bitwise the same)");
 ABSL_FLAG(int, grad_accum, 1,
           "micro-batches per step: gradients accumulate over them before the optimizer steps");
+ABSL_FLAG(std::string, runs, "",
+          "with --compare: only these runs, in this order, e.g. "
+          "layer_prefetch+overlap,torch_adamw_resident,layer_prefetch; a name given twice runs "
+          "twice, so that repetitions interleave (default: every strata policy, then PyTorch's)");
 ABSL_FLAG(bool, compare, false,
           "train under every strata policy and PyTorch's AdamW baselines, side by side");
 ABSL_FLAG(std::string, json, "", "write everything measured to this JSON file");
@@ -234,6 +239,22 @@ int run(int argc, char** argv) {
   if (!memory.ok()) return usage_error(str_cat("--strata_gpu_memory ", memory.status().message()));
   o.gpu_memory = *memory;
 
+  // --runs: each a policy (with kOverlapSuffix or not) or a PyTorch baseline.
+  std::vector<std::string> selected_runs;
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_runs), ',', absl::SkipEmpty())) {
+    std::string policy(name);
+    if (policy.ends_with(kOverlapSuffix)) policy.resize(policy.size() - kOverlapSuffix.size());
+    const std::vector<std::string> known = policy::builtin_policies().names();
+    if (name != baseline_name(TorchBaseline::kResident) &&
+        name != baseline_name(TorchBaseline::kMovedWithTo) &&
+        std::find(known.begin(), known.end(), policy) == known.end()) {
+      return usage_error(str_cat("--runs: unknown run '", name,
+                                 "'; use policy names (with +overlap or not), ",
+                                 baseline_name(TorchBaseline::kResident), " or ",
+                                 baseline_name(TorchBaseline::kMovedWithTo)));
+    }
+    selected_runs.emplace_back(name);
+  }
   absl::StatusOr<rt::Overlap> overlap = rt::parse_overlap(absl::GetFlag(FLAGS_strata_overlap));
   if (!overlap.ok()) return usage_error(str_cat("--strata_overlap: ", overlap.status().message()));
   o.overlap = *overlap;
@@ -315,16 +336,25 @@ int run(int argc, char** argv) {
         runs.push_back(str_cat(p, kOverlapSuffix));
       }
     }
+    for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
+      runs.push_back(baseline_name(b));
+    }
+    if (!selected_runs.empty()) runs = selected_runs;
     TrainOptions plain = o;
     plain.overlap = rt::Overlap::kNone;
     for (const std::string& p : runs) {
-      std::printf("\n== strata, policy %s\n", p.c_str());
-      report.runs.push_back(run_strata(plain, p, progress));
-      print_run_end(report.runs.back());
-    }
-    for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
-      std::printf("\n== PyTorch, %s\n", baseline_name(b).c_str());
-      report.runs.push_back(run_torch(o, b, progress));
+      if (p == baseline_name(TorchBaseline::kResident) ||
+          p == baseline_name(TorchBaseline::kMovedWithTo)) {
+        std::printf("\n== PyTorch, %s\n", p.c_str());
+        report.runs.push_back(run_torch(o,
+                                        p == baseline_name(TorchBaseline::kResident)
+                                            ? TorchBaseline::kResident
+                                            : TorchBaseline::kMovedWithTo,
+                                        progress));
+      } else {
+        std::printf("\n== strata, policy %s\n", p.c_str());
+        report.runs.push_back(run_strata(plain, p, progress));
+      }
       print_run_end(report.runs.back());
     }
   } else {

@@ -1,9 +1,11 @@
 #include "apps/train/train.h"
 
 #include <torch/torch.h>
+#include <fstream>
 
 #include <chrono>
 #include <exception>
+#include <fstream>
 #include <memory>
 #include <optional>
 
@@ -17,6 +19,7 @@
 #include "bridge/torch_runtime.h"
 #include "optim/adam.h"
 #include "policies/builtin.h"
+#include "runtime/copy_trace.h"
 #include "runtime/runtime.h"
 
 #ifdef STRATA_HAS_CUDA
@@ -94,6 +97,23 @@ std::string message_of(const std::exception& e) {
 }
 
 // The strata run proper; throws (c10::Error) on failure, which run_strata records.
+// The traced step's copies and marks as CSV: kind (h2d, d2h, or mark), bytes (a mark's label),
+// start and end in ms from the step's start.
+void write_trace(rt::CopyTracer& tracer, rt::Runtime& runtime, const std::string& path) {
+  const std::vector<rt::CopySpan> spans = bridge::unwrap(tracer.finish());
+  std::ofstream csv(path);
+  csv << "kind,bytes_or_label,start_ms,end_ms\n";
+  for (const rt::CopySpan& c : spans) {
+    csv << (c.stream == runtime.h2d_stream() ? "h2d" : "d2h") << ',' << c.bytes << ',' << c.start_ms
+        << ',' << c.end_ms << '\n';
+  }
+  for (const auto& [label, at] : tracer.marks()) {
+    csv << "mark," << label << ',' << at << ',' << at << '\n';
+  }
+  if (!csv) bridge::check(absl::InternalError(str_cat("writing the trace ", path, " failed")));
+  std::printf("wrote the copy trace %s (%zu copies)\n", path.c_str(), spans.size());
+}
+
 void train_strata(const TrainOptions& o, const std::string& run_name, const StepCallback& on_step,
                   RunResult& result, bool& started) {
   std::string policy = run_name;
@@ -114,6 +134,17 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
   ro.allocator.track_allocations = true;  // for the leak report
   ro.allocator.budgets[alloc::tier_index(rt::Tier::kGpu)] = o.gpu_budget;
   ro.allocator.device_method = o.gpu_memory;
+  // STRATA_TRACE_DIR: the last step's copies, and where each layer's backward ended, go to
+  // DIR/<run>.csv (runtime/copy_trace.h), for a plot of the link against backward's layers.
+  const char* trace_env = std::getenv("STRATA_TRACE_DIR");
+  const std::string trace_dir = trace_env != nullptr ? trace_env : "";
+  rt::CopyTracer* tracer = nullptr;
+  if (!trace_dir.empty() && o.cuda) {
+    auto traced =
+        std::make_unique<rt::CopyTracer>(bridge::unwrap(rt::make_device(rt::DeviceKind::kCuda)));
+    tracer = traced.get();
+    ro.device_override = std::move(traced);
+  }
   std::unique_ptr<rt::Runtime> runtime =
       bridge::unwrap(rt::Runtime::create(std::move(ro), policy::builtin_policies()));
   rt::Runtime& rt = *runtime;
@@ -171,16 +202,23 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     torch::Tensor grad_scale, found_inf;  // alive until the step that reads them has run
     // Note [Overlapped step]: each layer steps as its backward ends, dividing by the loss scale
     // alone; finish_step validates against the true grad_scale and found_inf.
-    if (overlapped) {
-      hooks.set_after_layer([&](int layer) {
-        bridge::check(
-            adam->step_layer(layer, scaler.enabled ? scaler.scale.data_ptr<float>() : nullptr));
-      });
-    }
+    hooks.set_after_layer([&](int layer) {
+      if (tracer != nullptr) {
+        bridge::check(tracer->mark(rt.compute_stream(), str_cat("backward ", layer)));
+      }
+      if (!overlapped) return;
+      bridge::check(
+          adam->step_layer(layer, scaler.enabled ? scaler.scale.data_ptr<float>() : nullptr));
+    });
     started = true;
     for (int step = 1; step <= o.steps; ++step) {
       rt.allocator().reset_peak_stats();
       reset_torch_peak(o);
+      const bool traced = tracer != nullptr && step == o.steps;
+      if (traced) {
+        synchronize(o);
+        bridge::check(tracer->start(rt.compute_stream()));
+      }
       const rt::RuntimeStats before = rt.stats();
       const Clock::time_point start = Clock::now();
 
@@ -225,6 +263,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       synchronize(o);
       const double step_ms = ms_since(start);
       bridge::check(rt.poll());
+      if (traced) write_trace(*tracer, rt, str_cat(trace_dir, "/", run_name, ".csv"));
 
       const rt::RuntimeStats after = rt.stats();
       StepRecord r;

@@ -1,13 +1,13 @@
-// bench/copy_trace.h: the tracer passes every call through and records the copies between start()
+// runtime/copy_trace.h: the tracer passes every call through and records the copies between start()
 // and finish() (on the simulated device); link_use splits a step's time and bytes by which
 // directions of the link were busy.
-#include "bench/copy_trace.h"
+#include "runtime/copy_trace.h"
 
 #include <gtest/gtest.h>
 
 #include <vector>
 
-namespace strata::bench {
+namespace strata::rt {
 namespace {
 
 TEST(CopyTracerTest, RecordsTheCopiesBetweenStartAndFinishOnly) {
@@ -59,4 +59,4 @@ TEST(LinkUseTest, SplitsTimeAndBytesByWhichDirectionsWereBusy) {
 }
 
 }  // namespace
-}  // namespace strata::bench
+}  // namespace strata::rt

@@ -1,7 +1,7 @@
-// bench/copy_trace.h: when each copy of a step ran, per direction, and how much of the step each
-// direction of the link spent alone, together with the other, or idle. A benchmark puts a
-// CopyTracer between the runtime and its device (RuntimeOptions::device_override); between start()
-// and finish() every copy is bracketed by two timed events on its own stream.
+// runtime/copy_trace.h: when each copy of a step ran, per direction, and how much of the step each
+// direction of the link spent alone, together with the other, or idle. A benchmark or strata-train
+// puts a CopyTracer between the runtime and its device (RuntimeOptions::device_override); between
+// start() and finish() every copy is bracketed by two timed events on its own stream.
 //
 // Example:
 //   auto tracer = std::make_unique<CopyTracer>(*rt::make_device(rt::DeviceKind::kCuda));
@@ -28,7 +28,7 @@
 #include "base/status.h"
 #include "runtime/device.h"
 
-namespace strata::bench {
+namespace strata::rt {
 
 struct CopySpan {
   rt::StreamHandle stream = nullptr;
@@ -48,10 +48,29 @@ class CopyTracer final : public rt::Device {
     STRATA_ASSIGN_OR_RETURN(origin_, inner_->record_timed(stream));
     return absl::OkStatus();
   }
+  // While tracing: a labelled point on `stream` (where a layer's backward ended, say), whose time
+  // finish() puts in marks().
+  absl::Status mark(rt::StreamHandle stream, std::string label) {
+    if (origin_ == nullptr) return absl::OkStatus();
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle event, inner_->record_timed(stream));
+    pending_marks_.push_back({std::move(label), event});
+    return absl::OkStatus();
+  }
+  // The last trace's marks, in ms from its origin, in the order they were made.
+  const std::vector<std::pair<std::string, double>>& marks() const { return marks_; }
+
   // Stops tracing and returns the traced copies, waiting for them on the host.
   absl::StatusOr<std::vector<CopySpan>> finish() {
     std::vector<CopySpan> out;
     absl::Status status;
+    marks_.clear();
+    for (const auto& [label, event] : pending_marks_) {
+      if (status.ok()) status = inner_->synchronize(event);
+      absl::StatusOr<double> at =
+          status.ok() ? inner_->elapsed_ms(origin_, event) : absl::StatusOr<double>(status);
+      if (!at.ok()) status = at.status();
+      if (status.ok()) marks_.emplace_back(label, *at);
+    }
     for (const Pending& p : pending_) {
       if (status.ok()) status = inner_->synchronize(p.end);
       absl::StatusOr<double> a =
@@ -124,6 +143,11 @@ class CopyTracer final : public rt::Device {
       inner_->release_timed(p.end);
     }
     pending_.clear();
+    for (const auto& [label, event] : pending_marks_) {
+      (void)inner_->synchronize(event);
+      inner_->release_timed(event);
+    }
+    pending_marks_.clear();
     if (origin_ != nullptr) inner_->release_timed(origin_);
     origin_ = nullptr;
   }
@@ -131,6 +155,8 @@ class CopyTracer final : public rt::Device {
   std::unique_ptr<rt::Device> inner_;
   rt::EventHandle origin_ = nullptr;
   std::vector<Pending> pending_;
+  std::vector<std::pair<std::string, rt::EventHandle>> pending_marks_;
+  std::vector<std::pair<std::string, double>> marks_;
 };
 
 // How a step used the two directions of the link, from its copies: from the origin to the last
@@ -208,4 +234,4 @@ inline LinkUse link_use(const std::vector<CopySpan>& spans, rt::StreamHandle h2d
   return u;
 }
 
-}  // namespace strata::bench
+}  // namespace strata::rt
