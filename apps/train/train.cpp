@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 #include <fstream>
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <fstream>
@@ -263,7 +264,11 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       synchronize(o);
       const double step_ms = ms_since(start);
       bridge::check(rt.poll());
-      if (traced) write_trace(*tracer, rt, str_cat(trace_dir, "/", run_name, ".csv"));
+      if (traced) {
+        std::string file = run_name;  // "layer_prefetch+overlap" -> "layer_prefetch-overlap.csv"
+        std::replace(file.begin(), file.end(), '+', '-');
+        write_trace(*tracer, rt, str_cat(trace_dir, "/", file, ".csv"));
+      }
 
       const rt::RuntimeStats after = rt.stats();
       StepRecord r;

@@ -6,14 +6,15 @@
 # (part all) and with only the optimizer states offloaded (part states); each strata run's last
 # step's copies are traced (STRATA_TRACE_DIR) and plotted against backward's layers
 # (tools/plot_trace.py). EXTRA flags go to every run (e.g. --batch=32). Logs, JSON, traces and
-# SVGs go to OUT.
+# SVGs go to OUT, named after PART and TAG (an environment variable naming the variant).
 #   tools/gpu/run_overlap.sh OUT_DIR all|states [EXTRA...]
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_overlap.sh OUT_DIR all|states [EXTRA...]}
 PART=${2:?usage: tools/gpu/run_overlap.sh OUT_DIR all|states [EXTRA...]}
 shift 2
 cd "$(dirname "$0")/../.."
-mkdir -p "$OUT/trace-$PART"
+TAG=$PART${TAG:+-$TAG}
+mkdir -p "$OUT/trace-$TAG"
 source tools/gpu/build.sh
 gpu_build "$OUT" strata-train || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -26,14 +27,14 @@ if [ "$PART" = all ]; then
 else
   FLAGS="--strata_roles=optimizer_states"
 fi
-echo "== $PART: $FLAGS $*"
-STRATA_TRACE_DIR="$OUT/trace-$PART" "$BUILD/bin/strata-train" --compare --strata_overlap=backward \
-  $MODEL $FLAGS --runs=$RUNS "$@" --json="$OUT/$PART.json" >"$OUT/$PART.log" 2>&1
+echo "== $TAG: $FLAGS $*"
+STRATA_TRACE_DIR="$OUT/trace-$TAG" "$BUILD/bin/strata-train" --compare --strata_overlap=backward \
+  $MODEL $FLAGS --runs=$RUNS "$@" --json="$OUT/$TAG.json" >"$OUT/$TAG.log" 2>&1
 status=$?
-grep -E "^\[.*\] step [0-9]+/|^== |wrote the copy trace" "$OUT/$PART.log" | cut -c1-330
-sed -n '/^summary/,$p' "$OUT/$PART.log" | grep -vE "^(largest_free|  )" | head -14
-for f in "$OUT/trace-$PART"/*.csv; do
+grep -E "^\[.*\] step [0-9]+/|^== |wrote the copy trace" "$OUT/$TAG.log" | cut -c1-330
+sed -n '/^summary/,$p' "$OUT/$TAG.log" | grep -vE "^(largest_free|  )" | head -14
+for f in "$OUT/trace-$TAG"/*.csv; do
   [ -e "$f" ] || continue
-  python3 tools/plot_trace.py "$f" "${f%.csv}.svg" --title "$(basename "${f%.csv}") ($PART)"
+  python3 tools/plot_trace.py "$f" "${f%.csv}.svg" --title "$(basename "${f%.csv}") ($TAG)"
 done
 exit $status
