@@ -239,6 +239,11 @@ class Adam {
   bool overlap_open_ = false;
   const float* speculative_scale_ = nullptr;
   std::vector<int> overlapped_;
+  // What step_layer could not release (a device error): tensors it still holds, and the release
+  // of a stepped layer the policy has not seen; the next step_layer or finish_step finishes it.
+  int unreleased_layer_ = -1;
+  std::vector<rt::TensorHandle> unreleased_held_;
+  absl::Status finish_release();
 };
 
 }  // namespace strata::optim

@@ -29,6 +29,7 @@ bool Adam::layer_on_gpu(int layer) const {
 
 absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   rt::Runtime& rt = runtime_;
+  STRATA_RETURN_IF_ERROR(finish_release());
   if (!overlap_open_) {
     STRATA_RETURN_IF_ERROR(check_can_step());
     overlap_open_ = true;
@@ -53,10 +54,14 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   if (!layer_on_gpu(layer)) return absl::OkStatus();
   const rt::StreamHandle stream = rt.compute_stream();
   std::vector<rt::TensorHandle> held;
+  // What cannot be released now (a device error) is released by the next step_layer or
+  // finish_step (finish_release).
   auto give_back = [&](absl::Status s) {
     for (int attempt = 0; attempt < 2 && !held.empty(); ++attempt) {
       if (rt.release(held, stream).ok()) held.clear();
     }
+    unreleased_held_.insert(unreleased_held_.end(), held.begin(), held.end());
+    held.clear();
     return s;
   };
   std::vector<std::vector<AdamTensor>> per_group(groups_.size());
@@ -94,11 +99,30 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   }
   overlapped_.push_back(layer);
   // The policy writes the layer back and fetches the next (Note [Overlapped backward] in
-  // policies/layer_prefetch.cpp); a failure leaves it held, so try twice before giving up.
-  STRATA_RETURN_IF_ERROR(give_back(absl::OkStatus()));
-  absl::Status released = rt.release_layer(layer, rt::RoleSet(), stream);
-  if (!released.ok()) released = rt.release_layer(layer, rt::RoleSet(), stream);
-  return released;
+  // policies/layer_prefetch.cpp).
+  unreleased_layer_ = layer;
+  unreleased_held_.insert(unreleased_held_.end(), held.begin(), held.end());
+  held.clear();
+  return finish_release();
+}
+
+absl::Status Adam::finish_release() {
+  if (unreleased_layer_ < 0 && unreleased_held_.empty()) return absl::OkStatus();
+  rt::Runtime& rt = runtime_;
+  const rt::StreamHandle stream = rt.compute_stream();
+  // Each part is done once, so that a failure can be finished by calling again.
+  if (!unreleased_held_.empty()) {
+    absl::Status s = rt.release(unreleased_held_, stream);
+    if (!s.ok()) s = rt.release(unreleased_held_, stream);
+    STRATA_RETURN_IF_ERROR(s);
+    unreleased_held_.clear();
+  }
+  if (unreleased_layer_ < 0) return absl::OkStatus();
+  absl::Status s = rt.release_layer(unreleased_layer_, rt::RoleSet(), stream);
+  if (!s.ok()) s = rt.release_layer(unreleased_layer_, rt::RoleSet(), stream);
+  STRATA_RETURN_IF_ERROR(s);
+  unreleased_layer_ = -1;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<float> Adam::read_scalar(const float* p, float absent) {
@@ -117,6 +141,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
     return StepOutcome::kSequential;
   }
   rt::Runtime& rt = runtime_;
+  STRATA_RETURN_IF_ERROR(finish_release());
   // Note [Overlapped step]: one host wait reads what the speculation assumed and what is true.
   STRATA_ASSIGN_OR_RETURN(const float assumed, read_scalar(speculative_scale_, 1.0f));
   STRATA_ASSIGN_OR_RETURN(const float truth, read_scalar(grad_scale, 1.0f));

@@ -258,9 +258,9 @@ class Runtime {
   // The step stands: the kept bytes are dropped, freed behind the copy streams (no host wait).
   [[nodiscard]] absl::Status commit_undo();
   // Puts back every kept tensor's bytes wherever the tensor is now and frees what was kept, then
-  // lets the policy know (ResidencyPolicy::on_undo_rolled_back). Waits on the host for every
-  // stream. kFailedPrecondition while a kept tensor is held or staged (end the step's use of it
-  // first). A failure part way keeps what is not yet put back; call again.
+  // lets the policy know (ResidencyPolicy::on_undo_rolled_back); a tensor still staged gets them in
+  // its slot and its home block. Waits on the host for every stream. kFailedPrecondition while a
+  // kept tensor is held. A failure part way keeps what is not yet put back; call again.
   [[nodiscard]] absl::Status rollback_undo();
   // Tensors kept now.
   std::size_t undo_tensors() const;

@@ -16,7 +16,8 @@
 // commit_undo frees what was kept behind the copy streams, with no host wait: a fetch queued
 // earlier may still read an old home block. rollback_undo waits for everything, swaps a kept home
 // block back where the tensor's fresh block still is its home (no copy) and copies the bytes back
-// otherwise, then tells the policy. While the log holds anything, a step cannot begin, tensors
+// otherwise (a tensor still staged gets them in its slot as well as at home), then tells the
+// policy. While the log holds anything, a step cannot begin, tensors
 // cannot go (unregister) and offload_all waits: each would outlive or move what the log refers to.
 #include <algorithm>
 
@@ -138,10 +139,9 @@ absl::Status Runtime::rollback_undo() {
   Impl& im = *impl_;
   for (const Impl::UndoRecord& r : im.undo) {
     const Entry& e = *r.entry;
-    if (e.holds > 0 || (e.in_flight ? e.dst.slot : e.loc.slot) >= 0) {
+    if (e.holds > 0) {
       return absl::FailedPreconditionError(
-          str_cat("rollback_undo: tensor '", e.spec.name, "' is ", e.holds > 0 ? "held" : "staged",
-                  "; end the step's use of it (end_optimizer_step or end_step) first"));
+          str_cat("rollback_undo: tensor '", e.spec.name, "' is held; release it first"));
     }
   }
   Device& dev = im.engine.device();
@@ -154,13 +154,23 @@ absl::Status Runtime::rollback_undo() {
     const Impl::UndoRecord r = im.undo.back();
     Entry& e = *r.entry;
     STRATA_RETURN_IF_ERROR(im.engine.wait_ready_on_host(e));
-    if (r.fresh != nullptr && e.loc.ptr == r.fresh && e.loc.slot < 0) {
+    const bool staged = e.loc.slot >= 0;
+    if (e.undo_fresh != nullptr) {
+      // Still staged, its write-back never queued (the step failed first): the home block is the
+      // kept one and holds the old bytes; the staged copy may have been stepped.
+      STRATA_RETURN_IF_ERROR(im.engine.host_copy(e.loc.ptr, r.kept, e.bytes));
+      (void)im.allocator->deallocate(r.tier, r.fresh);
+    } else if (r.fresh != nullptr && e.loc.ptr == r.fresh && !staged) {
       // Its home is still the block the write-back filled: the kept block is home again.
       (void)im.allocator->deallocate(r.tier, r.fresh);
       e.loc = {r.tier, r.kept, -1};
       im.engine.notify(e, e.loc.tier, e.loc.ptr);
     } else {
+      // Wherever it is now, and in its home block too while staged (a discard returns there).
       STRATA_RETURN_IF_ERROR(im.engine.host_copy(e.loc.ptr, r.kept, e.bytes));
+      if (staged && e.rest.ptr != nullptr) {
+        STRATA_RETURN_IF_ERROR(im.engine.host_copy(e.rest.ptr, r.kept, e.bytes));
+      }
       // A fresh block that stopped being its home was freed by the move that took it away.
       (void)im.allocator->deallocate(r.tier, r.kept);
     }

@@ -85,6 +85,18 @@ struct Site {
   DeviceCall call = DeviceCall::kCopy;
 };
 
+// Every kind of device call failing once, and sticky errors from a copy and from a host wait.
+std::vector<Site> device_sites() {
+  std::vector<Site> sites;
+  for (int c = 0; c < kNumDeviceCalls; ++c) {
+    const auto call = static_cast<DeviceCall>(c);
+    sites.push_back({std::string(device_call_name(call)), Site::kDeviceCall, -1, call});
+  }
+  sites.push_back({"sticky error from a copy", Site::kSticky, -1, DeviceCall::kCopy});
+  sites.push_back({"sticky error from a host wait", Site::kSticky, -1, DeviceCall::kHostWait});
+  return sites;
+}
+
 std::vector<Site> all_sites() {
   const char* upstream_names[kNumUpstreams] = {"gpu", "pinned_host", "pageable_host",
                                                "staging ring", "bounce buffers"};
@@ -94,12 +106,7 @@ std::vector<Site> all_sites() {
     out.push_back(
         {str_cat("alloc ", upstream_names[u], " persistently"), Site::kAllocPersistent, u});
   }
-  for (int c = 0; c < kNumDeviceCalls; ++c) {
-    const auto call = static_cast<DeviceCall>(c);
-    out.push_back({std::string(device_call_name(call)), Site::kDeviceCall, -1, call});
-  }
-  out.push_back({"sticky error from a copy", Site::kSticky, -1, DeviceCall::kCopy});
-  out.push_back({"sticky error from a host wait", Site::kSticky, -1, DeviceCall::kHostWait});
+  for (const Site& site : device_sites()) out.push_back(site);
   return out;
 }
 
@@ -623,6 +630,60 @@ TEST(FaultSweepTest, EveryCallOfEverySiteFailsAndNothingIsLost) {
 namespace strata::rt {
 namespace {
 
+// A runtime over a fault-injecting deferred device (copies completing in a random order) with an
+// Adam over `layers` parameters of `numel` elements, odd layers in bfloat16 stepped through
+// float32 master copies (Note [Mixed precision]): the rig of the Adam fault tests below.
+struct AdamRig {
+  std::unique_ptr<Runtime> rt;
+  FaultInjectingDevice* faults = nullptr;
+  std::unique_ptr<optim::Adam> adam;
+  // Plans the k-th call of the site's kind from now to fail (once, or sticky); returns the calls
+  // of that kind so far (count from there what the armed part made).
+  std::int64_t arm(const std::optional<Site>& site, std::int64_t k) {
+    if (site && site->kind == Site::kSticky) {
+      faults->fail_sticky(site->call, k);
+    } else if (site) {
+      faults->fail_call(site->call, k);
+    }
+    return faults->calls(site ? site->call : DeviceCall::kCopy);
+  }
+};
+AdamRig make_adam_rig(const std::string& policy, PolicyConfig config, std::uint64_t seed,
+                      int layers, std::size_t numel, std::size_t gpu_budget = alloc::kNoBudget) {
+  AdamRig rig;
+  auto inner = std::make_unique<SimulatedDevice>();
+  inner->set_deferred(true);
+  inner->set_random_completion(seed);
+  auto device = std::make_unique<FaultInjectingDevice>(std::move(inner));
+  rig.faults = device.get();
+  RuntimeOptions options;
+  options.policy = policy;
+  options.policy_config = config;
+  options.device_override = std::move(device);
+  options.allocator.track_allocations = true;
+  options.allocator.budgets[alloc::tier_index(Tier::kGpu)] = gpu_budget;
+  rig.rt = *Runtime::create(std::move(options), policy::builtin_policies());
+  std::vector<std::pair<TensorHandle, TensorHandle>> params;
+  std::vector<float> values(numel);
+  std::vector<std::uint16_t> low(numel);
+  for (int l = 0; l < layers; ++l) {
+    for (std::size_t i = 0; i < numel; ++i) values[i] = 0.001f * static_cast<float>(i % 977 + l);
+    const bool bf16 = l % 2 == 1;
+    for (std::size_t i = 0; i < numel; ++i) low[i] = optim::float_to_bf16(values[i]);
+    const DType dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
+    const void* data = bf16 ? static_cast<const void*>(low.data()) : values.data();
+    TensorHandle p =
+        *rig.rt->register_tensor(spec(str_cat("a", l), l, Role::kParameter, numel, dtype), data);
+    TensorHandle g = *rig.rt->register_tensor(
+        spec(str_cat("a", l, ".grad"), l, Role::kGradient, numel, dtype), data);
+    params.push_back({p, g});
+  }
+  optim::AdamOptions o;
+  o.groups.push_back({.params = params, .hyper = {.lr = 1e-2f, .weight_decay = 0.01f}});
+  rig.adam = *optim::Adam::create(*rig.rt, o);
+  return rig;
+}
+
 // Note [A failed step] in optim/adam.cpp: an Adam step whose k-th device call fails (every kind,
 // once or as a sticky error, every k of one step, under bulk over budget and layer_prefetch, on the
 // deferred device with random completion) returns a typed error, leaves no tensor held or staged,
@@ -649,38 +710,12 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
   auto run = [&](const std::string& policy, PolicyConfig config, std::optional<Site> site,
                  std::int64_t k) {
     Outcome out;
-    auto inner = std::make_unique<SimulatedDevice>();
-    inner->set_deferred(true);
-    inner->set_random_completion(kSeed);
-    auto device = std::make_unique<FaultInjectingDevice>(std::move(inner));
-    FaultInjectingDevice* faults = device.get();
-    RuntimeOptions options;
-    options.policy = policy;
-    options.policy_config = config;
-    options.device_override = std::move(device);
-    options.allocator.track_allocations = true;
     // Bulk over budget (Note [Bulk over budget]): its states stream a layer at a time.
-    if (policy == "bulk") options.allocator.budgets[alloc::tier_index(Tier::kGpu)] = 6 * kMiB;
-    auto rt = *Runtime::create(std::move(options), policy::builtin_policies());
-    std::vector<std::pair<TensorHandle, TensorHandle>> params;
-    std::vector<float> values(kNumel);
-    std::vector<std::uint16_t> low(kNumel);
-    for (int l = 0; l < kAdamLayers; ++l) {
-      for (std::size_t i = 0; i < kNumel; ++i) values[i] = 0.001f * static_cast<float>(i % 977 + l);
-      // Odd layers in bfloat16, stepped through float32 master copies (Note [Mixed precision]).
-      const bool bf16 = l % 2 == 1;
-      for (std::size_t i = 0; i < kNumel; ++i) low[i] = optim::float_to_bf16(values[i]);
-      const DType dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
-      const void* data = bf16 ? static_cast<const void*>(low.data()) : values.data();
-      TensorHandle p =
-          *rt->register_tensor(spec(str_cat("a", l), l, Role::kParameter, kNumel, dtype), data);
-      TensorHandle g = *rt->register_tensor(
-          spec(str_cat("a", l, ".grad"), l, Role::kGradient, kNumel, dtype), data);
-      params.push_back({p, g});
-    }
-    optim::AdamOptions o;
-    o.groups.push_back({.params = params, .hyper = {.lr = 1e-2f, .weight_decay = 0.01f}});
-    std::unique_ptr<optim::Adam> adam = *optim::Adam::create(*rt, o);
+    AdamRig rig = make_adam_rig(policy, config, kSeed, kAdamLayers, kNumel,
+                                policy == "bulk" ? 6 * kMiB : alloc::kNoBudget);
+    std::unique_ptr<Runtime>& rt = rig.rt;
+    FaultInjectingDevice* faults = rig.faults;
+    std::unique_ptr<optim::Adam>& adam = rig.adam;
     auto snapshot = [&]() {
       LayerBytes b;
       if (absl::Status w = rt->wait_all(); !w.ok()) out.problems.push_back(w.ToString());
@@ -699,13 +734,8 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
       out.problems.push_back(str_cat("step 1: ", s.ToString()));
     }
     out.after_first = snapshot();
-    if (site && site->kind == Site::kSticky) {
-      faults->fail_sticky(site->call, k);
-    } else if (site) {
-      faults->fail_call(site->call, k);
-    }
     const DeviceCall counted = site ? site->call : DeviceCall::kCopy;
-    const std::int64_t before = faults->calls(counted);
+    const std::int64_t before = rig.arm(site, k);
     // A hook that fails is repeated once the fault is gone (as in the sweep above).
     auto hook = [&](const char* what, const std::function<absl::Status()>& fn) {
       absl::Status h = fn();
@@ -766,13 +796,7 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
     return out;
   };
 
-  std::vector<Site> sites;
-  for (int c = 0; c < kNumDeviceCalls; ++c) {
-    const auto call = static_cast<DeviceCall>(c);
-    sites.push_back({std::string(device_call_name(call)), Site::kDeviceCall, -1, call});
-  }
-  sites.push_back({"sticky error from a copy", Site::kSticky, -1, DeviceCall::kCopy});
-  sites.push_back({"sticky error from a host wait", Site::kSticky, -1, DeviceCall::kHostWait});
+  const std::vector<Site> sites = device_sites();
   int injections = 0, failed_steps = 0, exact_retries = 0, partial = 0, failures = 0;
   for (const auto& [policy, config] : policies) {
     const Outcome reference = run(policy, config, std::nullopt, 0);
@@ -812,6 +836,135 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
       "Adam step faults: %d injections, %d failed steps (%d rolled back and retried exactly, %d "
       "partly stepped), every layer checked, failures: %d\n",
       injections, failed_steps, exact_retries, partial, failures);
+}
+
+// Note [Overlapped step] in optim/adam.h under faults: the second of three overlapped steps (every
+// layer stepped during backward, finish_step validating it) meets the k-th call of one device call
+// kind failing, once or as a sticky error, for every k of that step, under layer_prefetch with
+// every role streamed (undo by fresh home blocks) and keep_on_gpu (undo by copies), with a true
+// grad_scale equal to the speculation's (it holds) or not (a redo). Whatever fails is called again
+// once the fault is gone, except a failed step_layer, whose layer finish_step steps; the error is
+// typed and carries its cause; after the step nothing is held, staged or kept for an undo; and the
+// run ends bitwise equal to the fault-free run, unless an error said that part of a step was taken
+// and a checkpoint is needed (counted, and only where a redo's own step failed part way).
+TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
+  constexpr int kAdamLayers = 3;
+  constexpr std::size_t kNumel = 20000;
+  constexpr std::uint64_t kSeed = 13;
+  struct Setup {
+    std::string policy;
+    PolicyConfig config;
+    float true_scale;  // of the faulted step; the speculation assumes 1
+  };
+  const std::vector<Setup> setups = {
+      {"layer_prefetch",
+       {.prefetch_depth = 1, .roles = RoleSet::all(), .overlap = Overlap::kBackward},
+       1.0f},
+      {"layer_prefetch",
+       {.prefetch_depth = 1, .roles = RoleSet::all(), .overlap = Overlap::kBackward},
+       2.0f},
+      {"keep_on_gpu", {.overlap = Overlap::kBackward}, 1.0f},
+      {"keep_on_gpu", {.overlap = Overlap::kBackward}, 2.0f},
+  };
+  struct Outcome {
+    std::map<std::string, Bytes> end;
+    std::int64_t calls = 0;
+    int failed_calls = 0;
+    bool partial = false;
+    std::vector<std::string> problems;
+  };
+  auto run = [&](const Setup& setup, std::optional<Site> site, std::int64_t k) {
+    Outcome out;
+    AdamRig rig = make_adam_rig(setup.policy, setup.config, kSeed, kAdamLayers, kNumel);
+    std::unique_ptr<Runtime>& rt = rig.rt;
+    FaultInjectingDevice* faults = rig.faults;
+    std::unique_ptr<optim::Adam>& adam = rig.adam;
+    auto scale = std::make_shared<float>(1.0f);
+    // Repeats a call that failed once the fault is gone; `retry` false: only checks the error.
+    auto attempt = [&](const std::string& what, const std::function<absl::Status()>& fn,
+                       bool retry = true) {
+      absl::Status s = fn();
+      if (s.ok()) return;
+      ++out.failed_calls;
+      if (std::getenv("STRATA_FAULT_VERBOSE") != nullptr) {
+        std::fprintf(stderr, "  %s failed: %s\n", what.c_str(), s.ToString().c_str());
+      }
+      if (s.message().find("restore a checkpoint") != std::string_view::npos) out.partial = true;
+      if (s.message().find("injected failure") == std::string_view::npos) {
+        out.problems.push_back(str_cat(what, ": error without its cause: ", s.ToString()));
+      }
+      faults->disarm();
+      if (!retry) return;
+      if (absl::Status r = fn(); !r.ok()) {
+        if (r.message().find("restore a checkpoint") != std::string_view::npos) out.partial = true;
+        out.problems.push_back(str_cat(what, " repeated: ", r.ToString()));
+      }
+    };
+    auto step = [&](float true_scale) {
+      attempt("begin_step", [&] { return rt->begin_step(); });
+      for (int l = 0; l < kAdamLayers; ++l) {
+        attempt(str_cat("before_forward ", l), [&] { return rt->before_forward(l); });
+      }
+      for (int l = kAdamLayers - 1; l >= 0; --l) {
+        attempt(str_cat("after_backward ", l), [&] { return rt->after_backward(l); });
+        attempt(
+            str_cat("step_layer ", l), [&] { return adam->step_layer(l); }, false);
+      }
+      *scale = true_scale;
+      attempt("finish_step", [&] { return adam->finish_step(scale.get()).status(); });
+      attempt("end_step", [&] { return rt->end_step(); });
+    };
+    step(1.0f);
+    const DeviceCall counted = site ? site->call : DeviceCall::kCopy;
+    const std::int64_t before = rig.arm(site, k);
+    step(setup.true_scale);
+    out.calls = faults->calls(counted) - before;
+    faults->disarm();
+    if (absl::Status w = rt->wait_all(); !w.ok()) out.problems.push_back(w.ToString());
+    for (TensorHandle h : rt->tensors()) {
+      const TensorInfo i = *rt->info(h);
+      if (i.holds != 0 || i.staged) {
+        out.problems.push_back(
+            str_cat("'", i.spec.name, "' left ", i.holds, " holds, staged ", i.staged));
+      }
+    }
+    if (rt->undo_tensors() != 0) out.problems.push_back("tensors still kept for an undo");
+    step(1.0f);
+    if (absl::Status w = rt->wait_all(); !w.ok()) out.problems.push_back(w.ToString());
+    for (TensorHandle h : rt->tensors()) out.end[rt->info(h)->spec.name] = read_all(*rt, h);
+    return out;
+  };
+
+  const std::vector<Site> sites = device_sites();
+  int injections = 0, failed_calls = 0, partial = 0, failures = 0;
+  for (const Setup& setup : setups) {
+    const Outcome reference = run(setup, std::nullopt, 0);
+    ASSERT_TRUE(reference.problems.empty()) << setup.policy << ": " << reference.problems.front();
+    ASSERT_EQ(reference.failed_calls, 0);
+    for (const Site& site : sites) {
+      const std::int64_t n = run(setup, site, 0).calls;
+      for (std::int64_t k = 1; k <= n; ++k) {
+        Outcome o = run(setup, site, k);
+        ++injections;
+        failed_calls += o.failed_calls;
+        std::vector<std::string> problems = o.problems;
+        if (o.partial) {
+          ++partial;
+        } else if (o.end != reference.end) {
+          problems.push_back("bytes differ from the fault-free run");
+        }
+        if (!problems.empty()) {
+          ++failures;
+          ADD_FAILURE() << setup.policy << " (true scale " << setup.true_scale << "), " << site.name
+                        << " call " << k << " of " << n << ": " << problems.front();
+        }
+      }
+    }
+  }
+  std::printf(
+      "overlapped step faults: %d injections, %d failed calls, %d runs with a step taken part way, "
+      "failures: %d\n",
+      injections, failed_calls, partial, failures);
 }
 
 }  // namespace
