@@ -103,7 +103,7 @@ test: build
 	tools/check_layering.sh --self-test
 	tools/check_layering.sh
 	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
-	@grep -h -E "^(fault sweep seed|fault sites:|Adam step faults:|bad inputs tried:)" $(BUILD)/Testing/Temporary/LastTest.log
+	@grep -h -E "^(fault sweep seed|fault sites:|Adam step faults:|overlapped step faults:|bad inputs tried:)" $(BUILD)/Testing/Temporary/LastTest.log
 	$(MAKE) --no-print-directory pytest
 	$(MAKE) --no-print-directory consumer
 	$(MAKE) --no-print-directory sanitize
