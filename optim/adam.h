@@ -199,8 +199,10 @@ class Adam {
   // Queues the kernel for `list` (tensors of group g) on the compute stream.
   absl::Status queue_kernel(const std::vector<AdamTensor>& list, const AdamScalars& scalars,
                             const float* grad_scale, const float* found_inf);
-  // A float32 device scalar's value (`absent` for null): one host wait on the compute stream.
-  absl::StatusOr<float> read_scalar(const float* p, float absent);
+  // Float32 device scalars' values (`absent` where null), with one host wait on the compute
+  // stream.
+  absl::StatusOr<std::array<float, 3>> read_scalars(const std::array<const float*, 3>& p,
+                                                    const std::array<float, 3>& absent);
   // The parameters of `layer` in slots and whether each of their tensors is on the GPU.
   bool layer_on_gpu(int layer) const;
   // The slots of a layer in the order its staged states arrive; empty when it is not staged.

@@ -1,8 +1,8 @@
 // optim/adam_overlap.cpp: the overlapped step (Note [Overlapped step] in adam.h): step_layer,
 // finish_step and what they share.
 #include <algorithm>
+#include <array>
 #include <bit>
-#include <cstring>
 
 #include "base/status.h"
 #include "base/strings.h"
@@ -125,13 +125,19 @@ absl::Status Adam::finish_release() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<float> Adam::read_scalar(const float* p, float absent) {
-  if (p == nullptr) return absent;
+absl::StatusOr<std::array<float, 3>> Adam::read_scalars(const std::array<const float*, 3>& p,
+                                                        const std::array<float, 3>& absent) {
   rt::Runtime& rt = runtime_;
-  float value = 0;
-  STRATA_RETURN_IF_ERROR(rt.device().copy_async(&value, p, sizeof(float), rt.compute_stream()));
-  STRATA_RETURN_IF_ERROR(rt.device().stream_synchronize(rt.compute_stream()));
-  return value;
+  std::array<float, 3> out = absent;
+  bool queued = false;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    if (p[i] == nullptr) continue;
+    STRATA_RETURN_IF_ERROR(
+        rt.device().copy_async(&out[i], p[i], sizeof(float), rt.compute_stream()));
+    queued = true;
+  }
+  if (queued) STRATA_RETURN_IF_ERROR(rt.device().stream_synchronize(rt.compute_stream()));
+  return out;
 }
 
 absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
@@ -143,9 +149,9 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(finish_release());
   // Note [Overlapped step]: one host wait reads what the speculation assumed and what is true.
-  STRATA_ASSIGN_OR_RETURN(const float assumed, read_scalar(speculative_scale_, 1.0f));
-  STRATA_ASSIGN_OR_RETURN(const float truth, read_scalar(grad_scale, 1.0f));
-  STRATA_ASSIGN_OR_RETURN(const float inf, read_scalar(found_inf, 0.0f));
+  STRATA_ASSIGN_OR_RETURN(const auto read,
+                          read_scalars({speculative_scale_, grad_scale, found_inf}, {1, 1, 0}));
+  const auto [assumed, truth, inf] = read;
   const bool held =
       std::bit_cast<std::uint32_t>(assumed) == std::bit_cast<std::uint32_t>(truth) && inf == 0.0f;
   if (held) {

@@ -94,7 +94,6 @@ struct Runtime::Impl {
   int next_callback = 1;
   std::map<int, std::function<absl::Status()>> before_optimizer_step;
   std::vector<UndoRecord> undo;
-  std::size_t undo_bytes = 0;
   mutable std::mutex mu;
 };
 

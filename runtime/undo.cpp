@@ -108,8 +108,7 @@ absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream) {
     stats.undo_copied_bytes += static_cast<std::int64_t>(e->bytes);
   }
   e->undo_kept = true;
-  im.undo_bytes += e->bytes;
-  stats.undo_bytes = static_cast<std::int64_t>(im.undo_bytes);
+  stats.undo_bytes += static_cast<std::int64_t>(e->bytes);
   stats.undo_peak_bytes = std::max(stats.undo_peak_bytes, stats.undo_bytes);
   return absl::OkStatus();
 }
@@ -129,7 +128,6 @@ absl::Status Runtime::commit_undo() {
     r.entry->undo_fresh = nullptr;
   }
   im.undo.clear();
-  im.undo_bytes = 0;
   im.engine.stats().undo_bytes = 0;
   return absl::OkStatus();
 }
@@ -177,10 +175,9 @@ absl::Status Runtime::rollback_undo() {
     e.undo_kept = false;
     e.undo_fresh = nullptr;
     ++e.version;
-    im.undo_bytes -= e.bytes;
+    im.engine.stats().undo_bytes -= static_cast<std::int64_t>(e.bytes);
     im.undo.pop_back();
   }
-  im.engine.stats().undo_bytes = 0;
   PolicyContext ctx(*this);
   return im.policy->on_undo_rolled_back(ctx);
 }

@@ -28,6 +28,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -102,6 +103,14 @@ constexpr int kExitUsage = 2;
 int usage_error(const std::string& message) {
   std::fprintf(stderr, "strata-train: %s\n", message.c_str());
   return kExitUsage;
+}
+
+// The PyTorch baseline a run name names, if it names one.
+std::optional<TorchBaseline> baseline_named(std::string_view name) {
+  for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
+    if (name == baseline_name(b)) return b;
+  }
+  return std::nullopt;
 }
 
 bool gpu_present() { return alloc::cuda_device_count() > 0 && torch::cuda::is_available(); }
@@ -241,12 +250,11 @@ int run(int argc, char** argv) {
 
   // --runs: each a policy (with kOverlapSuffix or not) or a PyTorch baseline.
   std::vector<std::string> selected_runs;
+  const std::vector<std::string> known = policy::builtin_policies().names();
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_runs), ',', absl::SkipEmpty())) {
     std::string policy(name);
     if (policy.ends_with(kOverlapSuffix)) policy.resize(policy.size() - kOverlapSuffix.size());
-    const std::vector<std::string> known = policy::builtin_policies().names();
-    if (name != baseline_name(TorchBaseline::kResident) &&
-        name != baseline_name(TorchBaseline::kMovedWithTo) &&
+    if (!baseline_named(std::string(name)) &&
         std::find(known.begin(), known.end(), policy) == known.end()) {
       return usage_error(str_cat("--runs: unknown run '", name,
                                  "'; use policy names (with +overlap or not), ",
@@ -343,14 +351,9 @@ int run(int argc, char** argv) {
     TrainOptions plain = o;
     plain.overlap = rt::Overlap::kNone;
     for (const std::string& p : runs) {
-      if (p == baseline_name(TorchBaseline::kResident) ||
-          p == baseline_name(TorchBaseline::kMovedWithTo)) {
+      if (const std::optional<TorchBaseline> b = baseline_named(p)) {
         std::printf("\n== PyTorch, %s\n", p.c_str());
-        report.runs.push_back(run_torch(o,
-                                        p == baseline_name(TorchBaseline::kResident)
-                                            ? TorchBaseline::kResident
-                                            : TorchBaseline::kMovedWithTo,
-                                        progress));
+        report.runs.push_back(run_torch(o, *b, progress));
       } else {
         std::printf("\n== strata, policy %s\n", p.c_str());
         report.runs.push_back(run_strata(plain, p, progress));

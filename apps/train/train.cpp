@@ -1,7 +1,6 @@
 #include "apps/train/train.h"
 
 #include <torch/torch.h>
-#include <fstream>
 
 #include <algorithm>
 #include <chrono>
@@ -97,7 +96,6 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
-// The strata run proper; throws (c10::Error) on failure, which run_strata records.
 // The traced step's copies and marks as CSV: kind (h2d, d2h, or mark), bytes (a mark's label),
 // start and end in ms from the step's start.
 void write_trace(rt::CopyTracer& tracer, rt::Runtime& runtime, const std::string& path) {
@@ -115,6 +113,7 @@ void write_trace(rt::CopyTracer& tracer, rt::Runtime& runtime, const std::string
   std::printf("wrote the copy trace %s (%zu copies)\n", path.c_str(), spans.size());
 }
 
+// The strata run proper; throws (c10::Error) on failure, which run_strata records.
 void train_strata(const TrainOptions& o, const std::string& run_name, const StepCallback& on_step,
                   RunResult& result, bool& started) {
   std::string policy = run_name;
