@@ -23,9 +23,16 @@ BlockPool::BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
       upstream_(std::move(upstream)),
       stream_ops_(std::move(stream_ops)),
       budget_(config.shared_budget != nullptr ? config.shared_budget
-                                              : std::make_shared<Budget>(config.budget)) {
+                                              : std::make_shared<Budget>(config.budget)),
+      expandable_(config.expandable && upstream_ != nullptr &&
+                  upstream_->expansion_granularity() > 0),
+      chunk_(upstream_ == nullptr
+                 ? kLargeSegmentGranularity
+                 : std::max(kLargeSegmentGranularity, upstream_->expansion_granularity())) {
   STRATA_CHECK(upstream_ != nullptr, "BlockPool for tier ", tier_name(config.tier),
                " needs an upstream");
+  STRATA_CHECK(is_power_of_two(chunk_), upstream_->name(),
+               ": the expansion granularity must be a power of two");
 }
 
 BlockPool::~BlockPool() {
@@ -44,7 +51,7 @@ BlockPool::~BlockPool() {
     // upstream's hands for good.
     bool in_use = false;
     for (const Block* b = segment->first; b != nullptr; b = b->next) {
-      in_use = in_use || b->pending_events > 0;
+      in_use = in_use || b->pending_events > 0 || b->releasing;
     }
     if (in_use) {
       std::fprintf(stderr,
@@ -54,7 +61,7 @@ BlockPool::~BlockPool() {
                    format_bytes(segment->size).c_str(), static_cast<void*>(segment->base),
                    std::string(waited.message()).c_str());
     } else {
-      absl::Status s = upstream_->deallocate(segment->base, segment->size);
+      absl::Status s = return_segment(segment);
       if (!s.ok()) std::fprintf(stderr, "strata: %s\n", std::string(s.message()).c_str());
       if (s.ok()) budget_->release(segment->size);
     }
@@ -90,6 +97,7 @@ void BlockPool::delete_block_locked(Block* block) {
   block->allocated = block->small = false;
   block->pending_events = 0;
   block->withheld = false;
+  block->unmapped = block->releasing = false;
   block->extra_streams.clear();
   block->owner.clear();
   spare_blocks_.push_back(block);
@@ -190,6 +198,7 @@ BlockPool::Block* BlockPool::take_best_fit_locked(StreamHandle stream, bool smal
 
 absl::StatusOr<BlockPool::Block*> BlockPool::grow_locked(std::size_t size, bool small,
                                                          StreamHandle stream) {
+  if (expandable_ && !small) return grow_expandable_locked(size, stream);
   const std::size_t segment_size = segment_size_for(size, small);
   if (!budget_->try_reserve(segment_size)) {
     return absl::ResourceExhaustedError(
@@ -248,7 +257,6 @@ void BlockPool::split_locked(Block* block, std::size_t size) {
 }
 
 void BlockPool::free_block_locked(Block* block, bool merge) {
-  FreeSet& set = free_set(block->small);
   upstream_->on_block_dead(block->segment->base, block->ptr);
   block->allocated = false;
   block->requested = 0;
@@ -256,19 +264,24 @@ void BlockPool::free_block_locked(Block* block, bool merge) {
   block->owner.clear();
   if (!merge) {
     ++unmerged_frees_;
-    set.insert(free_key(block));
+    free_set(block->small).insert(free_key(block));
     return;
   }
+  insert_free_locked(block);
+}
+
+void BlockPool::insert_free_locked(Block* block) {
+  FreeSet& set = free_set(block->small);
   // Merge with free neighbours; blocks waiting on events are neither allocated nor in the free set
-  // and stay apart until their events complete.
+  // and stay apart until their events complete, as do unmapped ones.
   Block* prev = block->prev;
-  if (prev != nullptr && !prev->allocated && prev->pending_events == 0) {
+  if (prev != nullptr && is_free(prev)) {
     set.erase(free_key(prev));
     absorb_next_locked(prev);
     block = prev;
   }
   Block* next = block->next;
-  if (next != nullptr && !next->allocated && next->pending_events == 0) {
+  if (next != nullptr && is_free(next)) {
     set.erase(free_key(next));
     absorb_next_locked(block);
   }
@@ -362,7 +375,7 @@ const BlockPool::Segment* BlockPool::find_segment_locked(const void* ptr) const 
   if (it == segments_.begin()) return nullptr;
   --it;
   const Segment* segment = it->second;
-  if (p >= it->first + segment->size) return nullptr;
+  if (p >= it->first + segment->span()) return nullptr;
   return segment;
 }
 
@@ -393,23 +406,26 @@ void BlockPool::compute_derived_locked(TierStats& s) const {
   // in runs of free blocks, which is what a merge would make of them.
   std::int64_t total_free = 0, largest = 0, inactive_split = 0;
   for (const auto& entry : segments_) {
-    const Segment* segment = entry.second;  // a plain variable: lambdas capture it everywhere
-    std::int64_t run = 0;
+    const Segment* segment = entry.second;
+    std::int64_t run = 0, segment_free = 0;
+    bool holds_live = false;  // a block handed out or behind events
     auto close_run = [&] {
       if (run == 0) return;
-      total_free += run;
+      segment_free += run;
       largest = std::max(largest, run);
-      if (run != static_cast<std::int64_t>(segment->size)) inactive_split += run;
       run = 0;
     };
     for (const Block* b = segment->first; b != nullptr; b = b->next) {
-      if (!b->allocated && b->pending_events == 0) {
+      if (is_free(b)) {
         run += static_cast<std::int64_t>(b->size);
       } else {
+        holds_live = holds_live || b->allocated || b->pending_events > 0;
         close_run();
       }
     }
     close_run();
+    total_free += segment_free;
+    if (holds_live) inactive_split += segment_free;
   }
   s.free_bytes = total_free;
   s.largest_free_block = largest;
@@ -494,21 +510,31 @@ absl::Status BlockPool::validate() const {
     reserved += static_cast<std::int64_t>(segment->size);
     std::byte* expect = segment->base;
     const Block* prev = nullptr;
+    std::size_t mapped = 0;
     for (const Block* b = segment->first; b != nullptr; b = b->next) {
+      if (b->unmapped) {
+        if (!segment->expandable) return absl::InternalError("unmapped block in a fixed segment");
+        if (b->allocated || b->pending_events > 0 || b->releasing) {
+          return absl::InternalError("an unmapped block is in use");
+        }
+        if (prev != nullptr && prev->unmapped) {
+          return absl::InternalError("two adjacent unmapped blocks were not merged");
+        }
+      } else {
+        mapped += b->size;
+      }
       if (b->ptr != expect) return absl::InternalError("blocks of a segment are not contiguous");
       if (b->prev != prev) return absl::InternalError("broken prev link");
       if (b->segment != segment) return absl::InternalError("block points at the wrong segment");
       if (b->size == 0 || b->size % kBlockGranularity != 0) {
         return absl::InternalError("block size not a multiple of the granularity");
       }
-      const bool is_free = !b->allocated && b->pending_events == 0;
-      if (is_free) {
+      if (is_free(b)) {
         ++free_blocks;
         if ((b->small ? small_free_ : large_free_).count(free_key(b)) == 0) {
           return absl::InternalError("free block missing from its free set");
         }
-        if (unmerged_frees_ == 0 && prev != nullptr && !prev->allocated &&
-            prev->pending_events == 0) {
+        if (unmerged_frees_ == 0 && prev != nullptr && is_free(prev)) {
           return absl::InternalError("two adjacent free blocks were not merged");
         }
       }
@@ -523,8 +549,15 @@ absl::Status BlockPool::validate() const {
       expect = b->ptr + b->size;
       prev = b;
     }
-    if (expect != segment->base + segment->size) {
+    if (expect != segment->base + segment->span()) {
       return absl::InternalError("blocks do not cover their segment");
+    }
+    if (segment->expandable) {
+      std::size_t extents = 0;
+      for (const auto& [offset, bytes] : segment->extents) extents += bytes;
+      if (extents != segment->size || mapped != segment->size) {
+        return absl::InternalError("an expandable segment's mappings do not add up");
+      }
     }
   }
   if (free_blocks != small_free_.size() + large_free_.size()) {

@@ -124,6 +124,9 @@ struct PoolConfig {
   std::shared_ptr<Budget> shared_budget;
   // Said after the budget in an out-of-memory message (where a default budget came from).
   std::string budget_note;
+  // Note [Expandable segments]: large blocks come from one address range per stream that grows
+  // and shrinks by mapping memory, where the upstream can (expansion_granularity() > 0).
+  bool expandable = false;
 };
 
 class BlockPool {
@@ -161,6 +164,8 @@ class BlockPool {
   std::optional<std::size_t> requested_size(const void* ptr) const;
 
   Tier tier() const { return config_.tier; }
+  // True when large blocks come from expandable segments (asked for and the upstream can).
+  bool expandable() const { return expandable_; }
   const Upstream& upstream() const { return *upstream_; }
   // Checks the pool's invariants (linked lists, free sets, counters, and once consolidated no two
   // adjacent free blocks); an error names the first broken one. For tests: O(blocks).
@@ -180,16 +185,26 @@ class BlockPool {
     bool small = false;
     int pending_events = 0;
     bool withheld = false;  // Note [Withheld blocks]
+    // Note [Expandable segments]: address space of an expandable segment with no memory behind
+    // it, or free memory on its way out of the pool (its unmapping runs without the lock).
+    bool unmapped = false;
+    bool releasing = false;
     std::uint64_t sequence = 0;
     absl::InlinedVector<StreamHandle, 1> extra_streams;
     std::string owner;
   };
   struct Segment {
     std::byte* base = nullptr;
-    std::size_t size = 0;
+    std::size_t size = 0;  // bytes held from the upstream (for an expandable segment: mapped)
     StreamHandle stream = nullptr;
     bool small = false;
     Block* first = nullptr;
+    // Note [Expandable segments]: the reserved range (its blocks cover all of it, unmapped ones
+    // included) and what is mapped where: offset -> bytes of each map_range call.
+    bool expandable = false;
+    std::size_t range = 0;
+    absl::btree_map<std::size_t, std::size_t> extents;
+    std::size_t span() const { return expandable ? range : size; }
   };
   // Note [Inline free keys]: the free sets hold each block's sort key by value, so a best-fit
   // search compares keys inside the btree's nodes instead of following a pointer to every block it
@@ -228,6 +243,10 @@ class BlockPool {
   // upstream_free_ns) that grow_locked and release_cached_segments_locked keep.
   static std::int64_t elapsed_ns(std::chrono::steady_clock::time_point start);
   static std::size_t round_size(std::size_t bytes);
+  // Free for reuse: neither handed out, nor behind events, nor without memory, nor leaving.
+  static bool is_free(const Block* b) {
+    return !b->allocated && b->pending_events == 0 && !b->unmapped && !b->releasing;
+  }
   static std::size_t segment_size_for(std::size_t size, bool small);
   FreeSet& free_set(bool small) { return small ? small_free_ : large_free_; }
 
@@ -237,6 +256,8 @@ class BlockPool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void split_locked(Block* block, std::size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void free_block_locked(Block* block, bool merge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Puts a block that is not handed out into its free set, merged with its free neighbours.
+  void insert_free_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Merges block->next, free and already out of its free set, into `block`.
   void absorb_next_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void consolidate_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -247,6 +268,20 @@ class BlockPool {
   void event_done_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status wait_all_pending_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::size_t release_cached_segments_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Note [Expandable segments] (block_pool_expand.cpp).
+  absl::StatusOr<Block*> grow_expandable_locked(std::size_t size, StreamHandle stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Segment*> new_expandable_segment_locked(std::size_t size, StreamHandle stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::size_t release_expandable_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Splits `block` so that [ptr, ptr + bytes) is a block of its own; returns it.
+  Block* carve_locked(Block* block, std::byte* ptr, std::size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Merges adjacent unmapped blocks of an expandable segment, and deletes it when nothing in it
+  // is mapped (giving back its range).
+  void settle_segment_locked(Segment* segment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives a segment's memory back to the upstream (whole, or every mapping and then the range).
+  absl::Status return_segment(Segment* segment);
   absl::Status bad_free_locked(const void* ptr) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   const Segment* find_segment_locked(const void* ptr) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void compute_derived_locked(TierStats& s) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -276,6 +311,12 @@ class BlockPool {
   std::uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   std::vector<std::unique_ptr<Block>> block_storage_ ABSL_GUARDED_BY(mu_);
   std::vector<Block*> spare_blocks_ ABSL_GUARDED_BY(mu_);
+  // Note [Expandable segments]: whether large blocks use them, the unit mapped, and each stream's
+  // expandable segments in the order they were made.
+  const bool expandable_;
+  const std::size_t chunk_;
+  absl::flat_hash_map<StreamHandle, std::vector<Segment*>> expandable_segments_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace strata::alloc

@@ -99,7 +99,6 @@ absl::Status BlockPool::synchronize_pending() {
 }
 
 void BlockPool::consolidate_locked() {
-  auto is_free = [](const Block* b) { return !b->allocated && b->pending_events == 0; };
   for (auto& [base, segment] : segments_) {
     for (Block* b = segment->first; b != nullptr; b = b->next) {
       if (!is_free(b) || b->next == nullptr || !is_free(b->next)) continue;
@@ -127,13 +126,13 @@ std::size_t BlockPool::release_cached_segments_locked() {
   std::vector<Segment*> victims;
   for (auto& [base, segment] : segments_) {
     Block* b = segment->first;
-    if (b->next == nullptr && !b->allocated && b->pending_events == 0) victims.push_back(segment);
+    if (!segment->expandable && b->next == nullptr && is_free(b)) victims.push_back(segment);
   }
   for (Segment* segment : victims) {
     free_set(segment->small).erase(free_key(segment->first));
     segments_.erase(reinterpret_cast<std::uintptr_t>(segment->base));
   }
-  std::size_t released = 0;
+  std::size_t released = release_expandable_locked();
   for (Segment* segment : victims) {
     mu_.unlock();
     // Note [Stream ordering]: work queued on the segment's stream before its last free may still

@@ -13,6 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "allocator/stream_ops.h"
 #include "allocator/upstream.h"
+#include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
 
@@ -238,80 +239,122 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
   void on_block_live(const void*, const void*, std::size_t) override {}
   void on_block_dead(const void*, const void*) override {}
 
+  // A fixed segment is a range of its own with one mapping filling it.
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
+    const std::size_t size = (bytes + granularity_ - 1) / granularity_ * granularity_;
+    STRATA_ASSIGN_OR_RETURN(const Range range, reserve_range(size, size));
+    if (absl::Status mapped = map_range(range.base, size); !mapped.ok()) {
+      (void)release_range(range.base, size);
+      return mapped;
+    }
+    return range.base;
+  }
+
+  absl::Status deallocate(void* ptr, std::size_t bytes) override {
+    const std::size_t size = (bytes + granularity_ - 1) / granularity_ * granularity_;
+    // Still mapped and usable when this fails: the pool keeps the segment, so it stays ours.
+    STRATA_RETURN_IF_ERROR(unmap_range(ptr, size));
+    // Unmapped, the range is unusable whatever follows: a failure to free the address space is
+    // reported, not returned, so the pool does not keep a segment that is gone.
+    if (absl::Status s = release_range(ptr, size); !s.ok()) {
+      std::fprintf(stderr, "strata: %s\n", std::string(s.message()).c_str());
+    }
+    return absl::OkStatus();
+  }
+
+  // Note [Expandable segments]: a range is reserved address space; each map_range call is one
+  // physical allocation mapped into it, taken back whole by unmap_range.
+  std::size_t expansion_granularity() const override { return granularity_; }
+  std::size_t max_range_bytes() const override {
+    DeviceGuard guard(device());
+    std::size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return (total_bytes + granularity_ - 1) / granularity_ * granularity_;
+  }
+
+  absl::StatusOr<Range> reserve_range(std::size_t max_bytes, std::size_t min_bytes) override {
     const VmmApi& api = VmmApi::get();
     DeviceGuard guard(device());
-    const std::size_t size = (bytes + granularity_ - 1) / granularity_ * granularity_;
+    CUdeviceptr va = 0;
+    std::size_t size = max_bytes;
+    CUresult r = api.reserve(&va, size, granularity_, 0, 0);
+    if (r != CUDA_SUCCESS && min_bytes < max_bytes) {
+      size = min_bytes;
+      r = api.reserve(&va, size, granularity_, 0, 0);
+    }
+    if (r != CUDA_SUCCESS) return fail("cuMemAddressReserve", r, min_bytes);
+    return Range{reinterpret_cast<void*>(va), size};
+  }
+
+  absl::Status release_range(void* base, std::size_t bytes) override {
+    const CUresult r = VmmApi::get().address_free(reinterpret_cast<CUdeviceptr>(base), bytes);
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED) {
+      return fail("cuMemAddressFree", r, bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status map_range(void* ptr, std::size_t bytes) override {
+    const VmmApi& api = VmmApi::get();
+    DeviceGuard guard(device());
     CUmemAllocationProp prop = vmm_properties(device());
     CUmemGenericAllocationHandle handle = 0;
-    if (CUresult r = api.create(&handle, size, &prop, 0); r != CUDA_SUCCESS) {
+    if (CUresult r = api.create(&handle, bytes, &prop, 0); r != CUDA_SUCCESS) {
       std::size_t free_bytes = 0, total_bytes = 0;
       (void)cudaMemGetInfo(&free_bytes, &total_bytes);
       (void)cudaGetLastError();
-      const absl::Status failed = fail("cuMemCreate", r, size);
+      const absl::Status failed = fail("cuMemCreate", r, bytes);
       return absl::Status(failed.code(),
                           str_cat(failed.message(), "; device free ", format_bytes(free_bytes),
                                   " of ", format_bytes(total_bytes)));
     }
-    CUdeviceptr va = 0;
-    if (CUresult r = api.reserve(&va, size, granularity_, 0, 0); r != CUDA_SUCCESS) {
-      (void)api.release(handle);
-      return fail("cuMemAddressReserve", r, size);
-    }
+    const auto va = reinterpret_cast<CUdeviceptr>(ptr);
     CUmemAccessDesc access{};
     access.location = prop.location;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CUresult r = api.map(va, size, 0, handle, 0);
+    CUresult r = api.map(va, bytes, 0, handle, 0);
     const char* what = "cuMemMap";
     if (r == CUDA_SUCCESS) {
-      r = api.set_access(va, size, &access, 1);
+      r = api.set_access(va, bytes, &access, 1);
       what = "cuMemSetAccess";
-      if (r != CUDA_SUCCESS) (void)api.unmap(va, size);
+      if (r != CUDA_SUCCESS) (void)api.unmap(va, bytes);
     }
     if (r != CUDA_SUCCESS) {
-      (void)api.address_free(va, size);
       (void)api.release(handle);
-      return fail(what, r, size);
+      return fail(what, r, bytes);
     }
-    void* p = reinterpret_cast<void*>(va);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      mapped_[p] = {handle, size};
-    }
-    return p;
+    std::lock_guard<std::mutex> lock(mu_);
+    mapped_[ptr] = {handle, bytes};
+    return absl::OkStatus();
   }
 
-  absl::Status deallocate(void* ptr, std::size_t /*bytes*/) override {
+  absl::Status unmap_range(void* ptr, std::size_t bytes) override {
     Mapping m;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = mapped_.find(ptr);
-      if (it == mapped_.end()) {
-        return absl::InvalidArgumentError(
-            str_cat("cuda_device(virtual memory): ", ptr, " is no segment of this upstream"));
+      if (it == mapped_.end() || it->second.size != bytes) {
+        return absl::InvalidArgumentError(str_cat("cuda_device(virtual memory): unmap_range(", ptr,
+                                                  ", ", bytes, ") is not one mapping"));
       }
       m = it->second;
       mapped_.erase(it);
     }
     const VmmApi& api = VmmApi::get();
     DeviceGuard guard(device());
-    const auto va = reinterpret_cast<CUdeviceptr>(ptr);
-    // At exit the driver may already be gone (Note [Stream ordering] rule 5): nothing to return.
-    const CUresult unmapped = api.unmap(va, m.size);
+    const CUresult unmapped = api.unmap(reinterpret_cast<CUdeviceptr>(ptr), bytes);
     if (unmapped == CUDA_ERROR_DEINITIALIZED) return absl::OkStatus();
     if (unmapped != CUDA_SUCCESS) {
-      // Still mapped and usable: the pool keeps the segment, so it stays ours.
       std::lock_guard<std::mutex> lock(mu_);
       mapped_[ptr] = m;
-      return fail("cuMemUnmap", unmapped, m.size);
+      return fail("cuMemUnmap", unmapped, bytes);
     }
-    // Unmapped, the range is unusable whatever follows: a failure to release is reported, not
-    // returned, so the pool does not keep a segment that is gone.
-    for (auto [what, r] : {std::pair{"cuMemRelease", api.release(m.handle)},
-                           std::pair{"cuMemAddressFree", api.address_free(va, m.size)}}) {
-      if (r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED) {
-        std::fprintf(stderr, "strata: %s\n", std::string(fail(what, r, m.size).message()).c_str());
-      }
+    if (CUresult r = api.release(m.handle); r != CUDA_SUCCESS && r != CUDA_ERROR_DEINITIALIZED) {
+      std::fprintf(stderr, "strata: %s\n",
+                   std::string(fail("cuMemRelease", r, bytes).message()).c_str());
     }
     return absl::OkStatus();
   }

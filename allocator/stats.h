@@ -29,7 +29,7 @@ namespace strata::alloc {
   X(requested_bytes, kGauge, "bytes callers asked for")                                            \
   X(reserved_bytes, kGauge, "bytes held from the upstream in segments")                            \
   X(active_blocks, kGauge, "blocks handed out and not yet freed")                                  \
-  X(segments, kGauge, "segments held from the upstream")                                           \
+  X(segments, kGauge, "segments held from the upstream (an expandable one counts once)")           \
   X(pending_free_bytes, kGauge, "freed bytes waiting for stream events before reuse")              \
   X(withheld_bytes, kGauge, "freed bytes whose streams could not be waited for yet (withheld)")    \
   X(num_allocs, kCounter, "successful allocate calls")                                             \
@@ -38,6 +38,8 @@ namespace strata::alloc {
   X(num_segment_frees, kCounter, "segments returned to the upstream")                              \
   X(upstream_alloc_ns, kCounter, "nanoseconds spent in upstream allocate calls (cudaMalloc, ...)") \
   X(upstream_free_ns, kCounter, "nanoseconds spent in upstream deallocate calls (cudaFree, ...)")  \
+  X(num_maps, kCounter, "memory mapped into expandable segments (map_range calls)")                \
+  X(num_unmaps, kCounter, "memory unmapped from expandable segments (unmap_range calls)")          \
   X(num_alloc_retries, kCounter, "allocations that freed cached segments or waited, then retried") \
   X(num_ooms, kCounter, "allocations that ended in out of memory")                                 \
   X(num_event_waits, kCounter, "host waits on stream events to reclaim blocks")                    \

@@ -1,6 +1,7 @@
 #include "allocator/tiered_allocator.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -24,7 +25,40 @@ std::string_view device_backend_name(DeviceBackend backend) {
   return "unknown";
 }
 
+std::string_view gpu_segments_name(GpuSegments segments) {
+  switch (segments) {
+    case GpuSegments::kAuto:
+      return "auto";
+    case GpuSegments::kExpandable:
+      return "expandable";
+    case GpuSegments::kFixed:
+      return "fixed";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<GpuSegments> parse_gpu_segments(std::string_view name) {
+  if (name == "auto") return GpuSegments::kAuto;
+  if (name == "expandable") return GpuSegments::kExpandable;
+  if (name == "fixed") return GpuSegments::kFixed;
+  return absl::InvalidArgumentError(str_cat("must be auto, expandable or fixed, not '", name, "'"));
+}
+
 namespace {
+
+// kAuto resolved: the environment's choice, else expandable.
+absl::StatusOr<bool> want_expandable(GpuSegments segments) {
+  if (segments == GpuSegments::kAuto) {
+    const char* env = std::getenv("STRATA_GPU_SEGMENTS");
+    if (env == nullptr || *env == '\0') return true;
+    absl::StatusOr<GpuSegments> parsed = parse_gpu_segments(env);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(str_cat("STRATA_GPU_SEGMENTS ", parsed.status().message()));
+    }
+    segments = *parsed;
+  }
+  return segments != GpuSegments::kFixed;
+}
 
 // MemTotal and MemAvailable from /proc/meminfo, in bytes; nullopt where they cannot be read.
 struct HostMemory {
@@ -127,6 +161,7 @@ absl::StatusOr<std::unique_ptr<TieredAllocator>> TieredAllocator::create(Allocat
     self->stream_ops_ = std::make_shared<SimulatedStreamOps>();
   }
 
+  STRATA_ASSIGN_OR_RETURN(const bool expandable, want_expandable(options.gpu_segments));
   for (Tier tier : kAllTiers) {
     const int i = tier_index(tier);
     std::unique_ptr<Upstream> upstream = std::move(options.upstreams[i]);
@@ -156,7 +191,9 @@ absl::StatusOr<std::unique_ptr<TieredAllocator>> TieredAllocator::create(Allocat
         std::make_unique<BlockPool>(PoolConfig{.tier = tier,
                                                .budget = options.budgets[i],
                                                .track_allocations = options.track_allocations,
-                                               .budget_note = notes[i]},
+                                               .shared_budget = nullptr,
+                                               .budget_note = notes[i],
+                                               .expandable = tier == Tier::kGpu && expandable},
                                     std::move(upstream), self->stream_ops_);
   }
 

@@ -51,6 +51,17 @@ std::string_view device_backend_name(DeviceBackend backend);
 // there is no default budget.
 inline constexpr std::size_t kMachineBudget = kNoBudget - 1;
 
+// How the GPU tier lays out large blocks (Note [Expandable segments] in block_pool_expand.cpp):
+// in ranges that grow and shrink by mapping memory (kExpandable), or in segments of fixed size,
+// one upstream allocation each (kFixed). kAuto: expandable where the upstream can map (the CUDA
+// virtual-memory upstream and the simulated device), unless the environment variable
+// STRATA_GPU_SEGMENTS=fixed|expandable says otherwise. An upstream that cannot map (cudaMalloc)
+// always gives fixed segments.
+enum class GpuSegments { kAuto, kExpandable, kFixed };
+std::string_view gpu_segments_name(GpuSegments segments);
+// "auto", "expandable" or "fixed" (strata-train's --strata_gpu_segments, STRATA_GPU_SEGMENTS).
+absl::StatusOr<GpuSegments> parse_gpu_segments(std::string_view name);
+
 struct AllocatorOptions {
   DeviceBackend device = DeviceBackend::kAuto;
   int cuda_device = 0;
@@ -63,6 +74,7 @@ struct AllocatorOptions {
   // How the GPU tier gets its segments (Note [Device memory method] in cuda_backend.cpp): by
   // default virtual memory where supported, so a phase switch's frees overlap its copies.
   DeviceMethod device_method = DeviceMethod::kAuto;
+  GpuSegments gpu_segments = GpuSegments::kAuto;
   // Cap on each tier's reserved bytes: kNoBudget for none, kMachineBudget (the host tiers'
   // default) for one derived from the machine's memory (Note [Host budgets]).
   std::array<std::size_t, kNumTiers> budgets = {kNoBudget, kMachineBudget, kMachineBudget};

@@ -34,46 +34,198 @@ absl::Status unmap(void* ptr, std::size_t bytes, std::string_view who) {
   return absl::OkStatus();
 }
 
-class SimulatedDeviceUpstream final : public Upstream {
+// Note [Expandable segments] on the simulated device: a range is address space mapped PROT_NONE;
+// "mapping" part of it makes those pages readable and writable (kMemory) or only counts them
+// (kAddressOnly, which never touches memory), and unmapping drops the pages and makes them
+// inaccessible again, so a test that uses memory the pool gave back faults as it would on a GPU.
+// Mapped bytes and whole segments share the one capacity, as a GPU's memory does.
+class SimulatedRanges {
  public:
-  explicit SimulatedDeviceUpstream(SimulatedDeviceOptions options) : options_(options) {}
+  static constexpr std::size_t kGranularity = std::size_t{2} << 20;
+
+  SimulatedRanges(std::string_view who, std::size_t capacity, bool backed)
+      : who_(who), capacity_(capacity), backed_(backed) {}
+  ~SimulatedRanges() {
+    for (const auto& [base, bytes] : ranges_) munmap(base, bytes);
+  }
+
+  std::size_t capacity() const { return capacity_; }
+
+  // Capacity accounting for segments and mappings alike.
+  absl::Status take(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (bytes > capacity_ - in_use_) {
+      return absl::ResourceExhaustedError(
+          str_cat(who_, " out of memory: asked ", format_bytes(bytes), ", in use ",
+                  format_bytes(in_use_), " of capacity ", format_bytes(capacity_)));
+    }
+    in_use_ += bytes;
+    return absl::OkStatus();
+  }
+  void give(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_use_ -= bytes;
+  }
+
+  absl::StatusOr<Upstream::Range> reserve(std::size_t max_bytes, std::size_t min_bytes) {
+    if (min_bytes == 0 || min_bytes > max_bytes || max_bytes % kGranularity != 0 ||
+        min_bytes % kGranularity != 0) {
+      return absl::InvalidArgumentError(str_cat(who_, ": reserve_range(", max_bytes, ", ",
+                                                min_bytes,
+                                                ") needs 0 < min <= max, both "
+                                                "multiples of ",
+                                                format_bytes(kGranularity)));
+    }
+    // Halve until the process can map it (a sanitizer's shadow layout leaves less address space).
+    std::size_t length = max_bytes;
+    absl::StatusOr<void*> base = map_anonymous(length, PROT_NONE, who_);
+    while (!base.ok() && length / 2 >= min_bytes) {
+      length = (length / 2) & ~(kGranularity - 1);
+      base = map_anonymous(length, PROT_NONE, who_);
+    }
+    if (!base.ok()) return base.status();
+    std::lock_guard<std::mutex> lock(mu_);
+    ranges_.emplace(*base, length);
+    return Upstream::Range{*base, length};
+  }
+
+  absl::Status release(void* base, std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ranges_.find(base);
+    if (it == ranges_.end() || it->second != bytes) {
+      return absl::InvalidArgumentError(
+          str_cat(who_, ": release_range(", base, ", ", bytes, ") is no range of this upstream"));
+    }
+    auto inside = mapped_.lower_bound(static_cast<std::byte*>(base));
+    if (inside != mapped_.end() && inside->first < static_cast<std::byte*>(base) + bytes) {
+      return absl::FailedPreconditionError(
+          str_cat(who_, ": release_range(", base, ") while ", inside->first, " is mapped"));
+    }
+    ranges_.erase(it);
+    return unmap(base, bytes, who_);
+  }
+
+  absl::Status map_memory(void* ptr, std::size_t bytes) {
+    if (bytes == 0 || bytes % kGranularity != 0) {
+      return absl::InvalidArgumentError(str_cat(who_, ": map_range of ", bytes,
+                                                " bytes, not a multiple of ",
+                                                format_bytes(kGranularity)));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!inside_a_range_locked(ptr, bytes)) {
+        return absl::InvalidArgumentError(
+            str_cat(who_, ": map_range(", ptr, ", ", bytes, ") is outside every range"));
+      }
+      auto next = mapped_.lower_bound(static_cast<std::byte*>(ptr));
+      const bool overlaps_next =
+          next != mapped_.end() && next->first < static_cast<std::byte*>(ptr) + bytes;
+      const bool overlaps_prev =
+          next != mapped_.begin() && std::prev(next)->first + std::prev(next)->second > ptr;
+      if (overlaps_next || overlaps_prev) {
+        return absl::FailedPreconditionError(
+            str_cat(who_, ": map_range(", ptr, ", ", bytes, ") overlaps a mapping"));
+      }
+    }
+    STRATA_RETURN_IF_ERROR(take(bytes));
+    if (backed_ && mprotect(ptr, bytes, PROT_READ | PROT_WRITE) != 0) {
+      const int err = errno;
+      give(bytes);
+      return absl::ResourceExhaustedError(
+          str_cat(who_, ": mprotect of ", format_bytes(bytes), " failed: ", std::strerror(err)));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    mapped_.emplace(static_cast<std::byte*>(ptr), bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status unmap_memory(void* ptr, std::size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = mapped_.find(static_cast<std::byte*>(ptr));
+      if (it == mapped_.end() || it->second != bytes) {
+        return absl::InvalidArgumentError(str_cat(who_, ": unmap_range(", ptr, ", ", bytes,
+                                                  ") is not what one map_range mapped"));
+      }
+      mapped_.erase(it);
+    }
+    // The pages go (a later mapping reads zeros) and any access faults until mapped again.
+    if (backed_ &&
+        (madvise(ptr, bytes, MADV_DONTNEED) != 0 || mprotect(ptr, bytes, PROT_NONE) != 0)) {
+      const int err = errno;
+      std::lock_guard<std::mutex> lock(mu_);
+      mapped_.emplace(static_cast<std::byte*>(ptr), bytes);
+      return absl::InternalError(
+          str_cat(who_, ": unmapping ", format_bytes(bytes), " failed: ", std::strerror(err)));
+    }
+    give(bytes);
+    return absl::OkStatus();
+  }
+
+ private:
+  bool inside_a_range_locked(const void* ptr, std::size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = ranges_.upper_bound(const_cast<void*>(ptr));
+    if (it == ranges_.begin()) return false;
+    --it;
+    const auto* base = static_cast<const std::byte*>(it->first);
+    const auto* p = static_cast<const std::byte*>(ptr);
+    return p >= base && p + bytes <= base + it->second;
+  }
+
+  const std::string who_;
+  const std::size_t capacity_;
+  const bool backed_;
+  std::mutex mu_;
+  std::size_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<void*, std::size_t> ranges_ ABSL_GUARDED_BY(mu_);       // base -> bytes
+  std::map<std::byte*, std::size_t> mapped_ ABSL_GUARDED_BY(mu_);  // start -> bytes
+};
+
+// The two simulated devices: their expandable ranges, and the capacity those share with segments.
+class SimulatedUpstream : public Upstream {
+ public:
+  SimulatedUpstream(std::string_view who, std::size_t capacity, bool backed)
+      : ranges_(who, capacity, backed) {}
+
+  std::size_t expansion_granularity() const override { return SimulatedRanges::kGranularity; }
+  std::size_t max_range_bytes() const override { return ranges_.capacity(); }
+  absl::StatusOr<Range> reserve_range(std::size_t max_bytes, std::size_t min_bytes) override {
+    return ranges_.reserve(max_bytes, min_bytes);
+  }
+  absl::Status release_range(void* base, std::size_t bytes) override {
+    return ranges_.release(base, bytes);
+  }
+  absl::Status map_range(void* ptr, std::size_t bytes) override {
+    return ranges_.map_memory(ptr, bytes);
+  }
+  absl::Status unmap_range(void* ptr, std::size_t bytes) override {
+    return ranges_.unmap_memory(ptr, bytes);
+  }
+
+ protected:
+  SimulatedRanges ranges_;
+};
+
+class SimulatedDeviceUpstream final : public SimulatedUpstream {
+ public:
+  explicit SimulatedDeviceUpstream(SimulatedDeviceOptions options)
+      : SimulatedUpstream("simulated device", options.capacity, /*backed=*/true) {}
 
   std::string_view name() const override { return "simulated_device"; }
 
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (bytes > options_.capacity - in_use_) {
-        return absl::ResourceExhaustedError(
-            str_cat("simulated device out of memory: asked ", format_bytes(bytes), ", in use ",
-                    format_bytes(in_use_), " of capacity ", format_bytes(options_.capacity)));
-      }
-      in_use_ += bytes;
-    }
-    // Address-only segments are PROT_NONE: any access faults, so a test that touches them is a bug.
-    const int prot =
-        options_.backing == SimulatedBacking::kMemory ? PROT_READ | PROT_WRITE : PROT_NONE;
-    absl::StatusOr<void*> p = map_anonymous(bytes, prot, name());
-    if (!p.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      in_use_ -= bytes;
-    }
+    STRATA_RETURN_IF_ERROR(ranges_.take(bytes));
+    absl::StatusOr<void*> p = map_anonymous(bytes, PROT_READ | PROT_WRITE, name());
+    if (!p.ok()) ranges_.give(bytes);
     return p;
   }
 
   absl::Status deallocate(void* ptr, std::size_t bytes) override {
     absl::Status s = unmap(ptr, bytes, name());
-    if (s.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      in_use_ -= bytes;
-    }
+    if (s.ok()) ranges_.give(bytes);
     return s;
   }
-
- private:
-  const SimulatedDeviceOptions options_;
-  std::mutex mu_;
-  std::size_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Address space only: one PROT_NONE reservation, carved first-fit. One mapping however many
@@ -84,20 +236,39 @@ class SimulatedDeviceUpstream final : public Upstream {
 // (a sanitizer's shadow layout, a ulimit -v, a kernel without overcommit of PROT_NONE), it halves
 // the request until a mapping succeeds, no smaller than that first segment: the capacity is then
 // what could be reserved, and an out-of-memory message says so.
-class AddressSpaceUpstream final : public Upstream {
+class AddressSpaceUpstream final : public SimulatedUpstream {
  public:
   static constexpr std::size_t kMaxReservation = std::size_t{16} << 40;
 
   explicit AddressSpaceUpstream(std::size_t capacity)
-      : capacity_(std::min(capacity, kMaxReservation) & ~(kSegmentAlignment - 1)) {}
+      : SimulatedUpstream("simulated device (address only)",
+                          std::min(capacity, kMaxReservation) & ~(kSegmentAlignment - 1),
+                          /*backed=*/false),
+        capacity_(ranges_.capacity()) {}
   ~AddressSpaceUpstream() override {
     if (base_ != nullptr) munmap(base_, reserved_);
   }
   std::string_view name() const override { return "simulated_device(address_only)"; }
 
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
-    std::lock_guard<std::mutex> lock(mu_);
     const std::size_t size = (bytes + kSegmentAlignment - 1) & ~(kSegmentAlignment - 1);
+    // Segments and expandable ranges' mappings share the capacity.
+    STRATA_RETURN_IF_ERROR(ranges_.take(size));
+    absl::StatusOr<void*> p = carve(size, bytes);
+    if (!p.ok()) ranges_.give(size);
+    return p;
+  }
+
+  absl::Status deallocate(void* ptr, std::size_t bytes) override {
+    const std::size_t size = (bytes + kSegmentAlignment - 1) & ~(kSegmentAlignment - 1);
+    give_back(ptr, size);
+    ranges_.give(size);
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<void*> carve(std::size_t size, std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
     if (base_ == nullptr) STRATA_RETURN_IF_ERROR(reserve(size));
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second < size) continue;
@@ -117,9 +288,8 @@ class AddressSpaceUpstream final : public Upstream {
                 " of capacity ", format_bytes(capacity_), reserved_note));
   }
 
-  absl::Status deallocate(void* ptr, std::size_t bytes) override {
+  void give_back(void* ptr, std::size_t size) {
     std::lock_guard<std::mutex> lock(mu_);
-    const std::size_t size = (bytes + kSegmentAlignment - 1) & ~(kSegmentAlignment - 1);
     std::size_t offset = static_cast<std::size_t>(static_cast<std::byte*>(ptr) - base_);
     std::size_t length = size;
     auto next = free_.lower_bound(offset);
@@ -136,10 +306,8 @@ class AddressSpaceUpstream final : public Upstream {
       }
     }
     free_.emplace(offset, length);
-    return absl::OkStatus();
   }
 
- private:
   absl::Status reserve(std::size_t first_segment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (first_segment > capacity_) {
       return absl::ResourceExhaustedError(
@@ -222,6 +390,19 @@ std::string_view pinned_method_name(PinnedMethod method) {
   return method == PinnedMethod::kCudaHostAlloc ? "cudaHostAlloc" : "mmap+cudaHostRegister";
 }
 
+absl::StatusOr<Upstream::Range> Upstream::reserve_range(std::size_t, std::size_t) {
+  return absl::UnimplementedError(str_cat(name(), " has no expandable segments"));
+}
+absl::Status Upstream::release_range(void*, std::size_t) {
+  return absl::UnimplementedError(str_cat(name(), " has no expandable segments"));
+}
+absl::Status Upstream::map_range(void*, std::size_t) {
+  return absl::UnimplementedError(str_cat(name(), " has no expandable segments"));
+}
+absl::Status Upstream::unmap_range(void*, std::size_t) {
+  return absl::UnimplementedError(str_cat(name(), " has no expandable segments"));
+}
+
 void FaultInjectingUpstream::fail_allocate_calls(std::int64_t first, std::int64_t count) {
   allocate_calls_.store(0);
   fail_count_.store(count);
@@ -232,7 +413,7 @@ void FaultInjectingUpstream::fail_all_allocates() { fail_first_.store(-1); }
 
 void FaultInjectingUpstream::disarm() { fail_first_.store(0); }
 
-absl::StatusOr<void*> FaultInjectingUpstream::allocate(std::size_t bytes) {
+absl::Status FaultInjectingUpstream::count_allocate_call(std::size_t bytes) {
   const std::int64_t call = ++allocate_calls_;
   const std::int64_t first = fail_first_.load();
   if (first == -1 || (first > 0 && call >= first && call < first + fail_count_.load())) {
@@ -241,7 +422,33 @@ absl::StatusOr<void*> FaultInjectingUpstream::allocate(std::size_t bytes) {
     return absl::ResourceExhaustedError(
         str_cat("injected failure of upstream call ", call, " (", format_bytes(bytes), ")"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> FaultInjectingUpstream::allocate(std::size_t bytes) {
+  STRATA_RETURN_IF_ERROR(count_allocate_call(bytes));
   return inner_->allocate(bytes);
+}
+
+absl::StatusOr<Upstream::Range> FaultInjectingUpstream::reserve_range(std::size_t max_bytes,
+                                                                      std::size_t min_bytes) {
+  STRATA_RETURN_IF_ERROR(count_allocate_call(max_bytes));
+  return inner_->reserve_range(max_bytes, min_bytes);
+}
+
+absl::Status FaultInjectingUpstream::release_range(void* base, std::size_t bytes) {
+  ++deallocate_calls_;
+  return inner_->release_range(base, bytes);
+}
+
+absl::Status FaultInjectingUpstream::map_range(void* ptr, std::size_t bytes) {
+  STRATA_RETURN_IF_ERROR(count_allocate_call(bytes));
+  return inner_->map_range(ptr, bytes);
+}
+
+absl::Status FaultInjectingUpstream::unmap_range(void* ptr, std::size_t bytes) {
+  ++deallocate_calls_;
+  return inner_->unmap_range(ptr, bytes);
 }
 
 absl::Status FaultInjectingUpstream::deallocate(void* ptr, std::size_t bytes) {

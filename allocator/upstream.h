@@ -11,6 +11,8 @@
 //     for Tier::kGpu where no GPU is found. With SimulatedBacking::kAddressOnly it reserves address
 //     space that is never touched, so bookkeeping tests and benchmarks can model terabytes;
 //   - FaultInjectingUpstream, an adaptor that fails the k-th call, for the fault tests.
+// The CUDA virtual-memory and simulated device upstreams can also reserve address space and map
+// memory into it piece by piece, for the GPU tier's expandable segments.
 //
 // Example:
 //   auto device = strata::alloc::make_simulated_device_upstream({.capacity = 8 * kGiB});
@@ -56,6 +58,32 @@ class Upstream {
   // the pool's lock held; must be cheap. Default: nothing.
   virtual void on_block_live(const void* segment, const void* ptr, std::size_t bytes) {}
   virtual void on_block_dead(const void* segment, const void* ptr) {}
+
+  // Note [Expandable segments] (block_pool_expand.cpp): an upstream that can reserve address space
+  // and put physical memory behind parts of it lets a pool grow a segment in place. These five
+  // calls are that ability; an upstream without it returns 0 from expansion_granularity() and
+  // kUnimplemented from the rest.
+  //
+  // The unit of map_range and unmap_range (a power of two), or 0: no expandable segments.
+  virtual std::size_t expansion_granularity() const { return 0; }
+  // The most address space worth reserving for one range (the device's memory).
+  virtual std::size_t max_range_bytes() const { return 0; }
+  // Address space of at most `max_bytes` and at least `min_bytes` (both multiples of the
+  // granularity), with nothing behind it: a range's size is what could be had between the two.
+  // kResourceExhausted when not even `min_bytes` can be reserved.
+  struct Range {
+    void* base = nullptr;
+    std::size_t bytes = 0;
+  };
+  [[nodiscard]] virtual absl::StatusOr<Range> reserve_range(std::size_t max_bytes,
+                                                            std::size_t min_bytes);
+  // Gives back a range from reserve_range; nothing in it may still be mapped.
+  [[nodiscard]] virtual absl::Status release_range(void* base, std::size_t bytes);
+  // Puts `bytes` of memory behind [ptr, ptr + bytes) of a reserved range, readable and writable.
+  // Out of memory is kResourceExhausted; nothing is mapped on failure.
+  [[nodiscard]] virtual absl::Status map_range(void* ptr, std::size_t bytes);
+  // Takes back exactly what one map_range call mapped at `ptr`. On failure it stays mapped.
+  [[nodiscard]] virtual absl::Status unmap_range(void* ptr, std::size_t bytes);
 };
 
 enum class SimulatedBacking { kMemory, kAddressOnly };
@@ -126,8 +154,18 @@ class FaultInjectingUpstream final : public Upstream {
   void on_block_dead(const void* segment, const void* ptr) override {
     inner_->on_block_dead(segment, ptr);
   }
+  // Reserving and mapping count as allocate calls: each may be the one that fails.
+  std::size_t expansion_granularity() const override { return inner_->expansion_granularity(); }
+  std::size_t max_range_bytes() const override { return inner_->max_range_bytes(); }
+  absl::StatusOr<Range> reserve_range(std::size_t max_bytes, std::size_t min_bytes) override;
+  absl::Status release_range(void* base, std::size_t bytes) override;
+  absl::Status map_range(void* ptr, std::size_t bytes) override;
+  absl::Status unmap_range(void* ptr, std::size_t bytes) override;
 
  private:
+  // Counts an allocate-like call; an error when it is one chosen to fail.
+  absl::Status count_allocate_call(std::size_t bytes);
+
   std::unique_ptr<Upstream> inner_;
   std::atomic<std::int64_t> allocate_calls_{0};
   std::atomic<std::int64_t> deallocate_calls_{0};

@@ -182,6 +182,56 @@ TYPED_TEST(UpstreamConformance, CyclesHoldNothingBack) {
 
 TYPED_TEST(UpstreamConformance, HasAName) { EXPECT_FALSE(this->upstream_->name().empty()); }
 
+// Note [Expandable segments]: memory mapped into a reserved range by separate calls is one
+// contiguous, usable span; unmapping one piece leaves the others' contents; a piece maps again.
+TYPED_TEST(UpstreamConformance, RangesMapAndUnmapInPieces) {
+  Upstream& up = *this->upstream_;
+  const std::size_t g = up.expansion_granularity();
+  if (g == 0) {
+    absl::StatusOr<Upstream::Range> range = up.reserve_range(2 * kMiB, 2 * kMiB);
+    ASSERT_FALSE(range.ok());
+    EXPECT_EQ(range.status().code(), absl::StatusCode::kUnimplemented) << range.status();
+    return;
+  }
+  EXPECT_EQ(g & (g - 1), 0u) << "the granularity is a power of two";
+  EXPECT_GE(up.max_range_bytes(), 4 * g);
+  absl::StatusOr<Upstream::Range> range = up.reserve_range(16 * g, 4 * g);
+  ASSERT_TRUE(range.ok()) << range.status();
+  ASSERT_GE(range->bytes, 4 * g);
+  auto* base = static_cast<std::byte*>(range->base);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(base) % kSegmentAlignment, 0u);
+  ASSERT_TRUE(up.map_range(base, 2 * g).ok());
+  ASSERT_TRUE(up.map_range(base + 2 * g, g).ok());
+  this->expect_usable(base, 3 * g);  // across the two mappings
+  const absl::Status twice = up.map_range(base + g, g);
+  EXPECT_FALSE(twice.ok()) << "mapping over a mapping";
+  const absl::Status partial = up.unmap_range(base, g);
+  EXPECT_FALSE(partial.ok()) << "unmapping part of one mapping";
+  ASSERT_TRUE(up.unmap_range(base, 2 * g).ok());
+  this->expect_usable(base + 2 * g, g);
+  ASSERT_TRUE(up.map_range(base, 2 * g).ok());
+  this->expect_usable(base, 3 * g);
+  ASSERT_TRUE(up.unmap_range(base, 2 * g).ok());
+  ASSERT_TRUE(up.unmap_range(base + 2 * g, g).ok());
+  ASSERT_TRUE(up.release_range(range->base, range->bytes).ok());
+}
+
+TYPED_TEST(UpstreamConformance, MappingPastTheMemoryIsResourceExhaustedAndHarmless) {
+  Upstream& up = *this->upstream_;
+  const std::size_t g = up.expansion_granularity();
+  if (g == 0) GTEST_SKIP() << up.name() << " has no expandable segments";
+  const std::size_t too_much = (up.max_range_bytes() / g + 1) * g;
+  absl::StatusOr<Upstream::Range> range = up.reserve_range(too_much, too_much);
+  ASSERT_TRUE(range.ok()) << range.status();
+  const absl::Status failed = up.map_range(range->base, too_much);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
+  ASSERT_TRUE(up.map_range(range->base, g).ok());
+  this->expect_usable(range->base, g);
+  ASSERT_TRUE(up.unmap_range(range->base, g).ok());
+  ASSERT_TRUE(up.release_range(range->base, range->bytes).ok());
+}
+
 // Sanitizers map terabytes of shadow memory and abort rather than fail when an address-space limit
 // bites, so the limit test runs in the plain build only.
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)

@@ -104,9 +104,12 @@ TEST_F(CensusTest, Registry) {
       "register above the GPU budget",
       rt()->register_tensor(spec("big", 0, Role::kOther, 8 * 1024 * 1024)).status(),
       absl::StatusCode::kResourceExhausted,
-      "register_tensor 'big': out of memory in tier gpu: tried to allocate 32.00 MiB (33554432 "
-      "bytes asked); reserved 2.00 MiB, allocated 8.00 KiB, budget 16.00 MiB, largest free block "
-      "1.99 MiB; a new segment of 32.00 MiB would pass the budget");
+      str_cat("register_tensor 'big': out of memory in tier gpu: tried to allocate 32.00 MiB "
+              "(33554432 bytes asked); reserved 2.00 MiB, allocated 8.00 KiB, budget 16.00 MiB, "
+              "largest free block 1.99 MiB; ",
+              rt()->allocator().pool(alloc::Tier::kGpu).expandable()
+                  ? "mapping 32.00 MiB more would pass the budget"
+                  : "a new segment of 32.00 MiB would pass the budget"));
   expect_refused("unregister an unknown handle", rt()->unregister(TensorHandle{999}), kNotFound,
                  "tensor handle 999 is not registered");
   expect_refused("find an unknown name", rt()->find("nope").status(), kNotFound,
