@@ -9,9 +9,13 @@
 //   BM_PinnedUpstream/<method>/<bytes>  pinning rate of cudaHostAlloc vs mmap+cudaHostRegister;
 //   BM_PinnedH2D/<method>               H2D and D2H copy bandwidth from a segment of each. Together
 //                                       they decide AllocatorOptions::pinned_method's default.
-//   BM_ReplayStrata/{simulated,gpu},    a GPT-like training step's allocation trace (5 steps), run
-//   BM_ReplayTorch                      once: reserved bytes against peak allocated bytes (target:
-//                                       reserved / peak allocated <= 1.05).
+//   BM_ReplayStrata/<device>_<shapes>_<segments>, BM_ReplayTorch/<shapes>
+//                                       a GPT-like training run's allocation trace, fixed shapes (5
+//                                       steps) or variable ones (20 steps of drawn token counts),
+//                                       run once: reserved bytes against peak allocated bytes
+//                                       (targets: <= 1.05 fixed, <= 1.01 variable with expandable
+//                                       segments), with what mapping cost. PyTorch's expandable
+//                                       segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
 //
 // Run (on a machine without a GPU everything but the simulated benchmarks reports "no GPU"):
 //   build/bin/strata_allocator_bench --benchmark_repetitions=5
@@ -56,6 +60,7 @@
 #include "base/strings.h"
 #include "base/units.h"
 #include "bench/bench_util.h"
+#include "bench/replay_trace.h"
 
 namespace {
 
@@ -464,276 +469,40 @@ BENCHMARK_CAPTURE(BM_PinnedH2D, mmap_register, PinnedMethod::kMmapRegister)
     ->Unit(benchmark::kMillisecond);
 
 // ---------------------------------------------------------------------------------------------
-// 4. Replay of a training step's allocation trace.
-//
-// The model: GPT-like, fp16 activations. Sizes, with T tokens (batch * sequence) and hidden h:
-//   one T x h activation  T*h*2  = 32 MiB;  T x 3h = 96 MiB;  T x 4h = 128 MiB
-//   parameters per layer  12*h*h*2 = 96 MiB (qkv 24, proj 8, fc1 32, fc2 32) plus 4 x 4 KiB
-//   saved activations per layer: x, qkv, attention out, fc1 out, gelu out = 13*T*h*2 = 416 MiB
-// Peak (start of backward): 24 x 416 MiB activations + 2.25 GiB parameters + gradient
-// temporaries ~ 12.2 GiB (13.1 GB), under the ~20 GB the trace may use; trace_peak_bytes reports
-// the exact figure.
-constexpr int kReplayLayers = 24;
-constexpr std::size_t kReplayHidden = 2048;
-constexpr std::size_t kReplayTokens = 8192;
-constexpr std::size_t kFp16Bytes = 2;
-constexpr int kReplaySteps = 5;
-constexpr std::size_t kMinSmallBytes = 512;
-constexpr std::size_t kMaxSmallBytes = 64 * kKiB;
-constexpr std::uint64_t kReplaySeed = 0x5eed'a110c'8a7e;
+// 4. Replays of training steps' allocation traces (bench/replay_trace.h), fixed and variable
+// shapes, through strata's GPU tier with expandable or fixed segments and through PyTorch's caching
+// allocator (run the binary again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for its
+// expandable segments: the setting is read once per process).
 
-struct TraceEvent {
-  enum class Kind : std::uint8_t { kAlloc, kFree };
-  Kind kind = Kind::kAlloc;
-  std::uint32_t slot = 0;  // names the allocation; a kFree frees the pointer its kAlloc got
-  std::size_t bytes = 0;
-};
+using strata::alloc::GpuSegments;
+using strata::bench::fixed_replay_trace;
+using strata::bench::ReplayResult;
+using strata::bench::ReplayTrace;
+using strata::bench::report_replay;
+using strata::bench::run_replay;
+using strata::bench::variable_replay_trace;
 
-struct ReplayTrace {
-  std::vector<TraceEvent> setup;  // parameters, before step 1
-  std::vector<std::vector<TraceEvent>> steps;
-  std::vector<TraceEvent> teardown;  // frees the parameters
-  std::uint32_t num_slots = 0;
-  std::size_t peak_bytes = 0;  // largest sum of requested bytes live at once
-  std::size_t allocs_per_step = 0;
-};
-
-using strata::bench::SplitMix64;
-
-class TraceBuilder {
- public:
-  // Events go to `out` until the next call.
-  void set_output(std::vector<TraceEvent>* out) { out_ = out; }
-
-  std::uint32_t allocate(std::size_t bytes) {
-    const auto slot = static_cast<std::uint32_t>(slot_bytes_.size());
-    slot_bytes_.push_back(bytes);
-    out_->push_back({TraceEvent::Kind::kAlloc, slot, bytes});
-    live_bytes_ += bytes;
-    peak_bytes_ = std::max(peak_bytes_, live_bytes_);
-    return slot;
-  }
-
-  void release(std::uint32_t slot) {
-    out_->push_back({TraceEvent::Kind::kFree, slot, slot_bytes_[slot]});
-    live_bytes_ -= slot_bytes_[slot];
-  }
-
-  std::size_t bytes(std::uint32_t slot) const { return slot_bytes_[slot]; }
-  std::uint32_t num_slots() const { return static_cast<std::uint32_t>(slot_bytes_.size()); }
-  std::size_t peak_bytes() const { return peak_bytes_; }
-
- private:
-  std::vector<TraceEvent>* out_ = nullptr;
-  std::vector<std::size_t> slot_bytes_;
-  std::size_t live_bytes_ = 0;
-  std::size_t peak_bytes_ = 0;
-};
-
-// 512 B .. 64 KiB, a whole number of fp16 elements.
-std::size_t small_bytes(SplitMix64& rng) {
-  const std::size_t span = kMaxSmallBytes - kMinSmallBytes + 1;
-  return (kMinSmallBytes + static_cast<std::size_t>(rng.next() % span)) & ~std::size_t{1};
+const ReplayTrace& trace_named(std::string_view name) {
+  return name == "variable" ? variable_replay_trace() : fixed_replay_trace();
 }
 
-ReplayTrace build_replay_trace() {
-  const std::size_t th = kReplayTokens * kReplayHidden * kFp16Bytes;  // one T x h activation
-  const std::size_t hh = kReplayHidden * kReplayHidden * kFp16Bytes;  // one h x h weight
-  const std::size_t vec = kReplayHidden * kFp16Bytes;                 // a bias or layernorm weight
-  const std::size_t row_stat = kReplayTokens * sizeof(float);         // layernorm mean or rstd
-  const std::array<std::size_t, 8> param_bytes = {3 * hh, hh, 4 * hh, 4 * hh, vec, vec, vec, vec};
-
-  ReplayTrace trace;
-  TraceBuilder b;
-  SplitMix64 rng(kReplaySeed);
-
-  b.set_output(&trace.setup);
-  std::vector<std::uint32_t> params;
-  for (int layer = 0; layer < kReplayLayers; ++layer) {
-    for (std::size_t bytes : param_bytes) params.push_back(b.allocate(bytes));
-  }
-
-  struct Saved {
-    std::uint32_t x, mean, rstd, qkv, attn, fc1, gelu, small;
-  };
-  trace.steps.resize(kReplaySteps);
-  for (int step = 0; step < kReplaySteps; ++step) {
-    b.set_output(&trace.steps[step]);
-
-    // Forward: saved activations stay live until backward reaches the layer; the temporaries
-    // die inside it, leaving holes between saved blocks as a real forward pass does.
-    std::vector<Saved> saved(kReplayLayers);
-    for (Saved& s : saved) {
-      s.x = b.allocate(th);
-      s.mean = b.allocate(row_stat);
-      s.rstd = b.allocate(row_stat);
-      s.qkv = b.allocate(3 * th);
-      const std::uint32_t workspace = b.allocate(kMiB);
-      s.attn = b.allocate(th);
-      b.release(workspace);
-      const std::uint32_t small_a = b.allocate(small_bytes(rng));
-      const std::uint32_t small_b = b.allocate(small_bytes(rng));
-      s.fc1 = b.allocate(4 * th);
-      const std::uint32_t gelu_temp = b.allocate(4 * th);
-      s.gelu = b.allocate(4 * th);
-      b.release(gelu_temp);
-      b.release(small_a);
-      s.small = b.allocate(small_bytes(rng));  // e.g. a dropout seed or mask summary
-      b.release(small_b);
-    }
-
-    // Backward, last layer first. Parameter gradients are made on the step's first (only)
-    // backward pass and live until the optimizer has used them.
-    std::vector<std::uint32_t> grads;
-    std::uint32_t dy = b.allocate(th);  // gradient of the loss w.r.t. the last layer's output
-    for (int layer = kReplayLayers - 1; layer >= 0; --layer) {
-      const Saved& s = saved[layer];
-      const std::uint32_t g4 = b.allocate(4 * th);
-      grads.push_back(b.allocate(4 * hh));  // fc2
-      b.release(s.gelu);
-      grads.push_back(b.allocate(4 * hh));  // fc1
-      b.release(s.fc1);
-      const std::uint32_t small = b.allocate(small_bytes(rng));
-      const std::uint32_t g3 = b.allocate(3 * th);
-      b.release(g4);
-      grads.push_back(b.allocate(hh));  // proj
-      b.release(s.attn);
-      grads.push_back(b.allocate(3 * hh));  // qkv
-      b.release(s.qkv);
-      for (int i = 0; i < 4; ++i) grads.push_back(b.allocate(vec));  // biases, layernorms
-      const std::uint32_t g1 = b.allocate(th);  // gradient w.r.t. the layer's input
-      b.release(g3);
-      b.release(s.mean);
-      b.release(s.rstd);
-      b.release(s.x);
-      b.release(s.small);
-      b.release(small);
-      b.release(dy);
-      dy = g1;
-    }
-    b.release(dy);
-
-    // Optimizer: one temporary per parameter, then the gradients go (zero_grad(set_to_none)).
-    for (std::uint32_t grad : grads) b.release(b.allocate(b.bytes(grad)));
-    for (std::uint32_t grad : grads) b.release(grad);
-  }
-
-  b.set_output(&trace.teardown);
-  for (std::uint32_t param : params) b.release(param);
-
-  trace.num_slots = b.num_slots();
-  trace.peak_bytes = b.peak_bytes();
-  for (const TraceEvent& e : trace.steps.front()) {
-    if (e.kind == TraceEvent::Kind::kAlloc) ++trace.allocs_per_step;
-  }
-  return trace;
-}
-
-const ReplayTrace& replay_trace() {
-  static const ReplayTrace* const trace = new ReplayTrace(build_replay_trace());
-  return *trace;
-}
-
-struct ReplayResult {
-  std::string error;  // empty when the whole trace ran
-  std::vector<double> step_seconds;
-};
-
-// Plays replay_trace() through `allocate` (bytes -> pointer, nullptr on failure) and `deallocate`
-// (pointer -> success). Every block is freed on return, parameters included, so the allocator's
-// reserved bytes are read afterwards: both allocators keep freed segments cached.
-template <typename Allocate, typename Free>
-ReplayResult run_replay(Allocate allocate, Free deallocate) {
-  const ReplayTrace& trace = replay_trace();
-  std::vector<void*> ptrs(trace.num_slots, nullptr);
-  ReplayResult result;
-  auto play = [&](const std::vector<TraceEvent>& events) {
-    for (const TraceEvent& e : events) {
-      if (e.kind == TraceEvent::Kind::kAlloc) {
-        void* p = allocate(e.bytes);
-        if (p == nullptr) {
-          result.error = str_cat("allocation of ", strata::format_bytes(e.bytes), " failed");
-          return false;
-        }
-        ptrs[e.slot] = p;
-      } else {
-        void* p = std::exchange(ptrs[e.slot], nullptr);
-        if (!deallocate(p)) {
-          result.error = str_cat("free of ", strata::format_bytes(e.bytes), " failed");
-          return false;
-        }
-      }
-    }
-    return true;
-  };
-
-  bool ok = play(trace.setup);
-  for (const std::vector<TraceEvent>& step : trace.steps) {
-    if (!ok) break;
-    const Clock::time_point start = Clock::now();
-    ok = play(step);
-    result.step_seconds.push_back(seconds_between(start, Clock::now()));
-  }
-  if (ok) ok = play(trace.teardown);
-  if (!ok) {
-    // Leave the allocator empty for the benchmarks after this one.
-    for (void* p : ptrs) {
-      if (p != nullptr) (void)deallocate(p);
-    }
-  }
-  return result;
-}
-
-// What each allocator says about its memory after the replay.
-struct ReplayMemory {
-  std::int64_t reserved_bytes = 0;  // at the end
-  std::int64_t reserved_peak_bytes = 0;
-  std::int64_t peak_allocated_bytes = 0;  // after the allocator's rounding
-  std::int64_t upstream_allocs = 0;       // cudaMalloc (or simulated) calls
-};
-
-void report_replay(benchmark::State& state, const ReplayResult& result,
-                   const ReplayMemory& memory) {
-  const ReplayTrace& trace = replay_trace();
-  const auto trace_peak = static_cast<double>(trace.peak_bytes);
-  const auto reserved_peak = static_cast<double>(memory.reserved_peak_bytes);
-  const auto peak_allocated = static_cast<double>(memory.peak_allocated_bytes);
-  state.counters["reserved_bytes"] = bytes_counter(static_cast<double>(memory.reserved_bytes));
-  state.counters["reserved_peak_bytes"] = bytes_counter(reserved_peak);
-  state.counters["peak_allocated_bytes"] = bytes_counter(peak_allocated);
-  state.counters["trace_peak_bytes"] = bytes_counter(trace_peak);
-  // Peak reserved rather than reserved at the end: the two agree unless an allocator released
-  // segments on the way, and the peak is what the GPU had to hold.
-  state.counters["reserved_over_peak_allocated"] =
-      peak_allocated > 0 ? reserved_peak / peak_allocated : 0;
-  state.counters["reserved_over_trace_peak"] = trace_peak > 0 ? reserved_peak / trace_peak : 0;
-  state.counters["upstream_allocs"] = static_cast<double>(memory.upstream_allocs);
-  state.counters["allocs_per_step"] = static_cast<double>(trace.allocs_per_step);
-
-  // Step 1 pays for growing the pool; the later steps are the steady state.
-  const std::vector<double>& steps = result.step_seconds;
-  if (!steps.empty()) {
-    double total = 0;
-    for (double s : steps) total += s;
-    state.counters["step_ms"] = total / static_cast<double>(steps.size()) * 1e3;
-    state.counters["first_step_ms"] = steps.front() * 1e3;
-    if (steps.size() > 1) {
-      state.counters["steady_step_ms"] =
-          (total - steps.front()) / static_cast<double>(steps.size() - 1) * 1e3;
-    }
-  }
-}
-
-void BM_ReplayStrata(benchmark::State& state, DeviceBackend backend) {
+void BM_ReplayStrata(benchmark::State& state, DeviceBackend backend, std::string_view trace_name,
+                     GpuSegments segments) {
   if (backend == DeviceBackend::kCuda && !require_gpu(state)) return;
-  (void)replay_trace();  // build the trace before the clock starts
-  absl::StatusOr<std::unique_ptr<TieredAllocator>> created = make_allocator(backend);
+  const ReplayTrace& trace = trace_named(trace_name);  // built before the clock starts
+  AllocatorOptions options;
+  options.device = backend;
+  options.gpu_segments = segments;
+  options.simulated_device = {.capacity = kTiB, .backing = SimulatedBacking::kAddressOnly};
+  absl::StatusOr<std::unique_ptr<TieredAllocator>> created =
+      TieredAllocator::create(std::move(options));
   if (!created.ok()) return skip(state, "TieredAllocator::create", created.status());
   TieredAllocator& allocator = **created;
 
   for (auto _ : state) {
     std::string last_error;
     const ReplayResult result = run_replay(
+        trace,
         [&](std::size_t bytes) -> void* {
           absl::StatusOr<void*> p = allocator.allocate(Tier::kGpu, bytes);
           if (p.ok()) return *p;
@@ -750,26 +519,42 @@ void BM_ReplayStrata(benchmark::State& state, DeviceBackend backend) {
       break;
     }
     const TierStats stats = allocator.stats(Tier::kGpu);
-    report_replay(state, result,
+    report_replay(state, trace, result,
                   {.reserved_bytes = stats.reserved_bytes.current,
                    .reserved_peak_bytes = stats.reserved_bytes.peak,
                    .peak_allocated_bytes = stats.allocated_bytes.peak,
-                   .upstream_allocs = stats.num_segment_allocs});
+                   .upstream_allocs = stats.num_segment_allocs,
+                   .maps = stats.num_maps,
+                   .upstream_alloc_ms = static_cast<double>(stats.upstream_alloc_ns) * 1e-6,
+                   .upstream_free_ms = static_cast<double>(stats.upstream_free_ns) * 1e-6});
   }
   state.SetLabel(str_cat("strata ", strata::alloc::device_backend_name(backend), " gpu tier over ",
-                         allocator.upstream(Tier::kGpu).name()));
+                         allocator.upstream(Tier::kGpu).name(), ", ",
+                         allocator.pool(Tier::kGpu).expandable() ? "expandable" : "fixed",
+                         " segments, ", trace.name, " shapes"));
 }
-BENCHMARK_CAPTURE(BM_ReplayStrata, simulated, DeviceBackend::kSimulated)
-    ->Iterations(1)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_ReplayStrata, gpu, DeviceBackend::kCuda)
-    ->Iterations(1)
-    ->Unit(benchmark::kMillisecond);
+#define STRATA_REPLAY_STRATA_(name, backend, trace, segments)                     \
+  BENCHMARK_CAPTURE(BM_ReplayStrata, name, backend, trace, GpuSegments::segments) \
+      ->Iterations(1)                                                             \
+      ->Unit(benchmark::kMillisecond)
+STRATA_REPLAY_STRATA_(simulated_fixed_shapes_expandable, DeviceBackend::kSimulated, "fixed",
+                      kExpandable);
+STRATA_REPLAY_STRATA_(simulated_fixed_shapes_fixed, DeviceBackend::kSimulated, "fixed", kFixed);
+STRATA_REPLAY_STRATA_(simulated_variable_shapes_expandable, DeviceBackend::kSimulated, "variable",
+                      kExpandable);
+STRATA_REPLAY_STRATA_(simulated_variable_shapes_fixed, DeviceBackend::kSimulated, "variable",
+                      kFixed);
+STRATA_REPLAY_STRATA_(gpu_fixed_shapes_expandable, DeviceBackend::kCuda, "fixed", kExpandable);
+STRATA_REPLAY_STRATA_(gpu_fixed_shapes_fixed, DeviceBackend::kCuda, "fixed", kFixed);
+STRATA_REPLAY_STRATA_(gpu_variable_shapes_expandable, DeviceBackend::kCuda, "variable",
+                      kExpandable);
+STRATA_REPLAY_STRATA_(gpu_variable_shapes_fixed, DeviceBackend::kCuda, "variable", kFixed);
+#undef STRATA_REPLAY_STRATA_
 
 #ifdef STRATA_BENCH_TORCH
-void BM_ReplayTorch(benchmark::State& state) {
+void BM_ReplayTorch(benchmark::State& state, std::string_view trace_name) {
   if (!require_gpu(state)) return;
-  (void)replay_trace();
+  const ReplayTrace& trace = trace_named(trace_name);
   try {
     init_torch_cuda();
     // Start from an empty cache with fresh peaks, so every figure is the replay's own.
@@ -779,6 +564,7 @@ void BM_ReplayTorch(benchmark::State& state) {
     for (auto _ : state) {
       std::string last_error;
       const ReplayResult result = run_replay(
+          trace,
           [&](std::size_t bytes) -> void* {
             try {
               return torch_alloc::raw_alloc(bytes);
@@ -796,7 +582,7 @@ void BM_ReplayTorch(benchmark::State& state) {
         break;
       }
       const auto stats = torch_alloc::getDeviceStats(kTorchDevice);
-      report_replay(state, result,
+      report_replay(state, trace, result,
                     {.reserved_bytes = stats.reserved_bytes[kTorchAggregate].current,
                      .reserved_peak_bytes = stats.reserved_bytes[kTorchAggregate].peak,
                      .peak_allocated_bytes = stats.allocated_bytes[kTorchAggregate].peak,
@@ -808,10 +594,15 @@ void BM_ReplayTorch(benchmark::State& state) {
   }
   // The allocator's behaviour depends on this setting (expandable_segments, ...); record it.
   const char* conf = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
-  state.SetLabel(
-      str_cat("c10 CUDACachingAllocator, PYTORCH_CUDA_ALLOC_CONF=", conf != nullptr ? conf : ""));
+  state.SetLabel(str_cat("c10 CUDACachingAllocator, PYTORCH_CUDA_ALLOC_CONF=",
+                         conf != nullptr ? conf : "", ", ", trace.name, " shapes"));
 }
-BENCHMARK(BM_ReplayTorch)->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_ReplayTorch, fixed_shapes, "fixed")
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_ReplayTorch, variable_shapes, "variable")
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 #endif  // STRATA_BENCH_TORCH
 
 }  // namespace
@@ -824,12 +615,15 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext(
       "pinned_default",
       std::string(strata::alloc::pinned_method_name(AllocatorOptions{}.pinned_method)));
-  const ReplayTrace& trace = replay_trace();
-  benchmark::AddCustomContext(
-      "replay_model",
-      str_cat("layers=", kReplayLayers, " hidden=", kReplayHidden, " tokens=", kReplayTokens,
-              " fp16 steps=", kReplaySteps, " trace_peak_bytes=", trace.peak_bytes,
-              " allocs_per_step=", trace.allocs_per_step));
+  for (const ReplayTrace* trace : {&fixed_replay_trace(), &variable_replay_trace()}) {
+    std::string tokens;
+    for (std::size_t t : trace->tokens) strata::str_append(&tokens, tokens.empty() ? "" : ",", t);
+    benchmark::AddCustomContext(
+        str_cat("replay_", trace->name),
+        str_cat("layers=", strata::bench::kReplayLayers, " hidden=", strata::bench::kReplayHidden,
+                " fp16 tokens_per_step=", tokens, " trace_peak_bytes=", trace->peak_bytes,
+                " allocs_per_step=", trace->allocs_per_step));
+  }
 #if defined(STRATA_BENCH_TORCH) && defined(TORCH_VERSION)
   benchmark::AddCustomContext("torch", TORCH_VERSION);
 #elif defined(STRATA_BENCH_TORCH)
