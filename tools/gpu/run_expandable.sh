@@ -16,7 +16,8 @@ source tools/gpu/build.sh
 gpu_build "$OUT" strata_allocator_bench allocator_conformance_test allocator_expandable_test \
   allocator_gpu_test allocator_pool_test runtime_gpu_test strata-train || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+# The device's copy of the tree may carry an older .git: the caller names the commit.
+echo "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee "$OUT/commit.txt"
 status=0
 for t in allocator_conformance_test allocator_expandable_test allocator_gpu_test \
   allocator_pool_test runtime_gpu_test; do
