@@ -240,20 +240,26 @@ absl::StatusOr<BlockPool::Block*> BlockPool::grow_locked(std::size_t size, bool 
 }
 
 void BlockPool::split_locked(Block* block, std::size_t size) {
-  const std::size_t remaining = block->size - size;
-  if (remaining < kBlockGranularity) return;
+  if (block->size - size < kBlockGranularity) return;
+  Block* rest = split_off_locked(block, size);
+  free_set(rest->small).insert(free_key(rest));
+}
+
+BlockPool::Block* BlockPool::split_off_locked(Block* block, std::size_t keep) {
   Block* rest = new_block_locked();
-  rest->ptr = block->ptr + size;
-  rest->size = remaining;
+  rest->ptr = block->ptr + keep;
+  rest->size = block->size - keep;
   rest->stream = block->stream;
   rest->segment = block->segment;
   rest->small = block->small;
+  rest->unmapped = block->unmapped;
+  rest->releasing = block->releasing;
   rest->prev = block;
   rest->next = block->next;
   if (rest->next != nullptr) rest->next->prev = rest;
   block->next = rest;
-  block->size = size;
-  free_set(rest->small).insert(free_key(rest));
+  block->size = keep;
+  return rest;
 }
 
 void BlockPool::free_block_locked(Block* block, bool merge) {

@@ -255,6 +255,8 @@ class BlockPool {
   absl::StatusOr<Block*> grow_locked(std::size_t size, bool small, StreamHandle stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void split_locked(Block* block, std::size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Cuts `block` after `keep` bytes; the rest, in the same state and in no free set, is returned.
+  Block* split_off_locked(Block* block, std::size_t keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void free_block_locked(Block* block, bool merge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Puts a block that is not handed out into its free set, merged with its free neighbours.
   void insert_free_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

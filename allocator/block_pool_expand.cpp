@@ -3,10 +3,10 @@
 //
 // Note [Expandable segments]: with fixed segments a pool that frees a 1 GiB activation and then
 // asks for 1.5 GiB cannot use the free gigabyte; it takes a new segment, and under shapes that
-// change from step to step (variable sequence lengths) it ends up holding 1.3 x what it ever had
-// live. An expandable segment is one address range per stream, reserved once (as large as the
-// device's memory or the budget, whichever is less) with memory mapped into it only where blocks
-// need it:
+// change from step to step (variable sequence lengths) it ends up holding 2.16 x what it ever had
+// live (bench/replay_trace.h's variable trace; 1.005 x with expandable segments). An expandable
+// segment is one address range per stream, reserved once (as large as the device's memory or the
+// budget, whichever is less) with memory mapped into it only where blocks need it:
 //   - its blocks cover the whole range; those with no memory behind them are `unmapped` and sit in
 //     no free set. Memory is mapped in extents (one map_range call each, at most kMaxExtent and a
 //     multiple of the upstream's granularity), recorded in Segment::extents;
@@ -52,24 +52,10 @@ std::size_t round_up(std::size_t bytes, std::size_t unit) {
 }  // namespace
 
 BlockPool::Block* BlockPool::carve_locked(Block* block, std::byte* ptr, std::size_t bytes) {
-  auto split_off = [&](Block* b, std::size_t keep) {
-    Block* rest = new_block_locked();
-    rest->ptr = b->ptr + keep;
-    rest->size = b->size - keep;
-    rest->stream = b->stream;
-    rest->segment = b->segment;
-    rest->small = b->small;
-    rest->unmapped = b->unmapped;
-    rest->releasing = b->releasing;
-    rest->prev = b;
-    rest->next = b->next;
-    if (rest->next != nullptr) rest->next->prev = rest;
-    b->next = rest;
-    b->size = keep;
-    return rest;
-  };
-  if (ptr > block->ptr) block = split_off(block, static_cast<std::size_t>(ptr - block->ptr));
-  if (bytes < block->size) split_off(block, bytes);
+  if (ptr > block->ptr) {
+    block = split_off_locked(block, static_cast<std::size_t>(ptr - block->ptr));
+  }
+  if (bytes < block->size) split_off_locked(block, bytes);
   return block;
 }
 
@@ -124,7 +110,9 @@ absl::StatusOr<BlockPool::Block*> BlockPool::grow_expandable_locked(std::size_t 
     if (covered < size) return;
     if (best == nullptr || to_map < best_to_map) best = start, best_to_map = to_map;
   };
-  for (Segment* segment : expandable_segments_[stream]) {
+  auto mine = expandable_segments_.find(stream);
+  const std::vector<Segment*> none;
+  for (Segment* segment : mine == expandable_segments_.end() ? none : mine->second) {
     bool in_run = false;
     for (Block* b = segment->first; b != nullptr; b = b->next) {
       const bool usable = is_free(b) || b->unmapped;
