@@ -159,7 +159,8 @@ std::int64_t device_used_bytes() {
 #endif  // STRATA_HAS_CUDA
 
 absl::StatusOr<std::unique_ptr<StrataRig>> make_strata_rig(const Model& model, std::string policy,
-                                                           int depth, rt::DeviceKind device) {
+                                                           int depth, rt::DeviceKind device,
+                                                           alloc::GpuSegments segments) {
   check_fits(model);
   const float* param_src = host_sources().params.data();
   const float* grad_src = host_sources().grads.data();
@@ -177,6 +178,7 @@ absl::StatusOr<std::unique_ptr<StrataRig>> make_strata_rig(const Model& model, s
   options.policy_config.prefetch_depth = depth;
   options.policy_config.roles = rt::RoleSet::optimizer_states();
   options.device = device;
+  options.allocator.gpu_segments = segments;
   if (device == rt::DeviceKind::kCuda) {
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<rt::Device> cuda, rt::make_cuda_device());
     auto tracer = std::make_unique<strata::rt::CopyTracer>(std::move(cuda));

@@ -30,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "allocator/tiered_allocator.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
@@ -341,8 +342,9 @@ struct StrataRig final : Rig {
 // The model's tensors registered as parameters and gradients (layer by layer, values from the
 // sources), an Adam over them with kHyper, policy `policy` with prefetch depth `depth`, roles
 // optimizer states. CUDA rigs trace their copies on demand (traced_step).
-absl::StatusOr<std::unique_ptr<StrataRig>> make_strata_rig(const Model& model, std::string policy,
-                                                           int depth, rt::DeviceKind device);
+absl::StatusOr<std::unique_ptr<StrataRig>> make_strata_rig(
+    const Model& model, std::string policy, int depth, rt::DeviceKind device,
+    alloc::GpuSegments segments = alloc::GpuSegments::kAuto);
 
 // Parameters and exp_avg read back through the runtime (host waits, outside every timed region).
 absl::Status check_strata(std::string_view what, StrataRig& r);

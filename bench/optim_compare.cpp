@@ -12,8 +12,11 @@
 //               the fraction of HBM bandwidth each reaches.
 //   streamed    layer_prefetch K=1 against the LibTorch per-layer pipeline with 2 GPU slots and
 //               against torch's fused AdamW on the CPU over the whole model (torch.optim.AdamW(
-//               fused=True) on CPU tensors); K=2 against the pipeline with 3 slots; bulk against
-//               the PyTorch .to() round trip; bulk's offload_all + reload_all alone.
+//               fused=True) on CPU tensors); K=2 against the pipeline with 3 slots.
+//   bulk        bulk (reload_all, step, offload_all) against the PyTorch .to() round trip, with
+//               offload_all giving the GPU memory back to the driver (the default) and keeping it
+//               cached; offload_all + reload_all alone, with expandable and with fixed segments;
+//               the GPU tier's mapping and unmapping time in each sample.
 //   bytes       layer_prefetch K=1 over 2, 4, 8, 16, 32 layers of the full model's layer (0.77 to
 //               12.3 GB of moments each way).
 //   layers      layer_prefetch K=1 over 128e6 parameters in 8, 32, 128, 512 layers of one tensor.
@@ -268,10 +271,29 @@ absl::StatusOr<Sample> offloaded_sample(LinkFloor::Kind kind, double bytes_each_
   return s;
 }
 
+// A streamed strata step with what the runtime says about it: how long the host took to queue it
+// (host_ms: Adam::step returning; the rest of ms is the device finishing), its host waits and the
+// compute stream's waits for copies.
 Approach strata_streamed(std::string id, std::string label, StrataRig& r) {
-  return {std::move(id), std::move(label), [&r]() {
-            return offloaded_sample(LinkFloor::kConcurrent, r.model.moment_bytes(),
-                                    [&] { return r.adam->step(); });
+  return {std::move(id), std::move(label), [&r]() -> absl::StatusOr<Sample> {
+            const rt::RuntimeStats before = r.runtime->stats();
+            double host_ms = 0;
+            STRATA_ASSIGN_OR_RETURN(
+                Sample s, offloaded_sample(LinkFloor::kConcurrent, r.model.moment_bytes(),
+                                           [&]() -> absl::Status {
+                                             const Clock::time_point t0 = Clock::now();
+                                             absl::Status step = r.adam->step();
+                                             host_ms = seconds_between(t0, Clock::now()) * 1e3;
+                                             return step;
+                                           }));
+            const rt::RuntimeStats after = r.runtime->stats();
+            s.extra["host_ms"] = host_ms;
+            s.extra["host_syncs"] = static_cast<double>(after.host_syncs - before.host_syncs);
+            s.extra["prefetch_waits"] =
+                static_cast<double>(after.prefetch_waits - before.prefetch_waits);
+            s.extra["prefetch_stall_ms"] =
+                static_cast<double>(after.prefetch_stall_ns - before.prefetch_stall_ns) / 1e6;
+            return s;
           }};
 }
 
@@ -434,44 +456,6 @@ void part_streamed(int rounds) {
       check("streamed/torch_pipeline_3", check_torch_offload("pipeline", model, *torch_rig));
     }
     empty_caches();
-    // bulk against the .to() round trip, and bulk's offload + reload alone.
-    {
-      std::unique_ptr<StrataRig> bulk =
-          must(make_strata_rig(model, "bulk", 0, rt::DeviceKind::kCuda), "bulk");
-      if (bulk == nullptr) return;
-      rt::Runtime& runtime = *bulk->runtime;
-      if (absl::Status s = runtime.offload_all(); !s.ok()) return fail("bulk offload_all", s);
-      std::vector<Approach> approaches;
-      approaches.push_back(
-          {"streamed/strata_bulk", "strata bulk: reload_all, step, offload_all", [&] {
-             return offloaded_sample(LinkFloor::kSequential, moments, [&]() -> absl::Status {
-               STRATA_RETURN_IF_ERROR(runtime.reload_all());
-               STRATA_RETURN_IF_ERROR(bulk->adam->step());
-               return runtime.offload_all();
-             });
-           }});
-      approaches.push_back({"streamed/torch_bulk_to",
-                            "PyTorch bulk: .to(cuda) all, fused step, copy_ back, synchronize",
-                            [&] {
-                              return offloaded_sample(LinkFloor::kSequential, moments,
-                                                      [&] { return torch_bulk_step(*torch_rig); });
-                            }});
-      approaches.push_back({"streamed/strata_offload_reload",
-                            "strata bulk: reload_all + offload_all of the moments, no step", [&] {
-                              return offloaded_sample(
-                                  LinkFloor::kSequential, moments, [&]() -> absl::Status {
-                                    STRATA_RETURN_IF_ERROR(runtime.reload_all());
-                                    return runtime.offload_all();
-                                  });
-                            }});
-      if (absl::Status s = interleave("bulk", approaches, rounds); !s.ok()) return fail("bulk", s);
-      check("streamed/strata_bulk", check_strata("bulk", *bulk));
-      check("streamed/torch_bulk_to", check_torch_offload("bulk .to()", model, *torch_rig));
-      const strata::alloc::TierStats pinned = runtime.allocator().stats(Tier::kPinnedHost);
-      g_results.series["streamed/strata_offload_reload"].info["pinned_reserved_per_held"] =
-          static_cast<double>(pinned.reserved_bytes.current) /
-          static_cast<double>(std::max<std::int64_t>(1, pinned.allocated_bytes.current));
-    }
   } catch (const std::exception& e) {
     return fail("streamed (LibTorch)", absl::InternalError(e.what()));
   }
@@ -486,10 +470,136 @@ void part_streamed(int rounds) {
                  "streamed/strata_k2", "streamed/torch_pipeline_3", 1.0);
   add_comparison("layer_prefetch K=1 (GPU, streamed) / torch fused AdamW on the CPU", "faster",
                  "streamed/strata_k1", "streamed/torch_cpu_fused", 1.0);
-  add_comparison("bulk step / PyTorch bulk .to() round trip", "faster", "streamed/strata_bulk",
-                 "streamed/torch_bulk_to", 1.0);
-  add_comparison("bulk offload_all + reload_all / its adjacent link floor", "floor",
-                 "streamed/strata_offload_reload", "", 1.03);
+#endif
+}
+
+// The GPU tier's upstream work during fn: time mapping / allocating and unmapping / freeing, and
+// how many of each, as a sample's extras.
+absl::StatusOr<Sample> with_gpu_tier_stats(rt::Runtime& runtime,
+                                           const std::function<absl::StatusOr<Sample>()>& fn) {
+  const strata::alloc::TierStats a = runtime.allocator().stats(Tier::kGpu);
+  STRATA_ASSIGN_OR_RETURN(Sample s, fn());
+  const strata::alloc::TierStats b = runtime.allocator().stats(Tier::kGpu);
+  s.extra["gpu_upstream_alloc_ms"] =
+      static_cast<double>(b.upstream_alloc_ns - a.upstream_alloc_ns) / 1e6;
+  s.extra["gpu_upstream_free_ms"] =
+      static_cast<double>(b.upstream_free_ns - a.upstream_free_ns) / 1e6;
+  s.extra["gpu_maps"] = static_cast<double>(b.num_maps - a.num_maps);
+  s.extra["gpu_unmaps"] = static_cast<double>(b.num_unmaps - a.num_unmaps);
+  s.extra["gpu_segment_allocs"] = static_cast<double>(b.num_segment_allocs - a.num_segment_allocs);
+  return s;
+}
+
+// bulk against the PyTorch .to() round trip, giving the emptied GPU memory back to the driver at
+// every offload_all (the default: another engine may take it) and keeping it in strata's pool
+// (OffloadOptions::keep_cached); offload_all + reload_all alone, with expandable and with fixed
+// GPU segments.
+void part_bulk(int rounds) {
+  const Model& model = full_model();
+  const double moments = model.moment_bytes();
+#ifndef STRATA_BENCH_TORCH
+  (void)rounds;
+  (void)moments;
+  fail("bulk", absl::UnimplementedError("built without LibTorch: no peers to compare with"));
+#else
+  try {
+    absl::StatusOr<std::unique_ptr<TorchOffloadRig>> made_torch = make_torch_offload_rig(model);
+    if (!made_torch.ok()) return fail("torch offload rig", made_torch.status());
+    std::unique_ptr<TorchOffloadRig> torch_rig = std::move(*made_torch);
+    const Approach torch_bulk{
+        "bulk/torch_bulk_to", "PyTorch bulk: .to(cuda) all, fused step, copy_ back, synchronize",
+        [&] {
+          return offloaded_sample(LinkFloor::kSequential, moments,
+                                  [&] { return torch_bulk_step(*torch_rig); });
+        }};
+    auto bulk_rig = [&](strata::alloc::GpuSegments segments) {
+      return must(make_strata_rig(model, "bulk", 0, rt::DeviceKind::kCuda, segments), "bulk");
+    };
+    // A bulk step (reload_all, step, offload_all) or the moves alone, timed with the tier's work.
+    auto bulk = [&](std::string id, std::string label, StrataRig& r, bool step, bool keep) {
+      return Approach{std::move(id), std::move(label), [&r, step, keep, moments] {
+                        return with_gpu_tier_stats(*r.runtime, [&] {
+                          return offloaded_sample(LinkFloor::kSequential, moments,
+                                                  [&]() -> absl::Status {
+                                                    STRATA_RETURN_IF_ERROR(r.runtime->reload_all());
+                                                    if (step)
+                                                      STRATA_RETURN_IF_ERROR(r.adam->step());
+                                                    rt::OffloadOptions options;
+                                                    options.keep_cached = keep;
+                                                    return r.runtime->offload_all(options);
+                                                  });
+                        });
+                      }};
+    };
+    {
+      std::unique_ptr<StrataRig> expandable = bulk_rig(strata::alloc::GpuSegments::kExpandable);
+      std::unique_ptr<StrataRig> fixed = bulk_rig(strata::alloc::GpuSegments::kFixed);
+      if (expandable == nullptr || fixed == nullptr) return;
+      for (StrataRig* r : {expandable.get(), fixed.get()}) {
+        if (absl::Status s = r->runtime->offload_all(); !s.ok()) return fail("offload_all", s);
+      }
+      std::vector<Approach> approaches;
+      approaches.push_back(bulk("bulk/strata_step",
+                                "strata bulk: reload_all, step, offload_all "
+                                "(GPU memory back to the driver)",
+                                *expandable, true, false));
+      approaches.push_back(torch_bulk);
+      approaches.push_back(bulk("bulk/strata_moves",
+                                "strata offload_all + reload_all, memory "
+                                "back to the driver, expandable segments",
+                                *expandable, false, false));
+      approaches.push_back(bulk("bulk/strata_moves_fixed",
+                                "strata offload_all + reload_all, "
+                                "memory back to the driver, fixed segments",
+                                *fixed, false, false));
+      if (absl::Status s = interleave("bulk", approaches, rounds); !s.ok()) return fail("bulk", s);
+      check("bulk/strata_step", check_strata("bulk", *expandable));
+      const strata::alloc::TierStats pinned =
+          expandable->runtime->allocator().stats(Tier::kPinnedHost);
+      g_results.series["bulk/strata_moves"].info["pinned_reserved_per_held"] =
+          static_cast<double>(pinned.reserved_bytes.current) /
+          static_cast<double>(std::max<std::int64_t>(1, pinned.allocated_bytes.current));
+    }
+    empty_caches();
+    {
+      std::unique_ptr<StrataRig> cached = bulk_rig(strata::alloc::GpuSegments::kAuto);
+      if (cached == nullptr) return;
+      rt::OffloadOptions keep;
+      keep.keep_cached = true;
+      if (absl::Status s = cached->runtime->offload_all(keep); !s.ok())
+        return fail("offload_all", s);
+      std::vector<Approach> approaches;
+      approaches.push_back(bulk("bulk/strata_step_cached",
+                                "strata bulk: reload_all, step, "
+                                "offload_all(keep_cached)",
+                                *cached, true, true));
+      Approach torch_again = torch_bulk;
+      torch_again.id = "bulk/torch_bulk_to_2";
+      approaches.push_back(torch_again);
+      approaches.push_back(bulk("bulk/strata_moves_cached",
+                                "strata offload_all(keep_cached) + "
+                                "reload_all",
+                                *cached, false, true));
+      if (absl::Status s = interleave("bulk cached", approaches, rounds); !s.ok()) {
+        return fail("bulk cached", s);
+      }
+      check("bulk/strata_step_cached", check_strata("bulk cached", *cached));
+      check("bulk/torch_bulk_to", check_torch_offload("bulk .to()", model, *torch_rig));
+    }
+  } catch (const std::exception& e) {
+    return fail("bulk (LibTorch)", absl::InternalError(e.what()));
+  }
+  empty_caches();
+  add_comparison("bulk step, memory back to the driver / PyTorch bulk .to() round trip", "faster",
+                 "bulk/strata_step", "bulk/torch_bulk_to", 1.0);
+  add_comparison("bulk step, keep_cached / PyTorch bulk .to() round trip", "faster",
+                 "bulk/strata_step_cached", "bulk/torch_bulk_to_2", 1.0);
+  add_comparison("bulk offload_all + reload_all, memory back to the driver / its adjacent floor",
+                 "floor", "bulk/strata_moves", "", 1.03);
+  add_comparison("bulk offload_all(keep_cached) + reload_all / its adjacent floor", "floor",
+                 "bulk/strata_moves_cached", "", 1.03);
+  add_comparison("offload_all + reload_all: expandable / fixed segments", "faster",
+                 "bulk/strata_moves", "bulk/strata_moves_fixed", 1.0);
 #endif
 }
 
@@ -770,8 +880,8 @@ int main(int argc, char** argv) {
       for (std::string p; std::getline(ss, p, ',');) {
         if (parts.count(p) == 0) {
           std::fprintf(stderr,
-                       "unknown part '%s' (resident, streamed, bytes, layers, tensors, "
-                       "first_step)\n",
+                       "unknown part '%s' (resident, streamed, bulk, bytes, layers, "
+                       "tensors, first_step)\n",
                        p.c_str());
           return 2;
         }
@@ -781,7 +891,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: strata_optim_compare [--out=FILE.json] [--rounds=N] "
-                   "[--parts=resident,streamed,bytes,layers,tensors,first_step]\n");
+                   "[--parts=resident,streamed,bulk,bytes,layers,tensors,first_step]\n");
       return 2;
     }
   }
@@ -811,8 +921,9 @@ int main(int argc, char** argv) {
   g_results.context["start_hbm_gbps"] = str_cat(bw->hbm_gbps);
   g_results.context["start_link_both_per_direction_gbps"] = str_cat(bw->both_per_direction_gbps);
   const std::vector<std::pair<std::string, void (*)(int)>> all = {
-      {"resident", part_resident}, {"streamed", part_streamed}, {"bytes", part_bytes},
-      {"layers", part_layers},     {"tensors", part_tensors},   {"first_step", part_first_step}};
+      {"resident", part_resident},    {"streamed", part_streamed}, {"bulk", part_bulk},
+      {"bytes", part_bytes},          {"layers", part_layers},     {"tensors", part_tensors},
+      {"first_step", part_first_step}};
   for (const auto& [name, run] : all) {
     if (parts.count(name) == 0) continue;
     std::printf("== %s\n", name.c_str());

@@ -4,12 +4,12 @@
 # (tools/gpu/summarize_compare.py); with --probe also tools/gpu/probes/hbm_mix.cu (what a kernel
 # with Adam's reads and writes reaches against a device-to-device copy). Everything goes to OUT.
 #   tools/gpu/run_compare.sh OUT_DIR [PARTS] [ROUNDS] [--probe]
-# PARTS: a comma-separated subset of resident,streamed,bytes,layers,tensors,first_step (all by
+# PARTS: a comma-separated subset of resident,streamed,bulk,bytes,layers,tensors,first_step (all by
 # default; a device call of 10 minutes fits about five of them after the build). The caller names
 # the commit in COMMIT: the device's copy of .git may be older than the tree.
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_compare.sh OUT_DIR [PARTS] [ROUNDS] [--probe]}
-PARTS=${2:-resident,streamed,bytes,layers,tensors,first_step}
+PARTS=${2:-resident,streamed,bulk,bytes,layers,tensors,first_step}
 ROUNDS=${3:-7}
 PROBE=${4:-}
 cd "$(dirname "$0")/../.."

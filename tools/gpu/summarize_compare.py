@@ -250,6 +250,17 @@ def summarize(data, svg_dir=None):
             rm, rl, rh = spread(ratios)
             text += f"  {rm:.4f} [{rl:.4f}, {rh:.4f}] x floor"
         lines.append(text)
+        extras = sorted({k for x in s["samples"] for k in x} - {"ms", "floor_ms", "ref_gbps"})
+        if extras:
+            lines.append(
+                "  "
+                + " " * 34
+                + " "
+                + ", ".join(
+                    f"{k} {statistics.median(x.get(k, 0) for x in s['samples']):.4g}"
+                    for k in extras
+                )
+            )
     lines.append("verdicts")
     for comp in data["comparisons"]:
         values = comparison_values(comp, series)
