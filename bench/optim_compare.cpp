@@ -862,7 +862,7 @@ std::string flag_value(std::string_view arg, std::string_view name) {
 int main(int argc, char** argv) {
   std::string out = "optim_compare.json";
   int rounds = 7;
-  std::set<std::string> parts = {"resident", "streamed", "bytes",
+  std::set<std::string> parts = {"resident", "streamed", "bulk",      "bytes",
                                  "layers",   "tensors",  "first_step"};
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
