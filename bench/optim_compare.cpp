@@ -490,6 +490,14 @@ absl::StatusOr<Sample> with_gpu_tier_stats(rt::Runtime& runtime,
   return s;
 }
 
+// What the bulk policy streams and the PyTorch peer moves: the moments (offload_all's default is
+// every role, parameters and gradients too).
+rt::OffloadOptions moments_only() {
+  rt::OffloadOptions options;
+  options.roles = rt::RoleSet::optimizer_states();
+  return options;
+}
+
 // bulk against the PyTorch .to() round trip, giving the emptied GPU memory back to the driver at
 // every offload_all (the default: another engine may take it) and keeping it in strata's pool
 // (OffloadOptions::keep_cached); offload_all + reload_all alone, with expandable and with fixed
@@ -536,7 +544,9 @@ void part_bulk(int rounds) {
       std::unique_ptr<StrataRig> fixed = bulk_rig(strata::alloc::GpuSegments::kFixed);
       if (expandable == nullptr || fixed == nullptr) return;
       for (StrataRig* r : {expandable.get(), fixed.get()}) {
-        if (absl::Status s = r->runtime->offload_all(); !s.ok()) return fail("offload_all", s);
+        if (absl::Status s = r->runtime->offload_all(moments_only()); !s.ok()) {
+          return fail("offload_all", s);
+        }
       }
       std::vector<Approach> approaches;
       approaches.push_back(bulk("bulk/strata_step",
@@ -564,7 +574,7 @@ void part_bulk(int rounds) {
     {
       std::unique_ptr<StrataRig> cached = bulk_rig(strata::alloc::GpuSegments::kAuto);
       if (cached == nullptr) return;
-      rt::OffloadOptions keep;
+      rt::OffloadOptions keep = moments_only();
       keep.keep_cached = true;
       if (absl::Status s = cached->runtime->offload_all(keep); !s.ok())
         return fail("offload_all", s);
