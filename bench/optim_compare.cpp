@@ -586,6 +586,14 @@ void part_bulk(int rounds) {
       Approach torch_again = torch_bulk;
       torch_again.id = "bulk/torch_bulk_to_2";
       approaches.push_back(torch_again);
+      // The same moves under keep_on_gpu, whose tensors rest on the GPU (the phase switch of a
+      // run that keeps everything resident).
+      std::unique_ptr<StrataRig> resident =
+          must(make_strata_rig(model, "keep_on_gpu", 0, rt::DeviceKind::kCuda), "keep_on_gpu");
+      if (resident == nullptr) return;
+      approaches.push_back(bulk("bulk/keep_on_gpu_moves_cached",
+                                "keep_on_gpu: offload_all(moments, keep_cached) + reload_all",
+                                *resident, false, true));
       approaches.push_back(bulk("bulk/strata_moves_cached",
                                 "strata offload_all(keep_cached) + "
                                 "reload_all",
