@@ -61,6 +61,20 @@ double median(std::vector<double> v) {
 
 #ifdef STRATA_HAS_CUDA
 
+absl::StatusOr<double> sample_hbm() {
+  LinkRig& rig = *g_link;
+  STRATA_RETURN_IF_ERROR(cuda_status(cudaEventRecord(rig.start[0], rig.stream[0]), "record"));
+  STRATA_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(rig.gpu[0], rig.gpu[1], kHbmCopyBytes,
+                                                     cudaMemcpyDeviceToDevice, rig.stream[0]),
+                                     "cudaMemcpyAsync (device to device)"));
+  STRATA_RETURN_IF_ERROR(cuda_status(cudaEventRecord(rig.end[0], rig.stream[0]), "record"));
+  STRATA_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(rig.end[0]), "cudaEventSynchronize"));
+  float ms = 0;
+  STRATA_RETURN_IF_ERROR(
+      cuda_status(cudaEventElapsedTime(&ms, rig.start[0], rig.end[0]), "elapsed"));
+  return gb_per_s(2.0 * kHbmCopyBytes, ms / 1e3);
+}
+
 absl::StatusOr<Bandwidths> measure_bandwidths() {
   auto made = std::make_unique<LinkRig>();
   STRATA_RETURN_IF_ERROR(init_link_rig(*made, kParamSeed ^ kGradSeed));
@@ -70,16 +84,8 @@ absl::StatusOr<Bandwidths> measure_bandwidths() {
 
   std::vector<double> hbm;
   for (int pass = 0; pass <= kHbmPasses; ++pass) {
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventRecord(rig.start[0], rig.stream[0]), "record"));
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(rig.gpu[0], rig.gpu[1], kHbmCopyBytes,
-                                                       cudaMemcpyDeviceToDevice, rig.stream[0]),
-                                       "cudaMemcpyAsync (device to device)"));
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventRecord(rig.end[0], rig.stream[0]), "record"));
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(rig.end[0]), "cudaEventSynchronize"));
-    float ms = 0;
-    STRATA_RETURN_IF_ERROR(
-        cuda_status(cudaEventElapsedTime(&ms, rig.start[0], rig.end[0]), "elapsed"));
-    if (pass > 0) hbm.push_back(gb_per_s(2.0 * kHbmCopyBytes, ms / 1e3));
+    STRATA_ASSIGN_OR_RETURN(double gbps, sample_hbm());
+    if (pass > 0) hbm.push_back(gbps);
   }
   out.hbm_gbps = median(hbm);
 

@@ -216,6 +216,9 @@ inline LinkRig* g_link = nullptr;
 // warm-up. Pinned: each direction alone and both at once, median of 3 passes after a warm-up.
 absl::StatusOr<Bandwidths> measure_bandwidths();
 
+// HBM bandwidth from one 2 GiB device-to-device copy (read + write counted), on g_link's buffers.
+absl::StatusOr<double> sample_hbm();
+
 // An offloaded approach's floor from raw passes right before each of its steps, outside the
 // step's clock (Note [Adjacent floor] in bench/link_rig.h). kConcurrent: both directions at once,
 // as layer_prefetch and the per-layer pipeline move their bytes (floor = bytes each way over the

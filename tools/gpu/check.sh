@@ -9,7 +9,7 @@
 # test, sanitizer and benchmark steps can be left out of one call and run in another
 # (--no-cpu-tests skips only the suites that CI runs anyway).
 # Files in OUT_DIR: summary.txt, allocator_bench.json, allocator_scaling.json and .svg,
-# runtime_bench.json, optim_bench.json, logs.tar.gz (every log).
+# runtime_bench.json, optim_bench.json, compare.json (interleaved verdicts), logs.tar.gz.
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/check.sh OUT_DIR [--quick] [--no-tests] [--no-cpu-tests] [--no-sanitizers] [--no-bench]}
 shift
@@ -141,6 +141,11 @@ REPS=5
   --benchmark_report_aggregates_only=true --benchmark_out="$OUT/optim_bench.json" \
   --benchmark_out_format=json >"$LOGS/optim_bench.txt" 2>&1 || status=1
 tail -5 "$LOGS/optim_bench.txt"
+# The same approaches in alternating rounds, each step after its own reference sample, with
+# verdicts only where every round agrees (bench/optim_compare.cpp; the scaling curves run in
+# tools/gpu/run_compare.sh, which takes a device call of its own).
+"$BUILD/bin/strata_optim_compare" --out="$OUT/compare.json" --rounds=$((REPS + 2)) \
+  --parts=resident,streamed,bulk >"$LOGS/optim_compare.txt" 2>&1 || status=1
 "$BUILD/bin/strata_allocator_bench" --benchmark_repetitions=$REPS \
   --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true --benchmark_out="$OUT/allocator_bench.json" \
   --benchmark_out_format=json >"$LOGS/allocator_bench.txt" 2>&1 || status=1
@@ -172,6 +177,7 @@ step "summary"
     json="$OUT/${bench%%:*}_bench.json"
     [ -f "$json" ] && { python3 "tools/gpu/${bench#*:}.py" "$json" || true; }
   done
+  [ -f "$OUT/compare.json" ] && { python3 tools/gpu/summarize_compare.py "$OUT/compare.json" || true; }
 } | tee "$OUT/summary.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 exit $status
