@@ -269,21 +269,45 @@ void part_bulk(int rounds) {
     auto bulk_rig = [&](strata::alloc::GpuSegments segments) {
       return must(make_strata_rig(model, "bulk", 0, rt::DeviceKind::kCuda, segments), "bulk");
     };
-    // A bulk step (reload_all, step, offload_all) or the moves alone, timed with the tier's work.
+    // A bulk step (reload_all, step, offload_all) or the moves alone, timed with the tier's work;
+    // each half's time and the bytes each direction moved go into the sample, and a sample whose
+    // bytes are not the floor's is an error (offload_all's default role set once moved parameters
+    // and gradients too, unnoticed).
     auto bulk = [&](std::string id, std::string label, StrataRig& r, bool step, bool keep) {
-      return Approach{std::move(id), std::move(label), [&r, step, keep, moments] {
-                        return with_gpu_tier_stats(*r.runtime, [&] {
-                          return offloaded_sample(LinkFloor::kSequential, moments,
-                                                  [&]() -> absl::Status {
-                                                    STRATA_RETURN_IF_ERROR(r.runtime->reload_all());
-                                                    if (step)
-                                                      STRATA_RETURN_IF_ERROR(r.adam->step());
-                                                    rt::OffloadOptions options;
-                                                    options.keep_cached = keep;
-                                                    return r.runtime->offload_all(options);
-                                                  });
-                        });
-                      }};
+      return Approach{
+          std::move(id), std::move(label), [&r, step, keep, moments]() -> absl::StatusOr<Sample> {
+            const rt::RuntimeStats before = r.runtime->stats();
+            double reload_ms = 0;
+            double offload_ms = 0;
+            STRATA_ASSIGN_OR_RETURN(Sample s, with_gpu_tier_stats(*r.runtime, [&] {
+                                      return offloaded_sample(
+                                          LinkFloor::kSequential, moments, [&]() -> absl::Status {
+                                            const Clock::time_point t0 = Clock::now();
+                                            STRATA_RETURN_IF_ERROR(r.runtime->reload_all());
+                                            const Clock::time_point t1 = Clock::now();
+                                            if (step) STRATA_RETURN_IF_ERROR(r.adam->step());
+                                            rt::OffloadOptions options = moments_only();
+                                            options.keep_cached = keep;
+                                            const Clock::time_point t2 = Clock::now();
+                                            STRATA_RETURN_IF_ERROR(r.runtime->offload_all(options));
+                                            reload_ms = seconds_between(t0, t1) * 1e3;
+                                            offload_ms = seconds_between(t2, Clock::now()) * 1e3;
+                                            return absl::OkStatus();
+                                          });
+                                    }));
+            const rt::RuntimeStats after = r.runtime->stats();
+            const double h2d =
+                static_cast<double>(after.migrated_bytes_h2d - before.migrated_bytes_h2d);
+            const double d2h =
+                static_cast<double>(after.migrated_bytes_d2h - before.migrated_bytes_d2h);
+            if (h2d != moments || d2h != moments) {
+              return absl::InternalError(str_cat("moved ", h2d, " bytes to the GPU and ", d2h,
+                                                 " back; the floor counts ", moments, " each way"));
+            }
+            s.extra["reload_ms"] = reload_ms;
+            s.extra["offload_ms"] = offload_ms;
+            return s;
+          }};
     };
     {
       std::unique_ptr<StrataRig> expandable = bulk_rig(strata::alloc::GpuSegments::kExpandable);
@@ -337,6 +361,9 @@ void part_bulk(int rounds) {
       std::unique_ptr<StrataRig> resident =
           must(make_strata_rig(model, "keep_on_gpu", 0, rt::DeviceKind::kCuda), "keep_on_gpu");
       if (resident == nullptr) return;
+      if (absl::Status s = resident->runtime->offload_all(keep); !s.ok()) {
+        return fail("keep_on_gpu offload_all", s);
+      }
       approaches.push_back(bulk("bulk/keep_on_gpu_moves_cached",
                                 "keep_on_gpu: offload_all(moments, keep_cached) + reload_all",
                                 *resident, false, true));

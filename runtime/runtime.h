@@ -101,7 +101,9 @@ struct RuntimeStats {
   std::int64_t migrated_bytes_h2h = 0;  // pinned <-> pageable
   std::int64_t num_migrations = 0;      // completed
   std::int64_t failed_migrations = 0;   // refused or failed, tensor left at its source
-  double h2d_busy_ms = 0;               // time the H2D stream spent copying (completed copies)
+  // Time the H2D stream spent copying, over completed copies of 1 MiB or more (Note [Timed
+  // copies] in migration.cpp: timing a smaller copy costs as much host time as the copy).
+  double h2d_busy_ms = 0;
   double d2h_busy_ms = 0;
   std::int64_t timed_bytes_h2d = 0;  // bytes of the copies behind h2d_busy_ms
   std::int64_t timed_bytes_d2h = 0;
