@@ -203,10 +203,6 @@ TYPED_TEST(UpstreamConformance, RangesMapAndUnmapInPieces) {
   ASSERT_TRUE(up.map_range(base, 2 * g).ok());
   ASSERT_TRUE(up.map_range(base + 2 * g, g).ok());
   this->expect_usable(base, 3 * g);  // across the two mappings
-  const absl::Status twice = up.map_range(base + g, g);
-  EXPECT_FALSE(twice.ok()) << "mapping over a mapping";
-  const absl::Status partial = up.unmap_range(base, g);
-  EXPECT_FALSE(partial.ok()) << "unmapping part of one mapping";
   ASSERT_TRUE(up.unmap_range(base, 2 * g).ok());
   this->expect_usable(base + 2 * g, g);
   ASSERT_TRUE(up.map_range(base, 2 * g).ok());
@@ -216,6 +212,26 @@ TYPED_TEST(UpstreamConformance, RangesMapAndUnmapInPieces) {
   ASSERT_TRUE(up.release_range(range->base, range->bytes).ok());
 }
 
+// Misuse is refused and leaves the mappings as they were. The driver reports the refused call to
+// compute-sanitizer as an API error, so tools/gpu/check.sh leaves this test (*Refused*) out of its
+// memcheck runs.
+TYPED_TEST(UpstreamConformance, MappingOverAMappingIsRefused) {
+  Upstream& up = *this->upstream_;
+  const std::size_t g = up.expansion_granularity();
+  if (g == 0) GTEST_SKIP() << up.name() << " has no expandable segments";
+  absl::StatusOr<Upstream::Range> range = up.reserve_range(4 * g, 4 * g);
+  ASSERT_TRUE(range.ok()) << range.status();
+  auto* base = static_cast<std::byte*>(range->base);
+  ASSERT_TRUE(up.map_range(base, 2 * g).ok());
+  EXPECT_FALSE(up.map_range(base + g, g).ok()) << "mapping over a mapping";
+  EXPECT_FALSE(up.unmap_range(base, g).ok()) << "unmapping part of one mapping";
+  this->expect_usable(base, 2 * g);
+  ASSERT_TRUE(up.unmap_range(base, 2 * g).ok());
+  ASSERT_TRUE(up.release_range(range->base, range->bytes).ok());
+}
+
+// Runs out of device memory on purpose: left out of check.sh's memcheck runs (*MappingPast*), as
+// the driver's out-of-memory answer is an API error there.
 TYPED_TEST(UpstreamConformance, MappingPastTheMemoryIsResourceExhaustedAndHarmless) {
   Upstream& up = *this->upstream_;
   const std::size_t g = up.expansion_granularity();
