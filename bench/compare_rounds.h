@@ -96,6 +96,10 @@ std::unique_ptr<StrataRig> must(absl::StatusOr<std::unique_ptr<StrataRig>> made,
 
 // Frees what LibTorch cached, so the next part starts with the GPU and pinned memory free.
 void empty_caches();
+
+// The first_step part (bench/compare_first_step.cpp): time from nothing to the end of the first
+// step and the host memory it took, in `rounds` rounds over 2 .. 32 layers of the full model.
+void part_first_step(int rounds);
 #endif  // STRATA_HAS_CUDA
 
 }  // namespace strata::bench
