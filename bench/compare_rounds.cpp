@@ -168,39 +168,37 @@ absl::StatusOr<Sample> offloaded_sample(LinkFloor::Kind kind, double bytes_each_
   return s;
 }
 
+absl::Status check_moved(const rt::RuntimeStats& before, const rt::RuntimeStats& after,
+                         double bytes_each_way) {
+  const double h2d = static_cast<double>(after.migrated_bytes_h2d - before.migrated_bytes_h2d);
+  const double d2h = static_cast<double>(after.migrated_bytes_d2h - before.migrated_bytes_d2h);
+  if (h2d == bytes_each_way && d2h == bytes_each_way) return absl::OkStatus();
+  return absl::InternalError(str_cat("moved ", h2d, " bytes to the GPU and ", d2h,
+                                     " back; the floor counts ", bytes_each_way, " each way"));
+}
+
 Approach strata_streamed(std::string id, std::string label, StrataRig& r) {
-  return {
-      std::move(id), std::move(label), [&r]() -> absl::StatusOr<Sample> {
-        const rt::RuntimeStats before = r.runtime->stats();
-        double host_ms = 0;
-        STRATA_ASSIGN_OR_RETURN(
-            Sample s,
-            offloaded_sample(LinkFloor::kConcurrent, r.model.moment_bytes(), [&]() -> absl::Status {
-              const Clock::time_point t0 = Clock::now();
-              absl::Status step = r.adam->step();
-              host_ms = seconds_between(t0, Clock::now()) * 1e3;
-              return step;
-            }));
-        const rt::RuntimeStats after = r.runtime->stats();
-        // The floor counts every moment byte each way: a step that moved less (a layer kept
-        // resident) or more would be judged against the wrong floor.
-        const double moments = r.model.moment_bytes();
-        const double h2d =
-            static_cast<double>(after.migrated_bytes_h2d - before.migrated_bytes_h2d);
-        const double d2h =
-            static_cast<double>(after.migrated_bytes_d2h - before.migrated_bytes_d2h);
-        if (h2d != moments || d2h != moments) {
-          return absl::InternalError(str_cat("the step moved ", h2d, " bytes to the GPU and ", d2h,
-                                             " back; the floor counts ", moments, " each way"));
-        }
-        s.extra["host_ms"] = host_ms;
-        s.extra["host_syncs"] = static_cast<double>(after.host_syncs - before.host_syncs);
-        s.extra["prefetch_waits"] =
-            static_cast<double>(after.prefetch_waits - before.prefetch_waits);
-        s.extra["prefetch_stall_ms"] =
-            static_cast<double>(after.prefetch_stall_ns - before.prefetch_stall_ns) / 1e6;
-        return s;
-      }};
+  return {std::move(id), std::move(label), [&r]() -> absl::StatusOr<Sample> {
+            const rt::RuntimeStats before = r.runtime->stats();
+            double host_ms = 0;
+            STRATA_ASSIGN_OR_RETURN(
+                Sample s, offloaded_sample(LinkFloor::kConcurrent, r.model.moment_bytes(),
+                                           [&]() -> absl::Status {
+                                             const Clock::time_point t0 = Clock::now();
+                                             absl::Status step = r.adam->step();
+                                             host_ms = seconds_between(t0, Clock::now()) * 1e3;
+                                             return step;
+                                           }));
+            const rt::RuntimeStats after = r.runtime->stats();
+            STRATA_RETURN_IF_ERROR(check_moved(before, after, r.model.moment_bytes()));
+            s.extra["host_ms"] = host_ms;
+            s.extra["host_syncs"] = static_cast<double>(after.host_syncs - before.host_syncs);
+            s.extra["prefetch_waits"] =
+                static_cast<double>(after.prefetch_waits - before.prefetch_waits);
+            s.extra["prefetch_stall_ms"] =
+                static_cast<double>(after.prefetch_stall_ns - before.prefetch_stall_ns) / 1e6;
+            return s;
+          }};
 }
 
 std::unique_ptr<StrataRig> must(absl::StatusOr<std::unique_ptr<StrataRig>> made,

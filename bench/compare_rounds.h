@@ -85,6 +85,11 @@ absl::Status interleave(std::string_view part, std::vector<Approach>& approaches
 absl::StatusOr<Sample> offloaded_sample(LinkFloor::Kind kind, double bytes_each_way,
                                         const std::function<absl::Status()>& step);
 
+// The floor counts `bytes_each_way` in each direction: a step that moved less (a layer kept
+// resident) or more (another role) is judged against the wrong floor, and is an error.
+absl::Status check_moved(const rt::RuntimeStats& before, const rt::RuntimeStats& after,
+                         double bytes_each_way);
+
 // A streamed strata step with what the runtime says about it: how long the host took to queue it
 // (host_ms: Adam::step returning; the rest of ms is the device finishing), its host waits and the
 // compute stream's waits for copies.

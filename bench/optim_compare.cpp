@@ -295,15 +295,7 @@ void part_bulk(int rounds) {
                                             return absl::OkStatus();
                                           });
                                     }));
-            const rt::RuntimeStats after = r.runtime->stats();
-            const double h2d =
-                static_cast<double>(after.migrated_bytes_h2d - before.migrated_bytes_h2d);
-            const double d2h =
-                static_cast<double>(after.migrated_bytes_d2h - before.migrated_bytes_d2h);
-            if (h2d != moments || d2h != moments) {
-              return absl::InternalError(str_cat("moved ", h2d, " bytes to the GPU and ", d2h,
-                                                 " back; the floor counts ", moments, " each way"));
-            }
+            STRATA_RETURN_IF_ERROR(check_moved(before, r.runtime->stats(), moments));
             s.extra["reload_ms"] = reload_ms;
             s.extra["offload_ms"] = offload_ms;
             return s;
