@@ -94,11 +94,11 @@ absl::Status write_json(const std::string& path) {
 }
 
 void add_comparison(std::string_view name, std::string_view kind, std::string_view a,
-                    std::string_view b, double goal) {
-  g_results.comparisons.push_back(str_cat("{\"name\": ", json_string(name),
-                                          ", \"kind\": ", json_string(kind),
-                                          ", \"a\": ", json_string(a), ", \"b\": ", json_string(b),
-                                          ", \"goal\": ", json_number(goal), "}"));
+                    std::string_view b, double goal, std::string_view floor) {
+  g_results.comparisons.push_back(
+      str_cat("{\"name\": ", json_string(name), ", \"kind\": ", json_string(kind),
+              ", \"a\": ", json_string(a), ", \"b\": ", json_string(b),
+              ", \"goal\": ", json_number(goal), ", \"floor\": ", json_string(floor), "}"));
 }
 
 void add_curve(std::string_view name, std::string_view x_label, const std::vector<std::string>& ids,

@@ -55,8 +55,9 @@ absl::Status write_json(const std::string& path);
 // when every round's ratio is below `goal` (1: a faster), FAIL when every one is above it;
 // "floor": a's ms over its floor, PASS when every round is at most `goal`; "fraction": a's floor
 // over its ms (the fraction of the reference reached), PASS when every round reaches `goal`.
+// `floor` names the sample field "floor" divides by: floor_ms, or one of the sample's extras.
 void add_comparison(std::string_view name, std::string_view kind, std::string_view a,
-                    std::string_view b, double goal);
+                    std::string_view b, double goal, std::string_view floor = "floor_ms");
 
 // A curve: the series `ids` at x values `xs`, y = "ms" or "ms_over_floor"; the summary fits a
 // line (with x in moment bytes, its slope is compared with the link's).
@@ -101,6 +102,10 @@ std::unique_ptr<StrataRig> must(absl::StatusOr<std::unique_ptr<StrataRig>> made,
 
 // Frees what LibTorch cached, so the next part starts with the GPU and pinned memory free.
 void empty_caches();
+
+// The mixed part (bench/compare_mixed.cpp): the bfloat16 step with float32 masters, resident and
+// streamed, against PyTorch's best ways, in `rounds` rounds.
+void part_mixed(int rounds);
 
 // The first_step part (bench/compare_first_step.cpp): time from nothing to the end of the first
 // step and the host memory it took, in `rounds` rounds over 2 .. 32 layers of the full model.

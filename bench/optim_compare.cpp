@@ -22,6 +22,11 @@
 //   layers      layer_prefetch K=1 over 128e6 parameters in 8, 32, 128, 512 layers of one tensor.
 //   tensors     layer_prefetch K=1 and the LibTorch pipeline over 100 layers of 100 tensors of
 //               4 KiB .. 1 MiB (10^4 tensors) and over the same layers as one tensor each.
+//   mixed       bfloat16 parameters with float32 masters and moments (bench/compare_mixed.cpp):
+//               strata keep_on_gpu against PyTorch's fused AdamW over float32 masters;
+//               layer_prefetch K=1 and K=2 streaming masters and moments against PyTorch's
+//               per-layer pipeline with pinned states at 2 and 3 slots, each step judged against
+//               its link floor and a floor over its own pinned buffers.
 //   first_step  from nothing to the end of the first step, and the host memory it took (RSS,
 //               pinned reserved and held), for strata layer_prefetch K=1, the LibTorch pipeline
 //               and torch's CPU AdamW, at 2 .. 32 layers.
@@ -526,8 +531,8 @@ std::string flag_value(std::string_view arg, std::string_view name) {
 int main(int argc, char** argv) {
   std::string out = "optim_compare.json";
   int rounds = 7;
-  std::set<std::string> parts = {"resident", "streamed", "bulk",      "bytes",
-                                 "layers",   "tensors",  "first_step"};
+  std::set<std::string> parts = {"resident", "streamed", "bulk",       "bytes",
+                                 "layers",   "tensors",  "first_step", "mixed"};
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
     if (std::string v = flag_value(arg, "--out="); !v.empty()) {
@@ -545,7 +550,7 @@ int main(int argc, char** argv) {
         if (parts.count(p) == 0) {
           std::fprintf(stderr,
                        "unknown part '%s' (resident, streamed, bulk, bytes, layers, "
-                       "tensors, first_step)\n",
+                       "tensors, first_step, mixed)\n",
                        p.c_str());
           return 2;
         }
@@ -555,7 +560,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: strata_optim_compare [--out=FILE.json] [--rounds=N] "
-                   "[--parts=resident,streamed,bulk,bytes,layers,tensors,first_step]\n");
+                   "[--parts=resident,streamed,bulk,bytes,layers,tensors,first_step,mixed]\n");
       return 2;
     }
   }
@@ -585,9 +590,9 @@ int main(int argc, char** argv) {
   g_results.context["start_hbm_gbps"] = str_cat(bw->hbm_gbps);
   g_results.context["start_link_both_per_direction_gbps"] = str_cat(bw->both_per_direction_gbps);
   const std::vector<std::pair<std::string, void (*)(int)>> all = {
-      {"resident", part_resident},    {"streamed", part_streamed}, {"bulk", part_bulk},
-      {"bytes", part_bytes},          {"layers", part_layers},     {"tensors", part_tensors},
-      {"first_step", part_first_step}};
+      {"resident", part_resident},     {"streamed", part_streamed}, {"bulk", part_bulk},
+      {"bytes", part_bytes},           {"layers", part_layers},     {"tensors", part_tensors},
+      {"first_step", part_first_step}, {"mixed", part_mixed}};
   for (const auto& [name, run] : all) {
     if (parts.count(name) == 0) continue;
     std::printf("== %s\n", name.c_str());

@@ -1,5 +1,6 @@
 """Reading Google Benchmark JSON for strata's summarizers: the rows of each benchmark grouped by
 run name, with the median (aggregate or computed) and the worst repetition of a counter."""
+
 import json
 import statistics
 
@@ -22,6 +23,10 @@ class Group:
             return self.aggregates["median"][counter]
         values = [r[counter] for r in self.iterations if counter in r]
         return statistics.median(values) if values else None
+
+    def per_repetition(self, counter):
+        """The counter's value in each repetition ([] when the JSON holds aggregates only)."""
+        return [r[counter] for r in self.iterations if counter in r]
 
     def worst(self, counter):
         """The largest value over the repetitions, for counters that must stay 0. With aggregates
@@ -77,6 +82,21 @@ class Verdicts:
             self.results.append(ok)
             text = "PASS" if ok else "FAIL"
         print(f"  {label}: {text}")
+
+    def judge(self, label, values, goal, at_least):
+        """A target judged over repetitions: PASS when every repetition meets it, FAIL when none
+        does, WITHIN NOISE otherwise (counted as not passing), MISSING without values."""
+        if not values:
+            self.add(label, None, "no repetitions in the JSON")
+            return
+        ok = [v >= goal if at_least else v <= goal for v in values]
+        text = "PASS" if all(ok) else "FAIL" if not any(ok) else "WITHIN NOISE"
+        self.results.append(text == "PASS")
+        print(
+            f"  {label}: median {statistics.median(values):.4f} [{min(values):.4f}, "
+            f"{max(values):.4f}] over {len(values)} repetitions "
+            f"({'>=' if at_least else '<='} {goal}): {text}"
+        )
 
     def all_pass(self):
         return all(self.results)

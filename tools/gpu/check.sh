@@ -147,7 +147,7 @@ tail -5 "$LOGS/optim_bench.txt"
 # verdicts only where every round agrees (bench/optim_compare.cpp; the scaling curves run in
 # tools/gpu/run_compare.sh, which takes a device call of its own).
 "$BUILD/bin/strata_optim_compare" --out="$OUT/compare.json" --rounds=$((REPS + 2)) \
-  --parts=resident,streamed,bulk >"$LOGS/optim_compare.txt" 2>&1 || status=1
+  --parts=resident,streamed,bulk,mixed >"$LOGS/optim_compare.txt" 2>&1 || status=1
 "$BUILD/bin/strata_allocator_bench" --benchmark_repetitions=$REPS \
   --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true --benchmark_out="$OUT/allocator_bench.json" \
   --benchmark_out_format=json >"$LOGS/allocator_bench.txt" 2>&1 || status=1
@@ -160,8 +160,10 @@ tail -5 "$LOGS/allocator_bench.txt"
   --benchmark_out_format=json >"$LOGS/allocator_scaling.txt" 2>&1 || status=1
 python3 tools/plot_scaling.py "$OUT/allocator_scaling.json" "$OUT/allocator_scaling.svg" \
   --goal-ns=200 --title="strata pooled allocate+deallocate against live blocks" || status=1
+# Every repetition kept, in random interleaving: the summary judges them one by one.
 "$BUILD/bin/strata_runtime_bench" --benchmark_repetitions=$REPS \
-  --benchmark_report_aggregates_only=true --benchmark_out="$OUT/runtime_bench.json" \
+  --benchmark_enable_random_interleaving=true --benchmark_display_aggregates_only=true \
+  --benchmark_out="$OUT/runtime_bench.json" \
   --benchmark_out_format=json >"$LOGS/runtime_bench.txt" 2>&1 || status=1
 tail -5 "$LOGS/runtime_bench.txt"
 

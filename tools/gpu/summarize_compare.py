@@ -6,8 +6,9 @@ A verdict is given only where the difference is larger than the spread of the ro
 approaches ran in alternation, so round i of one is paired with round i of the other.
 - faster (a / b, round by round): PASS when every round's ratio is below the goal (1: a faster),
   FAIL when every one is above it, WITHIN NOISE otherwise.
-- floor (a / its own adjacent floor): PASS when every round is at or below the goal, FAIL when
-  every round is above it, WITHIN NOISE otherwise.
+- floor (a / its own adjacent floor: the sample's floor_ms, or the field the comparison names):
+  PASS when every round is at or below the goal, FAIL when every round is above it, WITHIN NOISE
+  otherwise.
 - fraction (a's floor / a, the share of the reference reached): PASS when every round reaches the
   goal, FAIL when none does, WITHIN NOISE otherwise.
 
@@ -54,7 +55,8 @@ def comparison_values(comp, series):
             return []
         return [x["ms"] / y["ms"] for x, y in zip(a["samples"], b["samples"]) if y["ms"] > 0]
     if comp["kind"] == "floor":
-        return [x["ms"] / x["floor_ms"] for x in a["samples"] if x["floor_ms"] > 0]
+        field = comp.get("floor", "floor_ms")
+        return [x["ms"] / x[field] for x in a["samples"] if x.get(field, 0) > 0]
     return [x["floor_ms"] / x["ms"] for x in a["samples"] if x["ms"] > 0]
 
 

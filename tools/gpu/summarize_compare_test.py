@@ -47,6 +47,20 @@ class VerdictTest(unittest.TestCase):
         self.assertEqual(sc.verdict("fraction", [0.84, 0.86], 0.85), "WITHIN NOISE")
         self.assertEqual(sc.verdict("floor", [], 1.03), "NOT RUN")
 
+    def test_floor_can_name_another_field(self):
+        data = {"a": series([10.2, 10.3], [10.0, 10.0])}
+        data["a"]["samples"][0]["own_floor_ms"] = 9.0
+        data["a"]["samples"][1]["own_floor_ms"] = 10.3
+        comp = {"kind": "floor", "a": "a", "b": "", "goal": 1.03}
+        self.assertEqual(sc.verdict("floor", sc.comparison_values(comp, data), 1.03), "PASS")
+        comp["floor"] = "own_floor_ms"
+        values = sc.comparison_values(comp, data)
+        self.assertAlmostEqual(values[0], 10.2 / 9.0)
+        self.assertEqual(sc.verdict("floor", values, 1.03), "WITHIN NOISE")
+        # A sample without the field is left out, not divided by zero.
+        del data["a"]["samples"][0]["own_floor_ms"]
+        self.assertEqual(len(sc.comparison_values(comp, data)), 1)
+
     def test_failed_series_is_not_judged(self):
         data = {"a": series([1.0]), "b": series([2.0])}
         data["a"]["error"] = "DATA_LOSS: wrong"
