@@ -1,13 +1,14 @@
 // bench/compare_first_step.cpp: strata_optim_compare's first_step part (bench/compare_rounds.h):
 // from nothing to the end of the first step, and the host memory it took, for strata
 // layer_prefetch K=1, the LibTorch pipeline and torch's fused AdamW on the CPU, at 2 .. 32 layers.
+#include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "allocator/tier.h"
+#include "base/host_memory.h"
 #include "base/strings.h"
 #include "bench/compare_rounds.h"
 #include "bench/optim_common.h"
@@ -24,15 +25,8 @@ namespace {
 
 using alloc::Tier;
 
-// Resident set size of this process, from /proc/self/status (bytes; 0 where unreadable).
-double rss_bytes() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
-  }
-  return 0;
-}
+// Resident set size of this process (bytes; 0 where unreadable).
+double rss_bytes() { return static_cast<double>(std::max<std::int64_t>(resident_bytes(), 0)); }
 
 }  // namespace
 

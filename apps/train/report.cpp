@@ -25,6 +25,9 @@ std::string exact(double v) {
   return buf;
 }
 
+// A byte count, or null where it is unknown (-1).
+std::string json_bytes(std::int64_t v) { return v >= 0 ? std::to_string(v) : "null"; }
+
 std::string json_quoted(std::string_view s) {
   std::string out = "\"";
   for (char c : s) {
@@ -225,8 +228,9 @@ std::string phase_switch_line(const RunResult& run, const PhaseSwitchRecord& s) 
 std::string summary_table(const Report& report) {
   char row[512];
   std::string out;
-  std::snprintf(row, sizeof(row), "%-22s %-6s %12s %12s %12s %12s %12s %12s\n", "run", "status",
-                "final loss", "step ms", "optim ms", "H2D/step", "D2H/step", "peak GPU");
+  std::snprintf(row, sizeof(row), "%-22s %-6s %12s %12s %12s %12s %12s %12s %12s\n", "run",
+                "status", "final loss", "step ms", "optim ms", "H2D/step", "D2H/step", "peak GPU",
+                "peak host");
   out += row;
   out += std::string(std::strlen(row) - 1, '-') + "\n";
   for (const RunResult& r : report.runs) {
@@ -239,10 +243,14 @@ std::string summary_table(const Report& report) {
     const StepRecord& last = r.steps.back();
     const std::string peak =
         peak_gpu_bytes(r) > 0 ? format_bytes(peak_gpu_bytes(r)) : std::string("n/a (CPU)");
-    std::snprintf(row, sizeof(row), "%-22s %-6s %12s %12s %12s %12s %12s %12s\n", r.name.c_str(),
-                  "ok", fixed(last.loss, 6).c_str(), fixed(median_step_ms(r), 2).c_str(),
-                  fixed(median_optimizer_ms(r), 2).c_str(), format_bytes(last.h2d_bytes).c_str(),
-                  format_bytes(last.d2h_bytes).c_str(), peak.c_str());
+    // The process's resident set at its peak during the run (other runs' leftovers included).
+    const std::string host =
+        r.peak_host_rss_bytes >= 0 ? format_bytes(r.peak_host_rss_bytes) : std::string("n/a");
+    std::snprintf(row, sizeof(row), "%-22s %-6s %12s %12s %12s %12s %12s %12s %12s\n",
+                  r.name.c_str(), "ok", fixed(last.loss, 6).c_str(),
+                  fixed(median_step_ms(r), 2).c_str(), fixed(median_optimizer_ms(r), 2).c_str(),
+                  format_bytes(last.h2d_bytes).c_str(), format_bytes(last.d2h_bytes).c_str(),
+                  peak.c_str(), host.c_str());
     out += row;
   }
   if (report.options.phase_switch_every > 0) {
@@ -320,11 +328,15 @@ std::string to_json(const Report& report) {
                ", \"median_optimizer_ms\": ", exact(median_optimizer_ms(r)),
                ", \"peak_gpu_bytes\": ", peak_gpu_bytes(r),
                ", \"peak_strata_gpu_bytes\": ", peak_strata_gpu_bytes(r), ", \"final_loss\": ",
-               r.steps.empty() ? std::string("null") : exact(r.steps.back().loss), ",\n");
+               r.steps.empty() ? std::string("null") : exact(r.steps.back().loss),
+               ", \"host_rss_at_start_bytes\": ", json_bytes(r.host_rss_at_start_bytes),
+               ", \"peak_host_rss_bytes\": ", json_bytes(r.peak_host_rss_bytes), ",\n");
     if (r.strata) {
       str_append(
           &j, "     \"state_bytes\": ", r.state_bytes, ", \"staging_bytes\": ", r.staging_bytes,
           ", \"staged_peak_bytes\": ", r.staged_peak_bytes, ", \"host_syncs\": ", r.host_syncs,
+          ", \"pinned_reserved_peak_bytes\": ", r.pinned_reserved_peak_bytes,
+          ", \"undo_peak_bytes\": ", r.undo_peak_bytes,
           ", \"leak_free\": ", r.leak_free ? "true" : "false",
           ", \"leak_report\": ", json_quoted(r.leak_report),
           ",\n     \"allocator\": ", r.allocator_json.empty() ? "null" : r.allocator_json, ",\n");
@@ -365,7 +377,8 @@ std::string to_json(const Report& report) {
                  ", \"strata_gpu_bytes\": ", s.strata_gpu_bytes,
                  ", \"fragmentation\": {\"gpu\": ", exact(s.fragmentation[0]),
                  ", \"pinned_host\": ", exact(s.fragmentation[1]),
-                 ", \"pageable_host\": ", exact(s.fragmentation[2]), "}}");
+                 ", \"pageable_host\": ", exact(s.fragmentation[2]),
+                 "}, \"host_rss_bytes\": ", json_bytes(s.host_rss_bytes), "}");
     }
     str_append(&j, r.steps.empty() ? "]" : "\n     ]", "}",
                i + 1 < report.runs.size() ? ",\n" : "\n");

@@ -13,6 +13,7 @@
 #include "apps/train/pinned_states.h"
 #include "apps/train/torch_adamw.h"
 #include "apps/train/torch_device.h"
+#include "base/host_memory.h"
 #include "bridge/grad_stats.h"
 #include "bridge/model_hooks.h"
 #include "bridge/status.h"
@@ -291,6 +292,10 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       for (rt::Tier tier : alloc::kAllTiers) {
         r.fragmentation[alloc::tier_index(tier)] = rt.allocator().stats(tier).fragmentation;
       }
+      r.host_rss_bytes = resident_bytes();
+      result.pinned_reserved_peak_bytes =
+          std::max(result.pinned_reserved_peak_bytes,
+                   rt.allocator().stats(rt::Tier::kPinnedHost).reserved_bytes.peak);
       result.steps.push_back(r);
       if (o.phase_switch_every > 0 && step % o.phase_switch_every == 0) {
         const PhaseSwitchOps ops{
@@ -319,6 +324,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     result.host_syncs = end.host_syncs;
     result.staged_peak_bytes = end.staged_peak_bytes;
     result.staging_bytes = end.staging_bytes;
+    result.undo_peak_bytes = end.undo_peak_bytes;
     result.allocator_table = rt.allocator().format_stats();
     result.allocator_json = rt.allocator().stats_json();
 
@@ -459,6 +465,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
       r.d2h_bytes = bytes;
     }
     r.peak_gpu_bytes = torch_peak_bytes(o);
+    r.host_rss_bytes = resident_bytes();
     result.steps.push_back(r);
     if (o.phase_switch_every > 0 && step % o.phase_switch_every == 0) {
       const bool states_resident = which == TorchBaseline::kResident;
@@ -486,6 +493,8 @@ RunResult run_strata(const TrainOptions& options, const std::string& policy,
   result.name = policy;
   result.strata = true;
   bool started = false;
+  const bool fresh_peak = reset_peak_resident();
+  result.host_rss_at_start_bytes = resident_bytes();
   try {
     train_strata(options, policy, on_step, result, started);
   } catch (const std::exception& e) {
@@ -500,6 +509,7 @@ RunResult run_strata(const TrainOptions& options, const std::string& policy,
           "streams them too)";
     }
   }
+  result.peak_host_rss_bytes = fresh_peak ? peak_resident_bytes() : -1;
   release_torch_cache(options);
   return result;
 }
@@ -512,12 +522,15 @@ RunResult run_torch(const TrainOptions& options, TorchBaseline which, const Step
   RunResult result;
   result.name = baseline_name(which);
   result.strata = false;
+  const bool fresh_peak = reset_peak_resident();
+  result.host_rss_at_start_bytes = resident_bytes();
   try {
     train_torch(options, which, on_step, result);
   } catch (const std::exception& e) {
     result.ok = false;
     result.error = message_of(e);
   }
+  result.peak_host_rss_bytes = fresh_peak ? peak_resident_bytes() : -1;
   release_torch_cache(options);
   return result;
 }

@@ -83,6 +83,7 @@ struct StepRecord {
   std::int64_t peak_gpu_bytes = 0;    // strata's GPU memory and torch's own, at their peaks
   std::int64_t strata_gpu_bytes = 0;  // of which strata's (GPU tier and staging ring, <= budget)
   double fragmentation[alloc::kNumTiers] = {};  // strata runs: per tier, at the end of the step
+  std::int64_t host_rss_bytes = -1;  // the process's resident set at the step's end (-1: unknown)
 };
 
 // One phase switch (apps/train/phase_switch.h).
@@ -122,6 +123,11 @@ struct RunResult {
   bool failed_at_setup = false;
   std::vector<StepRecord> steps;
   std::vector<PhaseSwitchRecord> phase_switches;  // with TrainOptions::phase_switch_every
+  // Host memory: the process's resident set when the run began and at its peak during the run
+  // (base/host_memory.h); -1 where unknown (the peak: where it could not be started anew, so that
+  // it would cover earlier runs too).
+  std::int64_t host_rss_at_start_bytes = -1;
+  std::int64_t peak_host_rss_bytes = -1;
   // strata runs:
   std::string allocator_table;  // per-tier statistics at the end of training
   std::string allocator_json;
@@ -132,6 +138,10 @@ struct RunResult {
   std::int64_t staging_bytes = 0;
   std::int64_t setup_gpu_bytes = 0;  // strata's GPU memory at its peak during setup
   std::int64_t state_bytes = 0;      // Adam moments registered
+  // The pinned tier's reserved bytes at their peak over the steps, and the undo log's peak (Note
+  // [Undo log] in runtime/undo.cpp: what an overlapped step keeps for a redo).
+  std::int64_t pinned_reserved_peak_bytes = 0;
+  std::int64_t undo_peak_bytes = 0;
 };
 
 // Called after each step with the run so far (for progress lines).

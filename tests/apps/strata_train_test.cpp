@@ -140,6 +140,11 @@ TEST(StrataTrainTest, CompareGivesIdenticalLossesAndAJsonWithEveryField) {
                             "\"waited_ms\"",
                             "\"fragmentation\"",
                             "\"pinned_host\"",
+                            "\"host_rss_bytes\"",
+                            "\"host_rss_at_start_bytes\"",
+                            "\"peak_host_rss_bytes\"",
+                            "\"pinned_reserved_peak_bytes\"",
+                            "\"undo_peak_bytes\"",
                             "\"policies_compared\"",
                             "\"max_loss_diff_vs_torch\""}) {
     EXPECT_TRUE(contains(j, field)) << field;

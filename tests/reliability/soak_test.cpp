@@ -6,15 +6,14 @@
 //
 // GpuSoakTest runs on the GPU (label gpu; STRATA_SOAK_STEPS, default 3000); SoakTest runs the same
 // loop on the simulated device for a few hundred steps, so the logic is exercised in CI.
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "allocator/upstream.h"
+#include "base/host_memory.h"
 #include "gtest/gtest.h"
 #include "optim/adam.h"
 #include "policies/builtin.h"
@@ -30,13 +29,6 @@ constexpr bool kSanitized = true;
 #else
 constexpr bool kSanitized = false;
 #endif
-
-std::int64_t resident_bytes() {
-  std::ifstream statm("/proc/self/statm");
-  std::int64_t size = 0, resident = 0;
-  statm >> size >> resident;
-  return resident * sysconf(_SC_PAGESIZE);
-}
 
 struct Levels {
   std::array<std::int64_t, alloc::kNumTiers> reserved{}, segment_allocs{};
