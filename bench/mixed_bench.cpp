@@ -30,7 +30,6 @@
 // Run (a machine without a GPU skips every benchmark):
 //   build/bin/strata_mixed_bench --benchmark_out=mixed.json --benchmark_out_format=json
 #include <algorithm>
-#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -54,7 +53,7 @@ using bench::skip;
 #ifdef STRATA_BENCH_TORCH
 using bench::HostBuffers;
 using bench::OwnMemoryFloor;
-using Clock = std::chrono::steady_clock;
+using bench::time_to_idle;
 
 bool have_gpu(benchmark::State& state) {
   if (alloc::cuda_device_count() > 0) return true;
@@ -67,14 +66,6 @@ bench::LinkRig* g_link = nullptr;
 
 // The pinned buffers a floor pass covers, listed before each pass.
 using BufferList = std::function<absl::StatusOr<HostBuffers>()>;
-
-absl::StatusOr<double> time_to_idle(const std::function<absl::Status()>& fn) {
-  STRATA_RETURN_IF_ERROR(bench::cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
-  const Clock::time_point t0 = Clock::now();
-  STRATA_RETURN_IF_ERROR(fn());
-  STRATA_RETURN_IF_ERROR(bench::cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
-  return bench::seconds_between(t0, Clock::now()) * 1e3;
-}
 
 // Warm-up, then timed steps; with `link`, a link sample before every step and each step's
 // ratio to its floor; with `own`, also a pass of the own-memory floor over own_buffers() before

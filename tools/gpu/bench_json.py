@@ -21,7 +21,7 @@ class Group:
         """The median: the median aggregate when present, else the median of the repetitions."""
         if "median" in self.aggregates and counter in self.aggregates["median"]:
             return self.aggregates["median"][counter]
-        values = [r[counter] for r in self.iterations if counter in r]
+        values = self.per_repetition(counter)
         return statistics.median(values) if values else None
 
     def per_repetition(self, counter):
@@ -31,7 +31,7 @@ class Group:
     def worst(self, counter):
         """The largest value over the repetitions, for counters that must stay 0. With aggregates
         only, the mean: for counts >= 0 it is above 0 exactly when some repetition was."""
-        values = [r[counter] for r in self.iterations if counter in r]
+        values = self.per_repetition(counter)
         if values:
             return max(values)
         for agg in ("mean", "median"):
