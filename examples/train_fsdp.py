@@ -12,6 +12,8 @@ fully_shard unit).
         --policy layer_prefetch --reference --cpu_offload_peer --json out.json
     # several nodes: the same on each, with torchrun --nnodes=N --node_rank=K \\
     #     --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT
+    # each unit stepped during its backward, the states' trips hidden behind backward's compute
+    torchrun --nproc_per_node=1 examples/train_fsdp.py ... --overlap backward --undo_on_gpu
 
 --save DIR / --load DIR write and read a sharded checkpoint with torch.distributed.checkpoint
 (model and optimizer state dicts from torch.distributed.checkpoint.state_dict), so a run saved by N
@@ -105,6 +107,9 @@ def make_optimizer(args, kind, model, rank, device):
             policy=args.policy,
             gpu_budget=rank_value(args.gpu_budget, rank),
             prefetch_depth=args.prefetch_depth,
+            overlap=args.overlap,
+            max_grad_norm=args.max_grad_norm if clips_in_optimizer(args) else None,
+            undo_on_gpu=args.undo_on_gpu,
             **opt_kw,
         )
     if kind == "peer":  # the CPU step FSDP2's offload users run: torch's fused CPU AdamW
@@ -112,6 +117,12 @@ def make_optimizer(args, kind, model, rank, device):
     if device.type == "cuda":
         return torch.optim.AdamW(model.parameters(), fused=True, **opt_kw)
     return torch.optim.AdamW(model.parameters(), foreach=False, **opt_kw)
+
+
+def clips_in_optimizer(args) -> bool:
+    """Whether strata's optimizer clips inside its step (stepping in backward needs it) rather
+    than strata.distributed.clip_grad_norm_ before it."""
+    return args.max_grad_norm > 0 and (args.overlap == "backward" or args.clip_in_optimizer)
 
 
 def load_checkpoint(path, model, opt):
@@ -144,7 +155,7 @@ def run(args, kind, rank, world, device, mesh):
     model = build(args, kind, device, mesh)
     opt = make_optimizer(args, kind, model, rank, device)
     start = load_checkpoint(args.load, model, opt) if args.load else 0
-    losses, norms, times = [], [], []
+    losses, norms, times, backward_ms = [], [], [], []
     steps = range(start, start + args.steps)
     bar = tqdm(steps, desc=kind, disable=rank != 0) if tqdm else steps
     for step in bar:
@@ -156,7 +167,10 @@ def run(args, kind, rank, world, device, mesh):
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
-        if args.max_grad_norm > 0:
+        # When the host got back from backward (no wait for the GPU): a hook that waits on the
+        # host holds backward's launches up, and shows here.
+        backward_ms.append((time.perf_counter() - t0) * 1e3)
+        if args.max_grad_norm > 0 and not (kind == "strata" and clips_in_optimizer(args)):
             if kind == "strata":
                 norm = strata.distributed.clip_grad_norm_(opt, args.max_grad_norm)
             else:
@@ -164,6 +178,8 @@ def run(args, kind, rank, world, device, mesh):
                 norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             norms.append(norm)
         opt.step()
+        if kind == "strata" and clips_in_optimizer(args):
+            norms.append(opt.last_grad_norm)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - t0) * 1e3)
@@ -180,7 +196,10 @@ def run(args, kind, rank, world, device, mesh):
         "host_bytes": host_bytes() - host_before,
         "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
     }
+    redone, runtime_stats = None, None
     if kind == "strata":
+        redone = opt.steps_redone
+        runtime_stats = opt.runtime.stats()
         s = opt.runtime.memory_stats()
         fields["strata_gpu_peak_bytes"] = s.get("gpu.reserved_bytes.peak", 0)
         fields["strata_pinned_bytes"] = s.get("pinned_host.reserved_bytes.current", 0)
@@ -194,6 +213,10 @@ def run(args, kind, rank, world, device, mesh):
     del opt, model
     gc.collect()
     out = {"losses": losses, "grad_norms": [float(n) for n in norms], "ranks": per_rank}
+    out["backward_host_ms"] = backward_ms  # rank 0's
+    if redone is not None:  # steps taken in backward and redone after it (clipping triggered)
+        out["steps_redone"] = redone
+        out["runtime_stats"] = runtime_stats  # rank 0's strata.Runtime.stats() over the run
     warm = [t for r in per_rank for t in r["step_ms"][min(2, len(r["step_ms"]) - 1) :]]
     out["step_ms_median"] = sorted(warm)[len(warm) // 2] if warm else None
     return out
@@ -236,6 +259,22 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping")
+    p.add_argument(
+        "--overlap",
+        default="none",
+        choices=["none", "backward"],
+        help="strata: step each fully_shard unit during backward (clipping inside the optimizer)",
+    )
+    p.add_argument(
+        "--clip_in_optimizer",
+        action="store_true",
+        help="strata: clip inside the optimizer's step even without overlap (as overlap does)",
+    )
+    p.add_argument(
+        "--undo_on_gpu",
+        action="store_true",
+        help="strata with overlap: keep the redo's copy of the float32 shards on the GPU",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", action="store_true", help="also FSDP2 + torch.optim.AdamW")
     p.add_argument("--cpu_offload_peer", action="store_true", help="also CPUOffloadPolicy")

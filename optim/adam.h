@@ -121,6 +121,10 @@ class Adam {
   // back when it can (the error says which), so that it can be taken again.
   [[nodiscard]] absl::StatusOr<StepOutcome> finish_step(const float* grad_scale = nullptr,
                                                         const float* found_inf = nullptr);
+  // Takes back the step step_layer began, as if it had not run: every kept byte goes back and the
+  // step counters too (for a backward that turned out not to be the step's last, or failed part
+  // way). Nothing to do without one. A failure leaves it open; call again.
+  [[nodiscard]] absl::Status cancel_step();
   // Whether step_layer began a step that finish_step has not completed.
   bool overlapped_step_open() const { return overlap_open_; }
   // Layers stepped during backward in the open (or last) overlapped step, in order.
@@ -246,6 +250,8 @@ class Adam {
   int unreleased_layer_ = -1;
   std::vector<rt::TensorHandle> unreleased_held_;
   absl::Status finish_release();
+  // The undo log rolled back, and the step step_layer began taken back.
+  absl::Status roll_back();
 };
 
 }  // namespace strata::optim

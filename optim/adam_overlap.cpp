@@ -167,7 +167,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
     overlap_open_ = false;
     return StepOutcome::kSpeculation;
   }
-  absl::Status back = rt.rollback_undo();
+  absl::Status back = roll_back();
   if (!back.ok()) {
     return absl::Status(back.code(),
                         str_cat("Adam: the step taken during backward must be redone (clipping "
@@ -177,12 +177,29 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   }
   // Rolled back: as if step_layer had never run, and step() takes the step (a failure there
   // leaves it untaken, to be retried with step()).
+  STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
+  return StepOutcome::kRedone;
+}
+
+absl::Status Adam::roll_back() {
+  STRATA_RETURN_IF_ERROR(runtime_.rollback_undo());
   overlap_open_ = false;
   overlapped_.clear();
   last_step_.clear();
   for (std::int64_t& s : steps_) --s;
-  STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  return StepOutcome::kRedone;
+  return absl::OkStatus();
+}
+
+absl::Status Adam::cancel_step() {
+  if (!overlap_open_) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(finish_release());
+  absl::Status back = roll_back();
+  if (!back.ok()) {
+    return absl::Status(back.code(), str_cat("Adam: cancel_step: rolling the step taken during "
+                                             "backward back failed; call cancel_step again: ",
+                                             back.message()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace strata::optim

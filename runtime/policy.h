@@ -105,6 +105,10 @@ struct PolicyConfig {
   // layer_prefetch: with kBackward, a layer's optimizer states come to the GPU during backward and
   // the layer stays staged after its backward until the optimizer released it (its step).
   Overlap overlap = Overlap::kNone;
+  // With kBackward: the bytes an overlapped step keeps for its redo of a tensor resting on the GPU
+  // are copied on the GPU (no link traffic) while the GPU tier has room under the budget, and to
+  // pinned host memory otherwise (Note [Undo log] in runtime/undo.cpp).
+  bool undo_on_gpu = false;
 };
 
 class ResidencyPolicy {

@@ -75,11 +75,14 @@ struct Runtime::Impl {
   // undo.cpp (Note [Undo log])
   struct UndoRecord {
     internal::Entry* entry;
-    Tier tier;              // of `kept`
-    void* kept;             // the bytes from before the step: the old home block, or a copy
-    void* fresh = nullptr;  // redirect: the block the write-back fills
+    Tier tier;                      // of `kept`
+    void* kept;                     // the bytes from before the step: the old home block, or a copy
+    void* fresh = nullptr;          // redirect: the block the write-back fills
+    StreamHandle stream = nullptr;  // a copy kept on the GPU: the stream that made it
   };
   absl::Status check_no_undo(std::string_view what) const;
+  absl::StatusOr<void*> keep_undo_on_gpu(const internal::Entry& e, const void* data,
+                                         StreamHandle stream, const std::string& owner);
   // runtime.cpp
   absl::Status release_scratch();
   std::size_t gpu_budget_locked() const;

@@ -9,16 +9,22 @@
 //     the old bytes, so it is kept as it is and the write-back goes into a fresh block of the same
 //     tier, which becomes the tensor's home. No byte more crosses the link; the price is host
 //     memory, a second home for every kept tensor until the step is validated.
-//   - resting on the GPU (keep_on_gpu, bulk, layer_prefetch's resident layers): the GPU budget has
-//     no room for a second copy, so the bytes are copied to pinned host memory on the D2H stream,
-//     which the compute stream waits for before the kernel overwrites them. That costs D2H traffic,
-//     on a direction these policies leave idle during backward.
-// commit_undo frees what was kept behind the copy streams, with no host wait: a fetch queued
-// earlier may still read an old home block. rollback_undo waits for everything, swaps a kept home
-// block back where the tensor's fresh block still is its home (no copy) and copies the bytes back
-// otherwise (a tensor still staged gets them in its slot as well as at home), then tells the
-// policy. While the log holds anything, a step cannot begin, tensors
-// cannot go (unregister) and offload_all waits: each would outlive or move what the log refers to.
+//   - resting on the GPU (keep_on_gpu, bulk, layer_prefetch's resident layers, FSDP2's float32
+//     shards when only states stream): with PolicyConfig::undo_on_gpu, and while the GPU tier has
+//     room under the budget, the bytes are copied on the GPU, on the stream the optimizer computes
+//     on, ahead of its kernel: no link traffic, GPU memory of the tensor's size until the step is
+//     validated. Otherwise (the default: a budget is usually sized with no room for a second copy)
+//     they are copied to pinned host memory on the D2H stream, which the compute stream waits for
+//     before the kernel overwrites them. That costs D2H traffic, which the write-backs of streamed
+//     states need too during backward (4 bytes a float32 parameter more: a third on top of its
+//     moments' 8).
+// commit_undo frees what was kept behind the streams that may still use it, with no host wait: a
+// fetch queued earlier may still read an old home block, a copy on the GPU may still be running.
+// rollback_undo waits for everything, swaps a kept home block back where the tensor's fresh block
+// still is its home (no copy) and copies the bytes back otherwise (a tensor still staged gets them
+// in its slot as well as at home), then tells the policy. While the log holds anything, a step
+// cannot begin, tensors cannot go (unregister) and offload_all waits: each would outlive or move
+// what the log refers to.
 #include <algorithm>
 
 #include "base/status.h"
@@ -37,6 +43,35 @@ absl::Status Runtime::Impl::check_no_undo(std::string_view what) const {
       str_cat(what, ": an optimizer step taken during backward keeps ", undo.size(),
               " tensor(s) for its redo (first '", undo.front().entry->spec.name,
               "'); validate it first (commit_undo or rollback_undo; Adam::finish_step does)"));
+}
+
+// Note [Undo log]: the copy on the GPU, when asked for and the GPU tier has room; nullptr when it
+// has none (the caller copies to pinned memory instead).
+absl::StatusOr<void*> Runtime::Impl::keep_undo_on_gpu(const Entry& e, const void* data,
+                                                      StreamHandle stream,
+                                                      const std::string& owner) {
+  if (!policy->config().undo_on_gpu) return nullptr;
+  absl::StatusOr<void*> copy =
+      allocator->allocate(Tier::kGpu, e.bytes, {.stream = nullptr, .owner = owner});
+  if (copy.status().code() == absl::StatusCode::kResourceExhausted) return nullptr;
+  STRATA_RETURN_IF_ERROR(copy.status());
+  // `stream` holds the tensor (acquired on it), so the copy sees every earlier write and comes
+  // before the kernel that overwrites the data.
+  Device& dev = engine.device();
+  absl::Status s = dev.copy_async(*copy, data, e.bytes, stream);
+  // A copy that fails on the device reports it at the next call: one more before the bytes count
+  // as kept, so that a redo never restores a copy that did not happen.
+  if (s.ok()) {
+    absl::StatusOr<EventHandle> copied = dev.record(stream);
+    s = copied.status();
+    if (copied.ok()) dev.release(*copied);
+  }
+  if (!s.ok()) {
+    // The copy may have been queued: the block goes back behind it.
+    engine.free_after(Tier::kGpu, *copy, {stream});
+    return s;
+  }
+  return *copy;
 }
 
 absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream) {
@@ -66,6 +101,10 @@ absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream) {
     // arriving, and its completion must not free it.
     im.undo.push_back({e, e->rest.tier, e->rest.ptr, *fresh});
     e->undo_fresh = *fresh;
+  } else if (absl::StatusOr<void*> on_gpu = im.keep_undo_on_gpu(*e, now.ptr, stream, owner);
+             !on_gpu.ok() || *on_gpu != nullptr) {
+    if (!on_gpu.ok()) return on_gpu.status();
+    im.undo.push_back({e, Tier::kGpu, *on_gpu, nullptr, stream});
   } else {
     // Resting on the GPU: a copy to pinned host memory, which `stream` waits for.
     absl::StatusOr<void*> copy =
@@ -120,6 +159,8 @@ absl::Status Runtime::commit_undo() {
     if (r.entry->undo_fresh != nullptr) {
       // Still staged, its write-back not queued yet: it goes home to the old block after all.
       (void)im.allocator->deallocate(r.tier, r.fresh);
+    } else if (r.tier == Tier::kGpu) {
+      im.engine.free_after(r.tier, r.kept, {r.stream});
     } else {
       // A fetch queued before the step may still read an old home block.
       im.engine.free_after(r.tier, r.kept, {im.engine.h2d(), im.engine.d2h()});
@@ -146,6 +187,11 @@ absl::Status Runtime::rollback_undo() {
   STRATA_RETURN_IF_ERROR(im.engine.wait_all());
   for (StreamHandle s : {im.engine.compute(), im.engine.h2d(), im.engine.d2h()}) {
     STRATA_RETURN_IF_ERROR(dev.stream_synchronize(s));
+  }
+  // The optimizer may have stepped on other streams than the compute stream (a hook on FSDP2's
+  // reduce-scatter stream), where the copies kept on the GPU were made too.
+  for (const Impl::UndoRecord& r : im.undo) {
+    if (r.tier == Tier::kGpu) STRATA_RETURN_IF_ERROR(dev.stream_synchronize(r.stream));
   }
   // Each record leaves the log once its bytes are back, so a failure part way can be retried.
   while (!im.undo.empty()) {

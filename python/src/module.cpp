@@ -9,7 +9,8 @@
 // runtime's message. Calls that wait on copies or run the optimizer release the GIL.
 //
 // Example (what strata/optim.py does):
-//   rt = _strata.Runtime("layer_prefetch", None, 1, "optimizer_states", "auto", None)
+//   rt = _strata.Runtime("layer_prefetch", None, 1, "optimizer_states", "auto", None, "none",
+//                        False)
 //   rt.register(p, "w", 0, "parameter", None); rt.register(p.grad, "w.grad", 0, "gradient", None)
 //   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0)
 //   rt.begin_step(); ...; adam.step(None, None); rt.end_step()
@@ -53,7 +54,8 @@ class Runtime {
  public:
   Runtime(const std::optional<std::string>& policy, const std::optional<std::int64_t>& gpu_budget,
           int prefetch_depth, const std::string& roles, const std::string& device,
-          const std::optional<std::int64_t>& pinned_budget) {
+          const std::optional<std::int64_t>& pinned_budget, const std::string& overlap,
+          bool undo_on_gpu) {
     rt::RuntimeOptions o;
     // A Python program's command line is not strata's, so no --strata_policy flag here: the
     // policy given, else STRATA_POLICY, else the default.
@@ -67,6 +69,8 @@ class Runtime {
     o.policy_config.prefetch_depth = prefetch_depth;
     o.policy_config.roles = bridge::unwrap(rt::RoleSet::parse(roles));
     o.policy_config.offload_after_step = true;
+    o.policy_config.overlap = bridge::unwrap(rt::parse_overlap(overlap));
+    o.policy_config.undo_on_gpu = undo_on_gpu;
     if (device == "cuda") {
       o.device = rt::DeviceKind::kCuda;
     } else if (device == "simulated") {
@@ -98,6 +102,27 @@ class Runtime {
   bridge::ModelHooks& hooks() {
     if (!hooks_) hooks_ = std::make_unique<bridge::ModelHooks>(*runtime_);
     return *hooks_;
+  }
+
+  // The hooks' after_backward with the runtime computing on `stream` (a cudaStream_t as an int;
+  // 0: the compute stream as it is): under FSDP2 a unit's gradients are final on its
+  // reduce-scatter stream, where the optimizer's step of the layer must run (Note [Stepping in
+  // backward under FSDP2] in strata/optim.py).
+  void after_backward(int layer, std::uintptr_t stream) {
+    py::gil_scoped_release release;
+    if (stream == 0 || runtime_->device().is_simulated()) {
+      hooks().after_backward(layer);
+      return;
+    }
+    const rt::StreamHandle before = runtime_->compute_stream();
+    runtime_->set_compute_stream(reinterpret_cast<rt::StreamHandle>(stream));
+    try {
+      hooks().after_backward(layer);
+    } catch (...) {
+      runtime_->set_compute_stream(before);
+      throw;
+    }
+    runtime_->set_compute_stream(before);
   }
 
   py::dict stats() {
@@ -224,6 +249,45 @@ class Adam {
     }
     adam_ = bridge::unwrap(optim::Adam::create(runtime_->rt(), std::move(o)));
   }
+  ~Adam() {
+    if (stepping_in_backward_) runtime_->hooks().set_after_layer({});
+  }
+
+  // Note [Overlapped step] in optim/adam.h: each layer is stepped speculatively by the hooks'
+  // after_backward, once its gradients are final; finish_step validates.
+  void set_step_in_backward(bool on) {
+    stepping_in_backward_ = on;
+    if (!on) {
+      runtime_->hooks().set_after_layer({});
+      return;
+    }
+    optim::Adam* adam = adam_.get();
+    runtime_->hooks().set_after_layer(
+        [adam](int layer) { bridge::check(adam->step_layer(layer, nullptr)); });
+  }
+
+  void cancel_step() {
+    py::gil_scoped_release release;
+    bridge::check(adam_->cancel_step());
+  }
+
+  // The step step_layer began (or a whole step): "sequential", "speculation" (it held) or
+  // "redone" (clipping triggered or inf was found).
+  std::string finish_step(const std::optional<torch::Tensor>& grad_scale,
+                          const std::optional<torch::Tensor>& found_inf) {
+    const float* scale = grad_scale ? grad_scale->data_ptr<float>() : nullptr;
+    const float* inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
+    py::gil_scoped_release release;
+    switch (bridge::unwrap(adam_->finish_step(scale, inf))) {
+      case optim::Adam::StepOutcome::kSequential:
+        return "sequential";
+      case optim::Adam::StepOutcome::kSpeculation:
+        return "speculation";
+      case optim::Adam::StepOutcome::kRedone:
+        return "redone";
+    }
+    return "sequential";
+  }
 
   void step(const std::optional<torch::Tensor>& grad_scale,
             const std::optional<torch::Tensor>& found_inf) {
@@ -281,6 +345,7 @@ class Adam {
 
   std::shared_ptr<Runtime> runtime_;
   std::unique_ptr<optim::Adam> adam_;
+  bool stepping_in_backward_ = false;
 };
 
 }  // namespace
@@ -323,7 +388,12 @@ PYBIND11_MODULE(_strata, m) {
 
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
       .def(py::init<const std::optional<std::string>&, const std::optional<std::int64_t>&, int,
-                    const std::string&, const std::string&, const std::optional<std::int64_t>&>())
+                    const std::string&, const std::string&, const std::optional<std::int64_t>&,
+                    const std::string&, bool>())
+      .def("overlap",
+           [](Runtime& r) {
+             return std::string(strata::rt::overlap_name(r.rt().policy().config().overlap));
+           })
       .def("policy", [](Runtime& r) { return std::string(r.rt().policy().name()); })
       .def("simulated", [](Runtime& r) { return r.rt().device().is_simulated(); })
       .def("register",
@@ -352,11 +422,7 @@ PYBIND11_MODULE(_strata, m) {
              py::gil_scoped_release release;
              r.hooks().before_backward(layer);
            })
-      .def("after_backward",
-           [](Runtime& r, int layer) {
-             py::gil_scoped_release release;
-             r.hooks().after_backward(layer);
-           })
+      .def("after_backward", &Runtime::after_backward, py::arg("layer"), py::arg("stream") = 0)
       .def("finish_backward",
            [](Runtime& r) {
              py::gil_scoped_release release;
@@ -406,6 +472,9 @@ PYBIND11_MODULE(_strata, m) {
   py::class_<Adam>(m, "Adam")
       .def(py::init<std::shared_ptr<Runtime>, const std::vector<Adam::Group>&, int>())
       .def("step", &Adam::step)
+      .def("set_step_in_backward", &Adam::set_step_in_backward)
+      .def("finish_step", &Adam::finish_step)
+      .def("cancel_step", &Adam::cancel_step)
       .def("set_hyper", &Adam::set_hyper)
       .def("step_count", &Adam::step_count)
       .def("set_step_count", &Adam::set_step_count)

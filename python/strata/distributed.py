@@ -101,6 +101,33 @@ def fsdp_units() -> dict:
     return out
 
 
+def fsdp_modules() -> dict:
+    """id(sharded parameter) -> the module of its fully_shard unit, for every FSDP2 unit alive."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return {}
+    out = {}
+    for module, ref in list(_module_state_mapping.items()):
+        state = ref() if callable(ref) else ref
+        group = getattr(state, "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", ()) or ():
+            out[id(fp.sharded_param)] = module
+    return out
+
+
+def all_reduce_norm(total: torch.Tensor, params, norm_type: float = 2.0) -> torch.Tensor:
+    """A rank's part of a gradient norm made the norm over the mesh of DTensor `params` (p-th
+    powers summed by an all-reduce, as clip_grad_norm_ does for DTensors); `total` itself when
+    they are not sharded."""
+    group = _process_group(params)
+    if group is None:
+        return total
+    total = total**norm_type
+    torch.distributed.all_reduce(total, group=group)
+    return total ** (1.0 / norm_type)
+
+
 def _process_group(params: Iterable[torch.Tensor]):
     for p in params:
         if is_dtensor(p):
@@ -132,11 +159,7 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0) -> torch.Te
     grads = [local(p.grad) for p in params]
     norms = torch._foreach_norm(grads, norm_type)
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    group = _process_group(params)
-    if group is not None:
-        total = total**norm_type
-        torch.distributed.all_reduce(total, group=group)
-        total = total ** (1.0 / norm_type)
+    total = all_reduce_norm(total, params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total

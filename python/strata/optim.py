@@ -13,6 +13,29 @@
 
 The math is torch's fused AdamW kernel's, in float32 with float64 hyperparameters; bfloat16 and
 float16 parameters are stepped through float32 master weights (saved under "master_param").
+
+Stepping during backward (overlap="backward"): each layer is stepped as soon as its gradients are
+final, while backward goes on, and step() validates it; clipping then belongs to the optimizer
+(max_grad_norm), since the norm is known only once backward ends:
+
+    opt = strata.optim.AdamW(model.parameters(), lr=3e-4, policy="layer_prefetch",
+                             overlap="backward", max_grad_norm=1.0)
+    loss.backward()                 # each layer (fully_shard unit) steps here
+    opt.step()                      # validates: redoes the step if clipping triggered
+    norm = opt.last_grad_norm       # as clip_grad_norm_ returns it
+
+Note [Stepping in backward under FSDP2]: a fully_shard unit's gradients are final once its
+reduce-scatter has accumulated into the sharded gradients, where FSDP2 runs the parameters'
+post-accumulate-grad hooks, on the reduce-scatter stream. The optimizer hooks every parameter; the
+last of a layer's hooks gives the runtime the layer's after_backward on that stream (its part of the
+gradient norm, then Adam::step_layer, Note [Overlapped step] in optim/adam.h), and FSDP2 makes the
+default stream wait for that stream before the next forward reads the parameters. A forward
+pre-hook on every unit begins the step, so the states of the layers backward reaches first are
+fetched while forward runs. The speculation assumes that clipping does not trigger; step() takes
+the norm over every layer and, across ranks, over the mesh, and redoes the step when the clip
+coefficient is not 1. The norm is the one clip_grad_norm_ takes, and the clip divides each gradient
+by 1 / coefficient inside the kernel, so a clipped step may differ from clip_grad_norm_'s in the
+last bit of an update; steps with and without overlap are bitwise equal.
 """
 
 from __future__ import annotations
@@ -22,7 +45,7 @@ from typing import Optional, Union
 
 import torch
 
-from .distributed import is_dtensor, fsdp_units, local, sharded_like
+from .distributed import all_reduce_norm, fsdp_modules, fsdp_units, is_dtensor, local, sharded_like
 from .runtime import Runtime
 
 
@@ -67,8 +90,22 @@ class Adam(torch.optim.Optimizer):
         prefetch_depth: int = 1,
         layer_bytes: Union[int, str, None] = None,
         runtime: Optional[Runtime] = None,
+        overlap: Optional[str] = None,
+        max_grad_norm: Optional[float] = None,
+        undo_on_gpu: bool = False,
     ):
         _check_hyper(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not (
+            float(max_grad_norm) > 0 and math.isfinite(max_grad_norm)
+        ):
+            raise ValueError(
+                f"max_grad_norm: expected a positive number (None: no clipping), got {max_grad_norm!r}"
+            )
+        if runtime is not None and overlap is not None and overlap != runtime.overlap:
+            raise ValueError(
+                f"overlap={overlap!r}, but the runtime given was made with overlap="
+                f"{runtime.overlap!r}; make the runtime with the overlap wanted"
+            )
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -101,6 +138,8 @@ class Adam(torch.optim.Optimizer):
                 gpu_budget=gpu_budget,
                 prefetch_depth=prefetch_depth,
                 device="cuda" if first.device.type == "cuda" else "simulated",
+                overlap=overlap or "none",
+                undo_on_gpu=undo_on_gpu,
             )
         self._runtime = runtime
         self._bind(parse_bytes(layer_bytes, "layer_bytes"))
@@ -110,7 +149,78 @@ class Adam(torch.optim.Optimizer):
             groups.append((pairs, self._hyper(g)))
         self._adam = _strata.Adam(runtime._rt, groups, 0)
         self._hypers = [self._hyper(g) for g in self.param_groups]
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        self.last_step_outcome: Optional[str] = None
+        self.steps_redone = 0
+        self._grad_hooks: list = []
         self._closed = False
+        if runtime.overlap == "backward":
+            self._adam.set_step_in_backward(True)
+            if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
+                self._hook_gradients()
+
+    # Note [Stepping in backward under FSDP2]: a layer is done once every parameter of it has had
+    # its post-accumulate-grad hook this step.
+    def _hook_gradients(self) -> None:
+        self._layer_size, self._layer_seen = {}, {}
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p in params:
+            layer = self._runtime._layer_of.get(id(p))
+            if layer is None:
+                continue  # bound by its owner under another name: stepped after backward
+            self._layer_size[layer] = self._layer_size.get(layer, 0) + 1
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(layer)))
+        units = fsdp_modules()
+        modules = {id(units[id(p)]): units[id(p)] for p in params if id(p) in units}
+        for m in modules.values():
+            self._grad_hooks.append(m.register_forward_pre_hook(self._begin_step))
+
+    def _begin_step(self, *_) -> None:
+        # The first unit's forward: the states backward needs first start coming now.
+        if not self._closed and not self._runtime._rt.in_step():
+            self._runtime._rt.begin_step()
+
+    def _grad_hook(self, layer: int):
+        def hook(_param):
+            seen = self._layer_seen.get(layer, 0) + 1
+            if seen > self._layer_size[layer]:
+                self._abandon_backward()
+                raise RuntimeError(
+                    f"strata.optim.{self._name}: layer {layer}'s gradients were accumulated "
+                    "twice before step(); with overlap='backward' each layer is stepped in its "
+                    "backward, so a step has one backward (under FSDP2, micro-batches before the "
+                    "last run with set_requires_gradient_sync(False)); use overlap='none' to "
+                    "accumulate gradients otherwise. The layers stepped in the first backward "
+                    "were rolled back; zero the gradients and go on"
+                )
+            self._layer_seen[layer] = seen
+            if seen == self._layer_size[layer]:
+                self._begin_step()
+                self._runtime._after_backward(layer)
+
+        return hook
+
+    # Takes back what the step's backward stepped and ends the runtime's step with no optimizer
+    # step, so that training can go on from the parameters as they were before it.
+    def _abandon_backward(self) -> None:
+        self._adam.cancel_step()
+        self._adam.set_step_in_backward(False)
+        try:
+            self._runtime._rt.finish_backward()
+            self._runtime._rt.end_step()
+        finally:
+            self._adam.set_step_in_backward(True)
+            self._layer_seen = {}
+
+    # What each gradient is divided by: 1 / clip_grad_norm_'s coefficient (a float32 scalar on the
+    # gradients' device); the total norm is kept in last_grad_norm.
+    def _grad_scale(self) -> torch.Tensor:
+        params = [p for g in self.param_groups for p in g["params"]]
+        total = all_reduce_norm(self._runtime._rt.total_norm(), params)
+        self.last_grad_norm = total
+        coef = torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
+        return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous()
 
     # Parameters not bound yet (not attached): one strata layer per param group, or layers of
     # about layer_bytes (parameter bytes) in order; FSDP2 parameters (DTensors) one layer per
@@ -178,9 +288,14 @@ class Adam(torch.optim.Optimizer):
                 self._adam.set_hyper(i, h)
                 self._hypers[i] = h
         rt = self._runtime._rt
+        self._runtime._join_step_stream()
         rt.finish_backward()
-        self._adam.step(None, None)
+        scale = self._grad_scale() if self._max_grad_norm is not None else None
+        self.last_step_outcome = self._adam.finish_step(scale, None)
+        self.steps_redone += self.last_step_outcome == "redone"
         rt.end_step()
+        if self._grad_hooks:
+            self._layer_seen = {}
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -313,6 +428,9 @@ class Adam(torch.optim.Optimizer):
         if self._closed:
             return []
         self._closed = True
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
         self._runtime.wait_all()
         self._adam = None
         if self._owns_runtime:
@@ -340,7 +458,16 @@ class AdamW(Adam):
             group when None, else layers of about this many parameter bytes (the unit
             layer_prefetch streams).
         runtime: a strata.Runtime to use (e.g. with the model attached) instead of one of the
-            optimizer's own; policy, gpu_budget and prefetch_depth then come from it.
+            optimizer's own; policy, gpu_budget, prefetch_depth, overlap and undo_on_gpu then come
+            from it.
+        overlap: "none" (default): the step runs in step(); "backward": each layer steps during
+            backward once its gradients are final, validated by step() (see the module's doc).
+        max_grad_norm: clip the gradients by their global 2-norm (over every rank under FSDP2)
+            inside the step, as clip_grad_norm_ would before it; the norm is in last_grad_norm.
+            None: no clipping. Needed for clipping with overlap="backward".
+        undo_on_gpu: with overlap, keep the bytes a redo needs of tensors resting on the GPU
+            (FSDP2's float32 shards) on the GPU while the budget has room, instead of copying
+            them to pinned host memory over the link.
     """
 
     _decoupled = True

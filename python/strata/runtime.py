@@ -84,6 +84,12 @@ class Runtime:
         device: "auto" (the GPU when there is one), "cuda", or "simulated" (host memory stands in
             for GPU memory, for CPU tensors and machines without a GPU).
         pinned_budget: the most pinned host memory strata may take; None: no limit.
+        overlap: "none", or "backward": the optimizer steps each layer during backward, as soon as
+            its gradients are final, speculatively and validated after backward (results equal
+            the step after backward's bit for bit; strata.optim.AdamW's overlap argument).
+        undo_on_gpu: with overlap, what such a step keeps for a redo of tensors resting on the
+            GPU is kept on the GPU while the budget has room (no link traffic, GPU memory of
+            their size during backward), else in pinned host memory.
     """
 
     def __init__(
@@ -94,6 +100,8 @@ class Runtime:
         roles: str = "optimizer_states",
         device: str = "auto",
         pinned_budget: Union[int, str, None] = None,
+        overlap: str = "none",
+        undo_on_gpu: bool = False,
     ):
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(
@@ -106,18 +114,27 @@ class Runtime:
             roles,
             device,
             parse_bytes(pinned_budget, "pinned_budget"),
+            overlap,
+            bool(undo_on_gpu),
         )
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
         self._layer_grads: list = []  # per layer, the bound gradients
         self._layer_params: list = []  # per layer, the bound parameters
+        self._layer_of: dict = {}  # id(parameter as the user holds it) -> its layer
         self._hooks: list = []
+        self._step_stream = None  # Note [The step stream]
         self._closed = False
 
     # --- what it is ---
     @property
     def policy(self) -> str:
         return self._rt.policy()
+
+    @property
+    def overlap(self) -> str:
+        """When the optimizer steps: "none" (after backward) or "backward" (each layer in it)."""
+        return self._rt.overlap()
 
     @property
     def simulated(self) -> bool:
@@ -178,6 +195,7 @@ class Runtime:
                 grad_t, self._unique(name + ".grad"), layer, "gradient", self._home(param_t)
             )
             self._bound.append(grad_t)
+            self._layer_of[id(p)] = layer
             grads.append(grad_t)
             params.append(param_t)
         self._layer_grads.append(grads)
@@ -217,7 +235,25 @@ class Runtime:
         self._rt.before_backward(layer)
 
     def _after_backward(self, layer: int) -> None:
-        self._rt.after_backward(layer)
+        if self.simulated or self.overlap != "backward" or not torch.cuda.is_available():
+            self._rt.after_backward(layer)
+            return
+        # Note [The step stream]: the layer's gradients are final on torch's current stream
+        # (FSDP2's reduce-scatter stream in its hooks). An optimizer stepping in backward waits
+        # for the link to bring the layer's states; on that stream it would hold up what is queued
+        # behind it (FSDP2's next reduce-scatters, which backward's compute waits for), so the
+        # step runs on a stream of its own that waits for the gradients, and step_stream_joined()
+        # makes torch's stream wait for it before the step is validated.
+        if self._step_stream is None:
+            self._step_stream = torch.cuda.Stream()
+        self._step_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._step_stream):
+            self._rt.after_backward(layer, self._step_stream.cuda_stream)
+
+    def _join_step_stream(self) -> None:
+        """Torch's current stream waits for what the layers stepped in backward queued."""
+        if self._step_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._step_stream)
 
     # --- phase switches and waiting ---
     def offload_all(self, roles: Optional[str] = None, keep_cached: bool = False) -> None:

@@ -6,14 +6,14 @@ import torch
 from strata import _strata
 
 print("imported", flush=True)
-sim = _strata.Runtime(None, None, 1, "all", "simulated", None)
+sim = _strata.Runtime(None, None, 1, "all", "simulated", None, "none", False)
 t = torch.zeros(4)
 print("simulated runtime, CPU tensor bound:", sim.is_bound(t), flush=True)
 sim.register(t, "t", 0, "parameter", "gpu")
 print("registered on the simulated runtime:", sim.is_bound(t), flush=True)
 sim.unregister(t, True)
 if torch.cuda.is_available():
-    rt = _strata.Runtime(None, None, 1, "all", "cuda", None)
+    rt = _strata.Runtime(None, None, 1, "all", "cuda", None, "none", False)
     print("CUDA runtime made, policy", rt.policy(), flush=True)
     print("CUDA runtime, CPU tensor bound:", rt.is_bound(t), flush=True)
     c = torch.zeros(4, device="cuda")

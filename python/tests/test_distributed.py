@@ -1,7 +1,8 @@
 """strata under FSDP2 with two processes (mark distributed): examples/train_fsdp.py launched by
 torchrun on the CPU with gloo. strata's losses against FSDP2 + torch.optim.AdamW, across policies,
 against one rank, through a 2 -> 1 -> 2 rank checkpoint round trip; clipping's norm against
-torch's; and a rank that fails ending every rank."""
+torch's; each unit stepped during backward, bitwise the step after it; and a rank that fails ending
+every rank."""
 
 import json
 import os
@@ -84,6 +85,24 @@ def test_checkpoint_2_to_1_to_2_ranks_continues_bitwise(tmp_path, two_ranks):
     c, _ = launch(tmp_path, "c", 2, f"--steps={STEPS - half}", clip, f"--load={again}")
     assert c["strata"]["losses"] == two_ranks["strata"]["losses"][half:]
     assert c["strata"]["grad_norms"] == two_ranks["strata"]["grad_norms"][half:]
+
+
+@pytest.mark.parametrize(
+    "policy,extra",
+    [("layer_prefetch", ()), ("keep_on_gpu", ("--undo_on_gpu",))],
+    ids=["layer_prefetch", "keep_on_gpu-undo_on_gpu"],
+)
+def test_stepping_in_backward_is_bitwise_the_step_after_it(tmp_path, policy, extra):
+    # A threshold inside the range of this model's norms, so that clipping triggers on some steps
+    # (their speculation redone) and not on others.
+    clip = ("--steps=8", "--max_grad_norm=0.8", f"--policy={policy}")
+    after, _ = launch(tmp_path, "after", 2, *clip, "--clip_in_optimizer")
+    norms = after["strata"]["grad_norms"]
+    assert min(norms) < 0.8 < max(norms), norms
+    during, _ = launch(tmp_path, "during", 2, *clip, "--overlap=backward", *extra)
+    assert during["strata"]["losses"] == after["strata"]["losses"]
+    assert during["strata"]["grad_norms"] == norms
+    assert 0 < during["strata"]["steps_redone"] < 8
 
 
 def test_a_rank_out_of_memory_ends_every_rank(tmp_path):

@@ -99,6 +99,80 @@ def test_attached_model_with_every_role_streamed(policy):
     assert rt.close() == []
 
 
+def overlap_run(policy, attach, overlap, max_grad_norm, steps=12):
+    """Trains Mlp with clipping inside the optimizer; returns losses, norms, parameters, redos."""
+    model = Mlp()
+    if attach:  # the attach hooks say where backward is; every role streams
+        rt = strata.Runtime(policy=policy, roles="all", device="simulated", overlap=overlap)
+        strata.attach(model, rt)
+        kw = dict(runtime=rt)
+    else:  # the parameters' post-accumulate-grad hooks say it; layers of about 1 KiB
+        kw = dict(policy=policy, overlap=overlap, layer_bytes="1KiB")
+    opt = strata.optim.AdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm, **kw
+    )
+    norms = []
+    losses = []
+    for step in range(steps):
+        losses += train(model, opt, 1, start=step)
+        norms.append(float(opt.last_grad_norm))
+    out = params_of(model), opt.steps_redone
+    assert opt.close() == []
+    if attach:
+        assert rt.close() == []
+    return losses, norms, *out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("attach", [False, True], ids=["params", "attached"])
+def test_stepping_in_backward_is_bitwise_the_step_after_it(policy, attach):
+    _, norms, _, _ = overlap_run(policy, attach, "none", 1e9)
+    # A threshold among the steps' norms: clipping triggers on some steps and not on others.
+    clip = sorted(norms)[len(norms) // 2]
+    want_losses, want_norms, want_params, redone = overlap_run(policy, attach, "none", clip)
+    assert redone == 0
+    losses, got_norms, params, redone = overlap_run(policy, attach, "backward", clip)
+    assert losses == want_losses and got_norms == want_norms
+    assert_bitwise(params, want_params)
+    assert 0 < redone < len(norms)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_stepping_in_backward_refuses_a_second_backward_before_the_step(policy):
+    model = Mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = strata.optim.AdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.05, policy=policy, overlap="backward"
+    )
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="accumulated twice before step"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    # What the first backward stepped is taken back, and training goes on from there: as a run
+    # that never had the failed backward.
+    assert_bitwise([p.detach() for p in model.parameters()], before)
+    losses = train(model, opt, 3)
+    assert opt.close() == []
+    want_model = Mlp()
+    want_opt = strata.optim.AdamW(
+        want_model.parameters(), lr=1e-3, weight_decay=0.05, policy=policy, overlap="backward"
+    )
+    assert losses == train(want_model, want_opt, 3)
+    assert_bitwise(params_of(model), params_of(want_model))
+    assert want_opt.close() == []
+
+
+def test_overlap_and_clipping_arguments_are_checked():
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        strata.optim.AdamW(Mlp().parameters(), policy="keep_on_gpu", max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="overlap"):
+        strata.optim.AdamW(Mlp().parameters(), policy="keep_on_gpu", overlap="sideways")
+    rt = strata.Runtime(policy="keep_on_gpu", device="simulated")
+    with pytest.raises(ValueError, match="made with overlap='none'"):
+        strata.optim.AdamW(Mlp().parameters(), runtime=rt, overlap="backward")
+    rt.close()
+
+
 class TwoRoots(torch.nn.Module):
     """Two embeddings summed into a block: their backward passes run together, after the block's,
     and their inputs need no gradient."""

@@ -56,13 +56,22 @@ inline std::vector<Case> basic_cases() {
   }
   out.push_back({"layer_prefetch", all, rt::DType::kBFloat16, 2});
   out.push_back({"layer_prefetch", states, rt::DType::kFloat32, 3});
+  // The undo of what rests on the GPU kept on the GPU (Note [Undo log]).
+  rt::PolicyConfig keep_gpu_undo;
+  keep_gpu_undo.undo_on_gpu = true;
+  rt::PolicyConfig states_gpu_undo = states;
+  states_gpu_undo.undo_on_gpu = true;
+  out.push_back({"keep_on_gpu", keep_gpu_undo, rt::DType::kFloat32});
+  out.push_back({"layer_prefetch", states_gpu_undo, rt::DType::kFloat32});
+  out.push_back({"layer_prefetch", states_gpu_undo, rt::DType::kBFloat16});
   return out;
 }
 
 inline std::string describe(const Case& c) {
   return str_cat(c.policy, " roles ", c.config.roles.to_string(), " ", rt::dtype_name(c.dtype),
                  " micro-batches ", c.micro_batches,
-                 c.gpu_budget == alloc::kNoBudget ? "" : " with a budget");
+                 c.gpu_budget == alloc::kNoBudget ? "" : " with a budget",
+                 c.config.undo_on_gpu ? " undo on the GPU" : "");
 }
 
 inline ElemType elem(rt::DType d) {

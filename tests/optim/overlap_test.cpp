@@ -166,6 +166,11 @@ std::vector<Case> cases() {
   // Resident layers beside a streamed one (Note [Resident layers]): both ways of keeping the undo.
   const rt::PolicyConfig all{.prefetch_depth = 1, .roles = RoleSet::all()};
   out.push_back({"layer_prefetch", all, DType::kBFloat16, 1, std::size_t{20} << 20, 128 << 10});
+  // The same with the undo kept on the GPU where the budget has room, on pinned memory beyond.
+  rt::PolicyConfig all_gpu_undo = all;
+  all_gpu_undo.undo_on_gpu = true;
+  out.push_back(
+      {"layer_prefetch", all_gpu_undo, DType::kBFloat16, 1, std::size_t{20} << 20, 128 << 10});
   return out;
 }
 
@@ -180,7 +185,9 @@ TEST(OverlapTest, OverlappedStepIsBitwiseTheSequentialStep) {
     // Tensors resting on the GPU are copied off it for the undo; staged ones keep their home.
     EXPECT_GT(ovl.undo_peak_bytes, 0);
     const bool streams_all = setup.config.roles.contains(Role::kParameter);
-    if (setup.policy == "layer_prefetch" && streams_all && setup.gpu_budget == alloc::kNoBudget) {
+    const bool gpu_has_room = setup.gpu_budget == alloc::kNoBudget;
+    if (gpu_has_room &&
+        (setup.config.undo_on_gpu || (setup.policy == "layer_prefetch" && streams_all))) {
       EXPECT_EQ(ovl.undo_copied_bytes, 0);
     } else {
       // Everything (keep_on_gpu, bulk), the parameters (which stay on the GPU when only states

@@ -841,7 +841,8 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
 // Note [Overlapped step] in optim/adam.h under faults: the second of three overlapped steps (every
 // layer stepped during backward, finish_step validating it) meets the k-th call of one device call
 // kind failing, once or as a sticky error, for every k of that step, under layer_prefetch with
-// every role streamed (undo by fresh home blocks) and keep_on_gpu (undo by copies), with a true
+// every role streamed (undo by fresh home blocks) and keep_on_gpu (undo by copies, to pinned
+// memory or on the GPU), with a true
 // grad_scale equal to the speculation's (it holds) or not (a redo). Whatever fails is called again
 // once the fault is gone, except a failed step_layer, whose layer finish_step steps; the error is
 // typed and carries its cause; after the step nothing is held, staged or kept for an undo; and the
@@ -865,6 +866,8 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
        2.0f},
       {"keep_on_gpu", {.overlap = Overlap::kBackward}, 1.0f},
       {"keep_on_gpu", {.overlap = Overlap::kBackward}, 2.0f},
+      {"keep_on_gpu", {.overlap = Overlap::kBackward, .undo_on_gpu = true}, 1.0f},
+      {"keep_on_gpu", {.overlap = Overlap::kBackward, .undo_on_gpu = true}, 2.0f},
   };
   struct Outcome {
     std::map<std::string, Bytes> end;

@@ -42,3 +42,13 @@ python_package() {
   fi
   export PYTHONPATH=$pkg
 }
+
+# What the Python runs begin with: the module built, the package on PYTHONPATH, and the GPU's name
+# and the machine's cores written to LOG_DIR/gpu.txt and cpus.txt.
+python_setup() {
+  local logs=$1
+  gpu_build "$logs" _strata || return 1
+  python_package || return 1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
+  nproc >"$logs/cpus.txt"
+}

@@ -16,10 +16,7 @@ BATCHES=${2:-"8 32"}
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
-gpu_build "$OUT" _strata || exit 1
-python_package || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nproc | tee "$OUT/cpus.txt"
+python_setup "$OUT" || exit 1
 NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
 export NCCL_NVLS_ENABLE=0
 MODEL="--layers 24 --d_model 2048 --heads 16 --vocab 32000 --seq 512 --lr 1e-4"

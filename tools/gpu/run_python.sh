@@ -10,9 +10,7 @@ OUT=${1:?usage: tools/gpu/run_python.sh OUT_DIR}
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
-gpu_build "$OUT" _strata || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python_package || exit 1
+python_setup "$OUT" || exit 1
 status=0
 echo "== smoke (each call printed before the next)"
 STRATA_SEGV_BACKTRACE=1 python3 python/tests/smoke.py >"$OUT/smoke.log" 2>&1 || status=1
