@@ -266,6 +266,8 @@ class Adam {
         [adam](int layer) { bridge::check(adam->step_layer(layer, nullptr)); });
   }
 
+  bool overlapped_step_open() const { return adam_->overlapped_step_open(); }
+
   void cancel_step() {
     py::gil_scoped_release release;
     bridge::check(adam_->cancel_step());
@@ -475,6 +477,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("set_step_in_backward", &Adam::set_step_in_backward)
       .def("finish_step", &Adam::finish_step)
       .def("cancel_step", &Adam::cancel_step)
+      .def("overlapped_step_open", &Adam::overlapped_step_open)
       .def("set_hyper", &Adam::set_hyper)
       .def("step_count", &Adam::step_count)
       .def("set_step_count", &Adam::set_step_count)

@@ -142,26 +142,36 @@ def _process_group(params: Iterable[torch.Tensor]):
 
 
 @torch.no_grad()
+def grad_norm(params, norm_type: float = 2.0) -> tuple:
+    """(the total norm, the local gradients) of `params`' gradients, as clip_grad_norm_ takes it
+    for DTensors: each local gradient's norm, their norm on the rank, then the ranks' parts
+    reduced over the mesh. The total is a scalar tensor on the gradients' device."""
+    if norm_type != 2.0:
+        raise NotImplementedError("strata.distributed: only the 2-norm")
+    grads = [local(p.grad) for p in params]
+    norms = torch._foreach_norm(grads, norm_type)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return all_reduce_norm(total, params, norm_type), grads
+
+
+def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_'s coefficient: min(1, max_norm / (total + 1e-6))."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+@torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a rank's part of sharded gradients, computed as torch
-    computes it for DTensors: each local gradient's norm, their norm on the rank, then the ranks'
-    parts reduced over the mesh (p-th powers summed by an all-reduce); the gradients scaled in place
-    by min(1, max_norm / (total + 1e-6)). `params` is parameters or a strata optimizer. Returns the
-    total norm, a scalar tensor on the gradients' device; no host synchronization besides the
+    """torch.nn.utils.clip_grad_norm_ for a rank's part of sharded gradients (grad_norm), the
+    gradients scaled in place by clip_coef. `params` is parameters or a strata optimizer. Returns
+    the total norm, a scalar tensor on the gradients' device; no host synchronization besides the
     all-reduce itself."""
     if hasattr(params, "param_groups"):
         params = [p for g in params.param_groups for p in g["params"]]
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
-    if norm_type != 2.0:
-        raise NotImplementedError("strata.distributed.clip_grad_norm_: only the 2-norm")
-    grads = [local(p.grad) for p in params]
-    norms = torch._foreach_norm(grads, norm_type)
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    total = all_reduce_norm(total, params, norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].device))
+    total, grads = grad_norm(params, norm_type)
+    torch._foreach_mul_(grads, clip_coef(total, max_norm).to(grads[0].device))
     return total
 
 

@@ -33,9 +33,8 @@ default stream wait for that stream before the next forward reads the parameters
 pre-hook on every unit begins the step, so the states of the layers backward reaches first are
 fetched while forward runs. The speculation assumes that clipping does not trigger; step() takes
 the norm over every layer and, across ranks, over the mesh, and redoes the step when the clip
-coefficient is not 1. The norm is the one clip_grad_norm_ takes, and the clip divides each gradient
-by 1 / coefficient inside the kernel, so a clipped step may differ from clip_grad_norm_'s in the
-last bit of an update; steps with and without overlap are bitwise equal.
+coefficient is not 1 (Note [Clipping in the step]). Steps with and without overlap are bitwise
+equal, and equal to clip_grad_norm_ followed by the step.
 """
 
 from __future__ import annotations
@@ -45,7 +44,16 @@ from typing import Optional, Union
 
 import torch
 
-from .distributed import all_reduce_norm, fsdp_modules, fsdp_units, is_dtensor, local, sharded_like
+from .distributed import (
+    all_reduce_norm,
+    clip_coef,
+    fsdp_modules,
+    fsdp_units,
+    grad_norm,
+    is_dtensor,
+    local,
+    sharded_like,
+)
 from .runtime import Runtime
 
 
@@ -213,14 +221,31 @@ class Adam(torch.optim.Optimizer):
             self._adam.set_step_in_backward(True)
             self._layer_seen = {}
 
-    # What each gradient is divided by: 1 / clip_grad_norm_'s coefficient (a float32 scalar on the
-    # gradients' device); the total norm is kept in last_grad_norm.
-    def _grad_scale(self) -> torch.Tensor:
-        params = [p for g in self.param_groups for p in g["params"]]
+    # Note [Clipping in the step]: with the gradients resting on the GPU (the policy streams the
+    # optimizer's states only), clipping is clip_grad_norm_'s: its norm (over the mesh under
+    # FSDP2), and when the coefficient is below 1 (one host wait of a few bytes, as validating a
+    # speculation needs anyway) the step taken in backward is taken back (cancel_step) and the
+    # gradients are scaled in place before the step, so a clipped step is bitwise torch's clipped
+    # step too. Gradients that stream with the parameters are on their way home by now (scaling
+    # them there would be lost when the move lands, and slow): their norms were taken in backward,
+    # and the kernel divides them by 1 / coefficient (equal to the last bit or so). Returns (the scale finish_step divides by, whether a step taken in backward was
+    # taken back); the total norm is kept in last_grad_norm.
+    def _clip(self) -> tuple:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not self._runtime._streams_gradients:
+            total, grads = grad_norm(params)
+            self.last_grad_norm = total
+            coef = clip_coef(total, self._max_grad_norm)
+            if not bool((coef < 1.0).item()):
+                return None, False  # no clipping: what backward stepped stands
+            taken_back = self._adam.overlapped_step_open()
+            self._adam.cancel_step()
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+            return None, taken_back
         total = all_reduce_norm(self._runtime._rt.total_norm(), params)
         self.last_grad_norm = total
-        coef = torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
-        return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous()
+        coef = clip_coef(total, self._max_grad_norm)
+        return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False
 
     # Parameters not bound yet (not attached): one strata layer per param group, or layers of
     # about layer_bytes (parameter bytes) in order; FSDP2 parameters (DTensors) one layer per
@@ -290,8 +315,12 @@ class Adam(torch.optim.Optimizer):
         rt = self._runtime._rt
         self._runtime._join_step_stream()
         rt.finish_backward()
-        scale = self._grad_scale() if self._max_grad_norm is not None else None
+        scale, taken_back = None, False
+        if self._max_grad_norm is not None:
+            scale, taken_back = self._clip()
         self.last_step_outcome = self._adam.finish_step(scale, None)
+        if taken_back:
+            self.last_step_outcome = "redone"
         self.steps_redone += self.last_step_outcome == "redone"
         rt.end_step()
         if self._grad_hooks:

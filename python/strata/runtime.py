@@ -117,6 +117,9 @@ class Runtime:
             overlap,
             bool(undo_on_gpu),
         )
+        roles_moved = {r.strip() for r in roles.split(",")}
+        # Whether the policy streams gradients (Note [Clipping in the step] in strata/optim.py).
+        self._streams_gradients = bool(roles_moved & {"all", "gradient"})
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
         self._layer_grads: list = []  # per layer, the bound gradients

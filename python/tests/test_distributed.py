@@ -99,6 +99,10 @@ def test_stepping_in_backward_is_bitwise_the_step_after_it(tmp_path, policy, ext
     after, _ = launch(tmp_path, "after", 2, *clip, "--clip_in_optimizer")
     norms = after["strata"]["grad_norms"]
     assert min(norms) < 0.8 < max(norms), norms
+    # Clipping inside the step is strata.distributed.clip_grad_norm_'s before it, bit for bit.
+    function, _ = launch(tmp_path, "function", 2, *clip)
+    assert function["strata"]["losses"] == after["strata"]["losses"]
+    assert function["strata"]["grad_norms"] == norms
     during, _ = launch(tmp_path, "during", 2, *clip, "--overlap=backward", *extra)
     assert during["strata"]["losses"] == after["strata"]["losses"]
     assert during["strata"]["grad_norms"] == norms
