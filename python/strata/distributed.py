@@ -86,34 +86,28 @@ def sharded_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return DTensor(value.reshape(local(p).shape), p._spec, requires_grad=False)
 
 
-def fsdp_units() -> dict:
-    """id(sharded parameter) -> an index per fully_shard unit, for every FSDP2 unit alive."""
+def _fsdp_unit_params():
+    """(index, module, sharded parameter) for every parameter of every FSDP2 unit alive, units in
+    the order fully_shard made them."""
     try:
         from torch.distributed._composable_state import _module_state_mapping
     except ImportError:
-        return {}
-    out = {}
-    for i, ref in enumerate(list(_module_state_mapping.values())):
+        return
+    for i, (module, ref) in enumerate(list(_module_state_mapping.items())):
         state = ref() if callable(ref) else ref
         group = getattr(state, "_fsdp_param_group", None)
         for fp in getattr(group, "fsdp_params", ()) or ():
-            out[id(fp.sharded_param)] = i
-    return out
+            yield i, module, fp.sharded_param
+
+
+def fsdp_units() -> dict:
+    """id(sharded parameter) -> an index per fully_shard unit, for every FSDP2 unit alive."""
+    return {id(p): i for i, _, p in _fsdp_unit_params()}
 
 
 def fsdp_modules() -> dict:
     """id(sharded parameter) -> the module of its fully_shard unit, for every FSDP2 unit alive."""
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-    except ImportError:
-        return {}
-    out = {}
-    for module, ref in list(_module_state_mapping.items()):
-        state = ref() if callable(ref) else ref
-        group = getattr(state, "_fsdp_param_group", None)
-        for fp in getattr(group, "fsdp_params", ()) or ():
-            out[id(fp.sharded_param)] = module
-    return out
+    return {id(p): module for _, module, p in _fsdp_unit_params()}
 
 
 def all_reduce_norm(total: torch.Tensor, params, norm_type: float = 2.0) -> torch.Tensor:

@@ -107,7 +107,8 @@ class Adam(torch.optim.Optimizer):
             float(max_grad_norm) > 0 and math.isfinite(max_grad_norm)
         ):
             raise ValueError(
-                f"max_grad_norm: expected a positive number (None: no clipping), got {max_grad_norm!r}"
+                "max_grad_norm: expected a positive number (None: no clipping), got "
+                f"{max_grad_norm!r}"
             )
         if runtime is not None and overlap is not None and overlap != runtime.overlap:
             raise ValueError(
@@ -223,23 +224,26 @@ class Adam(torch.optim.Optimizer):
 
     # Note [Clipping in the step]: with the gradients resting on the GPU (the policy streams the
     # optimizer's states only), clipping is clip_grad_norm_'s: its norm (over the mesh under
-    # FSDP2), and when the coefficient is below 1 (one host wait of a few bytes, as validating a
-    # speculation needs anyway) the step taken in backward is taken back (cancel_step) and the
-    # gradients are scaled in place before the step, so a clipped step is bitwise torch's clipped
-    # step too. Gradients that stream with the parameters are on their way home by now (scaling
-    # them there would be lost when the move lands, and slow): their norms were taken in backward,
-    # and the kernel divides them by 1 / coefficient (equal to the last bit or so). Returns (the scale finish_step divides by, whether a step taken in backward was
-    # taken back); the total norm is kept in last_grad_norm.
+    # FSDP2) and the gradients scaled in place before the step, with no host wait. After a step
+    # taken in backward, whether the coefficient is below 1 is read on the host (a few bytes, as
+    # validating a speculation needs anyway); if it is, that step is taken back (cancel_step)
+    # before the scaling, so a clipped step is bitwise torch's clipped step too. Gradients that
+    # stream with the parameters are on their way home by now (scaling them there would be lost
+    # when the move lands, and slow): their norms were taken in backward, and the kernel divides
+    # them by 1 / coefficient (equal to the last bit or so). Returns (the scale finish_step
+    # divides by, whether a step taken in backward was taken back); the total norm is kept in
+    # last_grad_norm.
     def _clip(self) -> tuple:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not self._runtime._streams_gradients:
             total, grads = grad_norm(params)
             self.last_grad_norm = total
             coef = clip_coef(total, self._max_grad_norm)
-            if not bool((coef < 1.0).item()):
-                return None, False  # no clipping: what backward stepped stands
             taken_back = self._adam.overlapped_step_open()
-            self._adam.cancel_step()
+            if taken_back:
+                if not bool((coef < 1.0).item()):
+                    return None, False  # no clipping: what backward stepped stands
+                self._adam.cancel_step()
             torch._foreach_mul_(grads, coef.to(grads[0].device))
             return None, taken_back
         total = all_reduce_norm(self._runtime._rt.total_norm(), params)

@@ -245,7 +245,7 @@ class Runtime:
         # (FSDP2's reduce-scatter stream in its hooks). An optimizer stepping in backward waits
         # for the link to bring the layer's states; on that stream it would hold up what is queued
         # behind it (FSDP2's next reduce-scatters, which backward's compute waits for), so the
-        # step runs on a stream of its own that waits for the gradients, and step_stream_joined()
+        # step runs on a stream of its own that waits for the gradients, and _join_step_stream()
         # makes torch's stream wait for it before the step is validated.
         if self._step_stream is None:
             self._step_stream = torch.cuda.Stream()
