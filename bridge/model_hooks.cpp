@@ -4,6 +4,7 @@
 
 #include "base/strings.h"
 #include "bridge/status.h"
+#include "c10/core/impl/VirtualGuardImpl.h"
 
 namespace strata::bridge {
 
@@ -13,6 +14,18 @@ namespace strata::bridge {
 // 100 ms a step for 5 GB on an H200, on the compute stream). Instead each layer's gradients are
 // zeroed just before its backward: the policy has brought them to the GPU for it by then (held
 // from forward for the last layer, or fetched at the next layer's after_backward).
+
+// Note [The step stream]: an optimizer stepping each layer in backward (set_after_layer) waits on
+// the GPU for the link to bring the layer's states. Queued on the stream backward computes on, that
+// wait holds up every later layer's backward, so the link's time is added to backward's instead
+// of hidden under it. FSDP2 is worse: its hooks run on the reduce-scatter stream, which the next
+// units' compute waits for. So, with kOwnStream, the function runs on a stream of its own: it
+// waits for the work queued so far on the compute stream and on torch's current stream (the
+// layer's gradients are final there), and the runtime computes on it for the call, so the copies
+// it starts (states in, write-backs out, undo copies) are fenced behind the step, not behind
+// backward. What backward needs next stays on the compute stream: the runtime's own
+// after_backward runs there before, and its holds make backward's kernels wait for their layers.
+// finish_backward joins the two streams before anything reads what the step wrote.
 
 ModelHooks::ModelHooks(rt::Runtime& runtime, bool zero_before_backward)
     : runtime_(runtime), zero_before_backward_(zero_before_backward) {}
@@ -100,7 +113,7 @@ void ModelHooks::after_backward(int layer) {
   backward_done_[static_cast<std::size_t>(layer)] = true;
   if (micro_batch_.last) stats_.add_layer(layer, grads_[static_cast<std::size_t>(layer)]);
   check(runtime_.after_backward(layer));
-  if (after_layer_ && micro_batch_.last) after_layer_(layer);
+  if (after_layer_ && micro_batch_.last) run_after_layer(layer);
   if (zero_before_backward_) {
     // Without before_backward, the layer forwarded before this one is the next to run backward.
     const auto it = std::find(forwarded_.begin(), forwarded_.end(), layer);
@@ -111,6 +124,72 @@ void ModelHooks::after_backward(int layer) {
   }
 }
 
+void ModelHooks::set_after_layer(std::function<void(int)> fn, AfterLayerStream where) {
+  join_after_layer_stream();
+  after_layer_ = std::move(fn);
+  after_layer_stream_ = where;
+}
+
+namespace {
+
+// Torch's current stream on its current CUDA device (the bridge includes no CUDA header).
+c10::Stream torch_current_stream() {
+  const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  return impl.getStream(impl.getDevice());
+}
+
+// `waiter` waits on the GPU for the work queued on `on` so far.
+void wait_for(rt::Device& device, rt::StreamHandle waiter, rt::StreamHandle on) {
+  if (waiter == on) return;
+  absl::StatusOr<rt::EventHandle> ev = device.record(on);
+  check(ev.status());
+  const absl::Status s = device.stream_wait(waiter, *ev);
+  device.release(*ev);
+  check(s);
+}
+
+}  // namespace
+
+void ModelHooks::run_after_layer(int layer) {
+  if (after_layer_stream_ != AfterLayerStream::kOwnStream || runtime_.device().is_simulated()) {
+    after_layer_(layer);
+    return;
+  }
+  const c10::Stream torch_stream = torch_current_stream();
+  if (!step_stream_) {
+    const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    step_stream_ = impl.getStreamFromGlobalPool(torch_stream.device());
+  }
+  const auto step = static_cast<rt::StreamHandle>(step_stream_->native_handle());
+  const rt::StreamHandle compute = runtime_.compute_stream();
+  wait_for(runtime_.device(), step, compute);
+  wait_for(runtime_.device(), step, static_cast<rt::StreamHandle>(torch_stream.native_handle()));
+  step_stream_used_ = true;
+  const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  impl.exchangeStream(*step_stream_);
+  runtime_.set_compute_stream(step);
+  auto restore = [&] {
+    runtime_.set_compute_stream(compute);
+    impl.exchangeStream(torch_stream);
+  };
+  try {
+    after_layer_(layer);
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+}
+
+void ModelHooks::join_after_layer_stream() {
+  if (!step_stream_used_) return;
+  step_stream_used_ = false;
+  const auto step = static_cast<rt::StreamHandle>(step_stream_->native_handle());
+  wait_for(runtime_.device(), runtime_.compute_stream(), step);
+  wait_for(runtime_.device(), static_cast<rt::StreamHandle>(torch_current_stream().native_handle()),
+           step);
+}
+
 void ModelHooks::finish_backward() {
   if (!in_step_) begin_step();
   if (forwarded_.empty()) {
@@ -119,6 +198,7 @@ void ModelHooks::finish_backward() {
   for (auto it = forwarded_.rbegin(); it != forwarded_.rend(); ++it) {
     if (!backward_done_[static_cast<std::size_t>(*it)]) after_backward(*it);
   }
+  join_after_layer_stream();
 }
 
 void ModelHooks::end_step() {

@@ -20,11 +20,13 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "ATen/core/Tensor.h"
 #include "bridge/grad_stats.h"
 #include "bridge/torch_runtime.h"
+#include "c10/core/Stream.h"
 #include "runtime/runtime.h"
 
 namespace strata::bridge {
@@ -70,10 +72,19 @@ class ModelHooks {
   void after_backward(int layer);
   // Called with the layer in after_backward, right after the runtime's after_backward: where an
   // optimizer steps each layer during backward (Adam::step_layer; Note [Overlapped step] in
-  // optim/adam.h). Empty: nothing.
-  void set_after_layer(std::function<void(int)> fn) { after_layer_ = std::move(fn); }
+  // optim/adam.h). Empty: nothing. kOwnStream runs it, on a GPU, on a stream of its own with the
+  // runtime computing there (Note [The step stream] in model_hooks.cpp); kComputeStream on the
+  // compute stream as the hook found it.
+  enum class AfterLayerStream { kComputeStream, kOwnStream };
+  void set_after_layer(std::function<void(int)> fn,
+                       AfterLayerStream where = AfterLayerStream::kComputeStream);
+  // The runtime's compute stream and torch's current stream wait for what set_after_layer's
+  // function queued on its own stream; finish_backward does it, and whatever reads what that
+  // function wrote before finish_backward (a step taken back) must call it first.
+  void join_after_layer_stream();
   // after_backward for every layer forwarded this step whose after_backward has not run, last
-  // forwarded first; a step with no forward hooks forwards every layer in order first.
+  // forwarded first; a step with no forward hooks forwards every layer in order first. Then
+  // join_after_layer_stream().
   void finish_backward();
   void end_step();
 
@@ -82,6 +93,7 @@ class ModelHooks {
  private:
   void zero(int layer);
   void check_backward_hook(const char* hook, int layer) const;
+  void run_after_layer(int layer);
 
   rt::Runtime& runtime_;
   const bool zero_before_backward_;
@@ -96,6 +108,9 @@ class ModelHooks {
   MicroBatch micro_batch_;
   GradientStats stats_;
   std::function<void(int)> after_layer_;
+  AfterLayerStream after_layer_stream_ = AfterLayerStream::kComputeStream;
+  std::optional<c10::Stream> step_stream_;  // made at its first use
+  bool step_stream_used_ = false;           // work queued there since the last join
 };
 
 }  // namespace strata::bridge

@@ -9,7 +9,8 @@
 //                          --d_model=128 --heads=4 --vocab=256
 //                          --seq=64 --batch=8] [--dtype=float32|bfloat16|float16]
 //                          [--clip_grad_norm=1.0] [--phase_switch_every=N]
-//                          [--strata_overlap=none|backward] [--grad_accum=N] [--compare]
+//                          [--strata_overlap=none|backward] [--strata_undo_on_gpu]
+//                          [--strata_step_stream=own|compute] [--grad_accum=N] [--compare]
 //                          [--json=FILE] [--chart=FILE.svg]
 //
 // Exit codes: 0 trained (with --compare: at least two strata policies trained with bitwise equal
@@ -83,6 +84,13 @@ ABSL_FLAG(std::string, strata_overlap, "none",
           "when the optimizer steps: none (after backward), or backward (each layer as soon as its "
           "backward is done, validated after backward and redone when clipping triggers or inf is "
           "found; results are bitwise the same)");
+ABSL_FLAG(bool, strata_undo_on_gpu, false,
+          "with the overlapped step: the copies a redo needs of tensors resting on the GPU stay "
+          "on the GPU while the budget has room, instead of crossing the link to pinned memory");
+ABSL_FLAG(std::string, strata_step_stream, "own",
+          "with the overlapped step: where each layer's step runs, own (a stream of its own, so "
+          "that its wait for the layer's states does not hold up backward) or compute (the stream "
+          "backward computes on; for measuring what the own stream gains)");
 ABSL_FLAG(int, grad_accum, 1,
           "micro-batches per step: gradients accumulate over them before the optimizer steps");
 ABSL_FLAG(std::string, runs, "",
@@ -211,6 +219,13 @@ int run(int argc, char** argv) {
     return usage_error("--clip_grad_norm must be a finite number >= 0 (0: off)");
   }
   if (o.phase_switch_every < 0) return usage_error("--phase_switch_every must be 0 or more");
+  o.undo_on_gpu = absl::GetFlag(FLAGS_strata_undo_on_gpu);
+  if (const std::string where = absl::GetFlag(FLAGS_strata_step_stream); where == "compute") {
+    o.step_on_own_stream = false;
+  } else if (where != "own") {
+    return usage_error(
+        str_cat("--strata_step_stream: '", where, "' is neither 'own' nor 'compute'"));
+  }
   o.grad_accum = absl::GetFlag(FLAGS_grad_accum);
   if (o.grad_accum < 1) return usage_error("--grad_accum must be 1 or more");
 
@@ -321,7 +336,10 @@ int run(int argc, char** argv) {
   if (o.overlap == rt::Overlap::kBackward || o.grad_accum > 1) {
     std::printf("optimizer step: %s; %d micro-batch(es) a step\n",
                 o.overlap == rt::Overlap::kBackward
-                    ? "each layer during backward (--strata_overlap=backward)"
+                    ? str_cat("each layer during backward (--strata_overlap=backward), on ",
+                              o.step_on_own_stream ? "a stream of its own" : "the compute stream",
+                              o.undo_on_gpu ? ", undo copies on the GPU" : "")
+                          .c_str()
                     : "after backward",
                 o.grad_accum);
   }

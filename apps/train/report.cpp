@@ -315,6 +315,10 @@ std::string to_json(const Report& report) {
       ", \"gpu_memory\": ", json_quoted(alloc::device_method_name(o.gpu_memory)),
       ", \"dtype\": ", json_quoted(dtype_name(o.dtype)),
       ", \"clip_grad_norm\": ", exact(o.clip_grad_norm),
+      ", \"overlap\": ", json_quoted(rt::overlap_name(o.overlap)),
+      ", \"grad_accum\": ", o.grad_accum,
+      ", \"step_stream\": ", json_quoted(o.step_on_own_stream ? "own" : "compute"),
+      ", \"undo_on_gpu\": ", o.undo_on_gpu ? "true" : "false",
       ", \"parameter_bytes\": ", parameter_bytes(o.model), "},\n");
   j += "  \"runs\": [\n";
   for (std::size_t i = 0; i < report.runs.size(); ++i) {

@@ -127,6 +127,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
   rt::RuntimeOptions ro;
   ro.policy = policy;
   ro.policy_config.overlap = overlap;
+  ro.policy_config.undo_on_gpu = o.undo_on_gpu;
   ro.policy_config.prefetch_depth = o.prefetch_depth;
   ro.policy_config.roles = o.roles;
   // bulk: the states go to host memory after every step and come back before the next one.
@@ -203,14 +204,19 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     torch::Tensor grad_scale, found_inf;  // alive until the step that reads them has run
     // Note [Overlapped step]: each layer steps as its backward ends, dividing by the loss scale
     // alone; finish_step validates against the true grad_scale and found_inf.
-    hooks.set_after_layer([&](int layer) {
-      if (tracer != nullptr) {
-        bridge::check(tracer->mark(rt.compute_stream(), str_cat("backward ", layer)));
-      }
-      if (!overlapped) return;
-      bridge::check(
-          adam->step_layer(layer, scaler.enabled ? scaler.scale.data_ptr<float>() : nullptr));
-    });
+    // The trace marks where backward is: on the stream it computes on, whichever the step uses.
+    const rt::StreamHandle compute_stream = rt.compute_stream();
+    hooks.set_after_layer(
+        [&](int layer) {
+          if (tracer != nullptr) {
+            bridge::check(tracer->mark(compute_stream, str_cat("backward ", layer)));
+          }
+          if (!overlapped) return;
+          bridge::check(
+              adam->step_layer(layer, scaler.enabled ? scaler.scale.data_ptr<float>() : nullptr));
+        },
+        o.step_on_own_stream ? bridge::ModelHooks::AfterLayerStream::kOwnStream
+                             : bridge::ModelHooks::AfterLayerStream::kComputeStream);
     started = true;
     for (int step = 1; step <= o.steps; ++step) {
       rt.allocator().reset_peak_stats();

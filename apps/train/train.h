@@ -53,6 +53,10 @@ struct TrainOptions {
   // The overlap of run names without a "+overlap" suffix (Note [Overlapped step] in
   // optim/adam.h): kBackward steps each layer during backward.
   rt::Overlap overlap = rt::Overlap::kNone;
+  // With the overlap: each layer's step on a stream of its own (Note [The step stream] in
+  // bridge/model_hooks.cpp), and PolicyConfig::undo_on_gpu.
+  bool step_on_own_stream = true;
+  bool undo_on_gpu = false;
   // Micro-batches per step (gradient accumulation), each of `model.batch` sequences.
   int grad_accum = 1;
 };

@@ -106,8 +106,9 @@ class Runtime {
 
   // The hooks' after_backward with the runtime computing on `stream` (a cudaStream_t as an int;
   // 0: the compute stream as it is): under FSDP2 a unit's gradients are final on its
-  // reduce-scatter stream, where the optimizer's step of the layer must run (Note [Stepping in
-  // backward under FSDP2] in strata/optim.py).
+  // reduce-scatter stream, which the optimizer's step of the layer waits for (Note [Stepping in
+  // backward under FSDP2] in strata/optim.py) from a stream of its own (Note [The step stream]
+  // in bridge/model_hooks.cpp).
   void after_backward(int layer, std::uintptr_t stream) {
     py::gil_scoped_release release;
     if (stream == 0 || runtime_->device().is_simulated()) {
@@ -263,7 +264,8 @@ class Adam {
     }
     optim::Adam* adam = adam_.get();
     runtime_->hooks().set_after_layer(
-        [adam](int layer) { bridge::check(adam->step_layer(layer, nullptr)); });
+        [adam](int layer) { bridge::check(adam->step_layer(layer, nullptr)); },
+        bridge::ModelHooks::AfterLayerStream::kOwnStream);
   }
 
   bool overlapped_step_open() const { return adam_->overlapped_step_open(); }
@@ -429,6 +431,11 @@ PYBIND11_MODULE(_strata, m) {
            [](Runtime& r) {
              py::gil_scoped_release release;
              r.hooks().finish_backward();
+           })
+      .def("join_step_stream",
+           [](Runtime& r) {
+             py::gil_scoped_release release;
+             r.hooks().join_after_layer_stream();
            })
       .def("in_step", [](Runtime& r) { return r.hooks().in_step(); })
       .def("end_step",

@@ -213,6 +213,7 @@ class Adam(torch.optim.Optimizer):
     # Takes back what the step's backward stepped and ends the runtime's step with no optimizer
     # step, so that training can go on from the parameters as they were before it.
     def _abandon_backward(self) -> None:
+        self._runtime._rt.join_step_stream()  # what is taken back must have been written
         self._adam.cancel_step()
         self._adam.set_step_in_backward(False)
         try:
@@ -317,7 +318,6 @@ class Adam(torch.optim.Optimizer):
                 self._adam.set_hyper(i, h)
                 self._hypers[i] = h
         rt = self._runtime._rt
-        self._runtime._join_step_stream()
         rt.finish_backward()
         scale, taken_back = None, False
         if self._max_grad_norm is not None:

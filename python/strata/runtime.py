@@ -126,7 +126,6 @@ class Runtime:
         self._layer_params: list = []  # per layer, the bound parameters
         self._layer_of: dict = {}  # id(parameter as the user holds it) -> its layer
         self._hooks: list = []
-        self._step_stream = None  # Note [The step stream]
         self._closed = False
 
     # --- what it is ---
@@ -241,22 +240,11 @@ class Runtime:
         if self.simulated or self.overlap != "backward" or not torch.cuda.is_available():
             self._rt.after_backward(layer)
             return
-        # Note [The step stream]: the layer's gradients are final on torch's current stream
-        # (FSDP2's reduce-scatter stream in its hooks). An optimizer stepping in backward waits
-        # for the link to bring the layer's states; on that stream it would hold up what is queued
-        # behind it (FSDP2's next reduce-scatters, which backward's compute waits for), so the
-        # step runs on a stream of its own that waits for the gradients, and _join_step_stream()
-        # makes torch's stream wait for it before the step is validated.
-        if self._step_stream is None:
-            self._step_stream = torch.cuda.Stream()
-        self._step_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._step_stream):
-            self._rt.after_backward(layer, self._step_stream.cuda_stream)
-
-    def _join_step_stream(self) -> None:
-        """Torch's current stream waits for what the layers stepped in backward queued."""
-        if self._step_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._step_stream)
+        # The layer's gradients are final on torch's current stream (FSDP2's reduce-scatter
+        # stream in its hooks): the runtime's hooks run there, and the step taken in backward on a
+        # stream of its own that waits for it (Note [The step stream] in bridge/model_hooks.cpp);
+        # finish_backward joins them.
+        self._rt.after_backward(layer, torch.cuda.current_stream().cuda_stream)
 
     # --- phase switches and waiting ---
     def offload_all(self, roles: Optional[str] = None, keep_cached: bool = False) -> None:

@@ -103,3 +103,70 @@ def test_a_forward_over_parameters_away_raises_instead_of_crashing():
     with torch.no_grad():
         assert torch.equal(model(x), want)
     assert rt.close() == []
+
+
+class DeepMlp(torch.nn.Module):
+    """Eight CUDA blocks of 1 MiB weights: large enough that a layer's copies take a while."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh()) for _ in range(8)
+        )
+        self.head = torch.nn.Linear(512, 8)
+        self.cuda()
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)  # the add outside the blocks: their hooks sit on different tensors
+        return self.head(x)
+
+
+def gpu_overlap_run(policy, attach, overlap, max_grad_norm, steps=10):
+    """Trains DeepMlp on CUDA with clipping inside strata's AdamW; returns losses, norms,
+    parameters and steps redone."""
+    model = DeepMlp()
+    if attach:  # every role streams, in a budget of a few layers
+        rt = strata.Runtime(policy=policy, roles="all", overlap=overlap, undo_on_gpu=True)
+        strata.attach(model, rt, layers=[*model.blocks, model.head])
+        kw = dict(runtime=rt)
+    else:  # the parameters' post-accumulate-grad hooks say where backward is
+        kw = dict(policy=policy, overlap=overlap, layer_bytes="1MiB")
+    opt = strata.optim.AdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm, **kw
+    )
+    g = torch.Generator(device="cuda").manual_seed(1)
+    losses, norms = [], []
+    for step in range(steps):
+        x = torch.randn(64, 512, device="cuda", generator=g) * (10.0 if step % 3 == 0 else 1.0)
+        y = torch.randn(64, 8, device="cuda", generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        norms.append(float(opt.last_grad_norm))
+    params = [p.detach().cpu().clone() for p in model.parameters()]
+    redone = opt.steps_redone
+    assert opt.close() == []
+    if attach:
+        assert rt.close() == []
+    return losses, norms, params, redone
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["layer_prefetch", "bulk", "keep_on_gpu"])
+@pytest.mark.parametrize("attach", [False, True], ids=["params", "attached"])
+def test_stepping_in_backward_on_the_gpu_is_bitwise_the_step_after_it(policy, attach):
+    # Each layer's step runs on a stream of its own (Note [The step stream]); what backward needs
+    # next must still wait for its copies, and the step for its gradients.
+    _, norms, _, _ = gpu_overlap_run(policy, attach, "none", 1e9)
+    clip = sorted(norms)[len(norms) // 2]  # clipping triggers on some steps and not on others
+    want_losses, want_norms, want_params, redone = gpu_overlap_run(policy, attach, "none", clip)
+    assert redone == 0
+    losses, got_norms, params, redone = gpu_overlap_run(policy, attach, "backward", clip)
+    assert losses == want_losses and got_norms == want_norms
+    for a, b in zip(params, want_params):
+        assert torch.equal(a, b)
+    assert 0 < redone < len(norms)
