@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """tools/plot_trace.py: draws a strata-train copy trace (STRATA_TRACE_DIR) as an SVG: the H2D and
 D2H lanes of the link, each copy a bar, and a line where each layer's backward ended; and prints,
-for the backward (first mark to last), how busy each direction was.
+for the backward (first mark to last), how busy each direction was. Copies of kind "other" (on
+neither copy stream: undo copies kept on the GPU, the optimizer's scalars) are not the link's; their
+bytes are printed apart.
 
   python3 tools/plot_trace.py TRACE.csv OUT.svg [--title TEXT]
 """
@@ -94,6 +96,9 @@ def main():
                 f"{kind}: busy {b:.1f} of the {hi - lo:.1f} ms of backward ({100 * b / (hi - lo):.0f}%); "
                 f"{moved / 1e9:.2f} GB in the whole step, which spans {end:.1f} ms"
             )
+    other = sum(n for k, n, *_ in copies if k == "other")
+    if other:
+        print(f"other streams (not the link's copy engines): {other / 1e9:.2f} GB in the step")
     print("wrote", a.out)
 
 

@@ -97,15 +97,18 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
-// The traced step's copies and marks as CSV: kind (h2d, d2h, or mark), bytes (a mark's label),
-// start and end in ms from the step's start.
+// The traced step's copies and marks as CSV: kind (h2d or d2h for the link's copy streams, other
+// for copies on any other stream, such as the undo copies an overlapped step keeps on the GPU, or
+// mark), bytes (a mark's label), start and end in ms from the step's start.
 void write_trace(rt::CopyTracer& tracer, rt::Runtime& runtime, const std::string& path) {
   const std::vector<rt::CopySpan> spans = bridge::unwrap(tracer.finish());
   std::ofstream csv(path);
   csv << "kind,bytes_or_label,start_ms,end_ms\n";
   for (const rt::CopySpan& c : spans) {
-    csv << (c.stream == runtime.h2d_stream() ? "h2d" : "d2h") << ',' << c.bytes << ',' << c.start_ms
-        << ',' << c.end_ms << '\n';
+    const char* kind = c.stream == runtime.h2d_stream()   ? "h2d"
+                       : c.stream == runtime.d2h_stream() ? "d2h"
+                                                          : "other";
+    csv << kind << ',' << c.bytes << ',' << c.start_ms << ',' << c.end_ms << '\n';
   }
   for (const auto& [label, at] : tracer.marks()) {
     csv << "mark," << label << ',' << at << ',' << at << '\n';
