@@ -28,8 +28,10 @@ Note [Stepping in backward under FSDP2]: a fully_shard unit's gradients are fina
 reduce-scatter has accumulated into the sharded gradients, where FSDP2 runs the parameters'
 post-accumulate-grad hooks, on the reduce-scatter stream. The optimizer hooks every parameter; the
 last of a layer's hooks gives the runtime the layer's after_backward on that stream (its part of the
-gradient norm, then Adam::step_layer, Note [Overlapped step] in optim/adam.h), and FSDP2 makes the
-default stream wait for that stream before the next forward reads the parameters. A forward
+gradient norm), then Adam::step_layer (Note [Overlapped step] in optim/adam.h) on a stream of its
+own that waits for it (Note [The step stream] in bridge/model_hooks.cpp), so that the step's wait
+for the layer's states holds up no reduce-scatter; step() joins that stream before it validates,
+and before the next forward reads the parameters. A forward
 pre-hook on every unit begins the step, so the states of the layers backward reaches first are
 fetched while forward runs. The speculation assumes that clipping does not trigger; step() takes
 the norm over every layer and, across ranks, over the mesh, and redoes the step when the clip
