@@ -127,7 +127,7 @@ def gpu_overlap_run(policy, attach, overlap, max_grad_norm, steps=10):
     """Trains DeepMlp on CUDA with clipping inside strata's AdamW; returns losses, norms,
     parameters and steps redone."""
     model = DeepMlp()
-    if attach:  # every role streams, in a budget of a few layers
+    if attach:  # every role streams
         rt = strata.Runtime(policy=policy, roles="all", overlap=overlap, undo_on_gpu=True)
         strata.attach(model, rt, layers=[*model.blocks, model.head])
         kw = dict(runtime=rt)
