@@ -28,7 +28,7 @@ def main():
                 f"  {name:24s} median {med:7.1f} ms (min {min(ms):7.1f}, max {max(ms):7.1f}, "
                 f"n={len(ms)})  x{med / base:.2f}"
             )
-            if steps[0].get("h2d_bytes"):
+            if steps[0].get("h2d_bytes") and steps[0].get("h2d_gbps"):
                 h2d = statistics.median(s["h2d_bytes"] for s in steps) / 1e9
                 d2h = statistics.median(s["d2h_bytes"] for s in steps) / 1e9
                 rate = statistics.median(min(s["h2d_gbps"], s["d2h_gbps"]) for s in steps)
@@ -41,6 +41,9 @@ def main():
             )
             if redone:
                 line += f"  ({redone} steps redone in all)"
+            drains = [r.get("drain_ms", 0) for r in runs if r["name"] == name]
+            if max(drains) >= 0.1:
+                line += f"  (copies drained after the last step: {max(drains):.1f} ms at most)"
             print(line)
 
 

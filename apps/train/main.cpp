@@ -10,7 +10,8 @@
 //                          --seq=64 --batch=8] [--dtype=float32|bfloat16|float16]
 //                          [--clip_grad_norm=1.0] [--phase_switch_every=N]
 //                          [--strata_overlap=none|backward] [--strata_undo_on_gpu]
-//                          [--strata_step_stream=own|compute] [--grad_accum=N] [--compare]
+//                          [--strata_step_stream=own|compute] [--grad_accum=N]
+//                          [--step_end=stream|device] [--compare]
 //                          [--json=FILE] [--chart=FILE.svg]
 //
 // Exit codes: 0 trained (with --compare: at least two strata policies trained with bitwise equal
@@ -91,6 +92,11 @@ ABSL_FLAG(std::string, strata_step_stream, "own",
           "with the overlapped step: where each layer's step runs, own (a stream of its own, so "
           "that its wait for the layer's states does not hold up backward) or compute (the stream "
           "backward computes on; for measuring what the own stream gains)");
+ABSL_FLAG(std::string, step_end, "stream",
+          "where a step's time ends: stream (when the stream the model computes on is done, as a "
+          "training loop that reads its loss waits; copies still running, such as the last "
+          "write-backs, go on into the next step, whose time runs from this one's end) or device "
+          "(when every stream is done)");
 ABSL_FLAG(int, grad_accum, 1,
           "micro-batches per step: gradients accumulate over them before the optimizer steps");
 ABSL_FLAG(std::string, runs, "",
@@ -226,6 +232,11 @@ int run(int argc, char** argv) {
     return usage_error(
         str_cat("--strata_step_stream: '", where, "' is neither 'own' nor 'compute'"));
   }
+  if (const std::string end = absl::GetFlag(FLAGS_step_end); end == "device") {
+    o.step_end = TrainOptions::StepEnd::kDevice;
+  } else if (end != "stream") {
+    return usage_error(str_cat("--step_end: '", end, "' is neither 'stream' nor 'device'"));
+  }
   o.grad_accum = absl::GetFlag(FLAGS_grad_accum);
   if (o.grad_accum < 1) return usage_error("--grad_accum must be 1 or more");
 
@@ -342,6 +353,13 @@ int run(int argc, char** argv) {
                           .c_str()
                     : "after backward",
                 o.grad_accum);
+  }
+  if (o.cuda) {
+    std::printf("a step's time ends %s\n",
+                o.step_end == TrainOptions::StepEnd::kStream
+                    ? "when its compute stream is done; copies still running go on into the next "
+                      "step (--step_end=stream)"
+                    : "when every stream is done (--step_end=device)");
   }
   std::fflush(stdout);
 

@@ -318,7 +318,8 @@ std::string to_json(const Report& report) {
       ", \"overlap\": ", json_quoted(rt::overlap_name(o.overlap)),
       ", \"grad_accum\": ", o.grad_accum,
       ", \"step_stream\": ", json_quoted(o.step_on_own_stream ? "own" : "compute"),
-      ", \"undo_on_gpu\": ", o.undo_on_gpu ? "true" : "false",
+      ", \"undo_on_gpu\": ", o.undo_on_gpu ? "true" : "false", ", \"step_end\": ",
+      json_quoted(o.step_end == TrainOptions::StepEnd::kStream ? "stream" : "device"),
       ", \"parameter_bytes\": ", parameter_bytes(o.model), "},\n");
   j += "  \"runs\": [\n";
   for (std::size_t i = 0; i < report.runs.size(); ++i) {
@@ -334,7 +335,8 @@ std::string to_json(const Report& report) {
                ", \"peak_strata_gpu_bytes\": ", peak_strata_gpu_bytes(r), ", \"final_loss\": ",
                r.steps.empty() ? std::string("null") : exact(r.steps.back().loss),
                ", \"host_rss_at_start_bytes\": ", json_bytes(r.host_rss_at_start_bytes),
-               ", \"peak_host_rss_bytes\": ", json_bytes(r.peak_host_rss_bytes), ",\n");
+               ", \"peak_host_rss_bytes\": ", json_bytes(r.peak_host_rss_bytes),
+               ", \"drain_ms\": ", exact(r.drain_ms), ",\n");
     if (r.strata) {
       str_append(
           &j, "     \"state_bytes\": ", r.state_bytes, ", \"staging_bytes\": ", r.staging_bytes,

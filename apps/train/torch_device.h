@@ -15,6 +15,7 @@
 
 #ifdef STRATA_HAS_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace strata::apps {
@@ -31,6 +32,15 @@ inline torch::Device device_of(const TrainOptions& o) {
 
 inline void synchronize(const TrainOptions& o) {
   if (o.cuda) torch::cuda::synchronize();
+}
+
+// Waits for torch's current stream only: copies on other streams may still run.
+inline void synchronize_torch_stream(const TrainOptions& o) {
+#ifdef STRATA_HAS_CUDA
+  if (o.cuda) c10::cuda::getCurrentCUDAStream().synchronize();
+#else
+  (void)o;
+#endif
 }
 
 // torch sets up its CUDA allocator lazily, on the first CUDA tensor; its statistics calls fail

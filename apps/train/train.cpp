@@ -6,6 +6,7 @@
 #include <chrono>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -117,6 +118,55 @@ void write_trace(rt::CopyTracer& tracer, rt::Runtime& runtime, const std::string
   std::printf("wrote the copy trace %s (%zu copies)\n", path.c_str(), spans.size());
 }
 
+// Note [Step end]: a training loop does not wait for the whole GPU at the end of a step; it reads
+// the loss, which waits for the stream the model computes on. So with StepEnd::kStream a step's
+// time ends when torch's current stream and the runtime's compute stream have done its work, and
+// copies still running then (the write-backs of the layers the optimizer stepped last, a .to()
+// baseline's states on their way home) run on into the next step's forward. Whatever the next
+// step has to wait for (a staging slot not yet written back, a home block not yet filled) it waits
+// for on the GPU, inside its own time, so each step's time runs from the previous step's end: the
+// times add up to the wall time of the run, less the wait for the last step's copies, reported
+// apart as RunResult::drain_ms. After a phase switch, which synchronizes everything, the next
+// step's time starts afresh. The traced step (the run's last) waits on the host for what the step
+// before left running, inside its time, so that its trace holds its own copies alone: a little
+// slower than the others, never faster. StepEnd::kDevice waits for every stream at the end of each
+// step, as strata-train did before.
+class StepClock {
+ public:
+  StepClock(const TrainOptions& o, std::function<void()> wait_for_streams)
+      : o_(o), wait_for_streams_(std::move(wait_for_streams)) {}
+  bool stream_end() const { return o_.step_end == TrainOptions::StepEnd::kStream; }
+  // The step's start: the previous step's end while nothing synchronized since.
+  Clock::time_point start() const { return last_end_.value_or(Clock::now()); }
+  // Waits for the step's work (Note [Step end]).
+  void wait() const {
+    if (!stream_end()) return synchronize(o_);
+    synchronize_torch_stream(o_);
+    if (wait_for_streams_) wait_for_streams_();
+  }
+  // Ends the step begun at `start`; its time in ms.
+  double end(Clock::time_point start) {
+    const Clock::time_point now = Clock::now();
+    if (stream_end()) last_end_ = now;
+    return std::chrono::duration<double, std::milli>(now - start).count();
+  }
+  // Everything synchronized: the next step's time starts afresh.
+  void synchronized() { last_end_.reset(); }
+  // After the last step: waits for every stream; the time that took with StepEnd::kStream.
+  double drain(const std::function<void()>& wait_all) {
+    const Clock::time_point start = Clock::now();
+    synchronize(o_);
+    if (wait_all) wait_all();
+    last_end_.reset();
+    return stream_end() ? ms_since(start) : 0.0;
+  }
+
+ private:
+  const TrainOptions& o_;
+  std::function<void()> wait_for_streams_;
+  std::optional<Clock::time_point> last_end_;
+};
+
 // The strata run proper; throws (c10::Error) on failure, which run_strata records.
 void train_strata(const TrainOptions& o, const std::string& run_name, const StepCallback& on_step,
                   RunResult& result, bool& started) {
@@ -221,16 +271,21 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
         o.step_on_own_stream ? bridge::ModelHooks::AfterLayerStream::kOwnStream
                              : bridge::ModelHooks::AfterLayerStream::kComputeStream);
     started = true;
+    StepClock clock(o, [&] {
+      if (o.cuda) bridge::check(rt.device().stream_synchronize(rt.compute_stream()));
+    });
     for (int step = 1; step <= o.steps; ++step) {
       rt.allocator().reset_peak_stats();
       reset_torch_peak(o);
       const bool traced = tracer != nullptr && step == o.steps;
+      // The traced step's time includes the wait for the copies the step before left running:
+      // here on the host, so that the trace holds this step's copies alone.
+      const Clock::time_point start = clock.start();
       if (traced) {
         synchronize(o);
         bridge::check(tracer->start(rt.compute_stream()));
       }
       const rt::RuntimeStats before = rt.stats();
-      const Clock::time_point start = Clock::now();
 
       // Gradient accumulation: each micro-batch's loss is divided by their number, as the mean
       // over the whole batch; the last micro-batch's hooks take the statistics (and overlap).
@@ -260,20 +315,23 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       found_inf = scaler.enabled ? stats.found_inf() : torch::Tensor();
       const torch::Tensor grad_norm = stats.total_norm(loss_scale);
       const torch::Tensor step_scale = scaler.scale.clone();
-      synchronize(o);
+      clock.wait();
       const Clock::time_point optimizer_start = Clock::now();
       const optim::Adam::StepOutcome outcome = bridge::unwrap(
           adam->finish_step(grad_scale.defined() ? grad_scale.data_ptr<float>() : nullptr,
                             found_inf.defined() ? found_inf.data_ptr<float>() : nullptr));
-      synchronize(o);
+      clock.wait();
       if (found_inf.defined()) scaler.update(found_inf);
       const double optimizer_ms = ms_since(optimizer_start);
       hooks.end_step();
       const float loss_value = loss.item<float>();
-      synchronize(o);
-      const double step_ms = ms_since(start);
+      clock.wait();
+      const double step_ms = clock.end(start);
       bridge::check(rt.poll());
       if (traced) {
+        // The trace covers the step's copies to the last: the step is the run's last, so the
+        // wait for them is the run's drain.
+        result.drain_ms += clock.drain([&] { bridge::check(rt.wait_all()); });
         std::string file = run_name;  // "layer_prefetch+overlap" -> "layer_prefetch-overlap.csv"
         std::replace(file.begin(), file.end(), '+', '-');
         write_trace(*tracer, rt, str_cat(trace_dir, "/", file, ".csv"));
@@ -324,11 +382,12 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
                   return std::pair{s.gpu_upstream_alloc_ns, s.gpu_upstream_free_ns};
                 }};
         result.phase_switches.push_back(phase_switch(o, step, ops));
+        clock.synchronized();
       }
       if (on_step) on_step(result, r);
     }
 
-    bridge::check(rt.wait_all());
+    result.drain_ms += clock.drain([&] { bridge::check(rt.wait_all()); });
     const rt::RuntimeStats end = rt.stats();
     result.host_syncs = end.host_syncs;
     result.staged_peak_bytes = end.staged_peak_bytes;
@@ -419,9 +478,10 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   const torch::Device device = device_of(o);
   std::pair<std::int64_t, std::int64_t> moved;  // by phase switches: host -> GPU, GPU -> host
 
+  StepClock clock(o, nullptr);
   for (int step = 1; step <= o.steps; ++step) {
     reset_torch_peak(o);
-    const Clock::time_point start = Clock::now();
+    const Clock::time_point start = clock.start();
     model->zero_grad();
     torch::Tensor loss = torch::zeros({}, torch::TensorOptions().device(device));
     for (int micro = 0; micro < o.grad_accum; ++micro) {
@@ -431,7 +491,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
       scaler.scaled(micro_loss).backward();
       loss = loss + micro_loss.detach();
     }
-    synchronize(o);
+    clock.wait();
     const Clock::time_point optimizer_start = Clock::now();
     StepRecord r;
     r.loss_scale = scaler.scale.item<float>();
@@ -460,12 +520,12 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
       }
     }
     scaler.update(found_inf);
-    synchronize(o);
+    clock.wait();
     const double optimizer_ms = ms_since(optimizer_start);
     const float loss_value = loss.item<float>();
     r.step = step;
     r.loss = loss_value;
-    r.step_ms = ms_since(start);
+    r.step_ms = clock.end(start);
     r.optimizer_ms = optimizer_ms;
     if (which == TorchBaseline::kMovedWithTo && o.cuda) {
       // The states' bytes, each way (the first step only moves them out).
@@ -480,9 +540,11 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
       const bool states_resident = which == TorchBaseline::kResident;
       result.phase_switches.push_back(phase_switch(
           o, step, torch_phase_switch(o, model, low_masters, optimizer, states_resident, moved)));
+      clock.synchronized();
     }
     if (on_step) on_step(result, r);
   }
+  result.drain_ms = clock.drain(nullptr);
   result.ok = true;
 }
 

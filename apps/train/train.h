@@ -59,6 +59,9 @@ struct TrainOptions {
   bool undo_on_gpu = false;
   // Micro-batches per step (gradient accumulation), each of `model.batch` sequences.
   int grad_accum = 1;
+  // Where a step's time ends (Note [Step end] in apps/train/train.cpp).
+  enum class StepEnd { kStream, kDevice };
+  StepEnd step_end = StepEnd::kStream;
 };
 
 // The suffix of a run name whose optimizer steps during backward: "layer_prefetch+overlap".
@@ -71,7 +74,8 @@ inline constexpr int kLossScaleGrowthInterval = 2000;
 struct StepRecord {
   int step = 0;  // 1-based
   float loss = 0;
-  double step_ms = 0;       // forward + backward + optimizer, the GPU synchronized at the end
+  // Forward + backward + optimizer, from the previous step's end (Note [Step end] in train.cpp).
+  double step_ms = 0;
   double optimizer_ms = 0;  // the optimizer step alone (synchronized before and after)
   std::int64_t h2d_bytes = 0;
   std::int64_t d2h_bytes = 0;
@@ -132,6 +136,9 @@ struct RunResult {
   // it would cover earlier runs too).
   std::int64_t host_rss_at_start_bytes = -1;
   std::int64_t peak_host_rss_bytes = -1;
+  // With TrainOptions::StepEnd::kStream: the wait, after the last step, for its copies that were
+  // still running when its time ended (Note [Step end] in train.cpp).
+  double drain_ms = 0;
   // strata runs:
   std::string allocator_table;  // per-tier statistics at the end of training
   std::string allocator_json;
