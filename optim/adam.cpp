@@ -221,12 +221,13 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
     }
   }
   adam->steps_.assign(adam->groups_.size(), 0);
-  STRATA_ASSIGN_OR_RETURN(void* skipped,
-                          runtime.allocator().allocate(
-                              rt::Tier::kPinnedHost,
-                              std::max<std::size_t>(adam->groups_.size(), 1) * sizeof(std::int64_t),
-                              {.owner = "Adam: skipped steps"}));
+  const std::size_t counters = std::max<std::size_t>(adam->groups_.size(), 1);
+  STRATA_ASSIGN_OR_RETURN(
+      void* skipped, runtime.allocator().allocate(
+                         rt::Tier::kPinnedHost, counters * sizeof(std::int64_t) + 4 * sizeof(float),
+                         {.owner = "Adam: skipped steps and scalars read back"}));
   adam->skipped_ = static_cast<std::int64_t*>(skipped);
+  adam->read_back_ = reinterpret_cast<float*>(adam->skipped_ + counters);
   STRATA_RETURN_IF_ERROR(adam->reset_skipped());
   // The policy lays out the states under the GPU budget now, so a budget too small is an error
   // here, at setup, rather than at the first step; `adam` takes its states back if it fails.

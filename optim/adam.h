@@ -234,6 +234,8 @@ class Adam {
   // run (pinned host memory the GPU writes through unified addressing, 8 bytes a group); read
   // only once a step was given a flag.
   std::int64_t* skipped_ = nullptr;
+  // Where read_scalars' kernel writes, in the same pinned allocation, after skipped_.
+  float* read_back_ = nullptr;
   bool skips_possible_ = false;
   // Waits for the compute stream, then sets the skipped counts to zero (a loaded checkpoint's
   // counters are exact).

@@ -145,7 +145,22 @@ __global__ void count_skipped_kernel(std::int64_t* skipped, int groups, const fl
   if (static_cast<int>(threadIdx.x) < groups && *found_inf != 0.0f) ++skipped[threadIdx.x];
 }
 
+struct ThreeFloats {
+  const float* src[3];
+};
+
+__global__ void read_floats_kernel(ThreeFloats in, float* dst) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < 3 && in.src[i] != nullptr) dst[i] = *in.src[i];
+}
+
 }  // namespace
+
+cudaError_t adam_read_floats_cuda(const std::array<const float*, 3>& src, float* dst,
+                                  cudaStream_t stream) {
+  read_floats_kernel<<<1, 32, 0, stream>>>(ThreeFloats{{src[0], src[1], src[2]}}, dst);
+  return cudaGetLastError();
+}
 
 cudaError_t adam_count_skipped_cuda(std::int64_t* skipped, int groups, const float* found_inf,
                                     cudaStream_t stream) {

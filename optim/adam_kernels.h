@@ -16,6 +16,7 @@
 //   cudaError_t err = adam_step_cuda(&t, 1, s, grad_scale_dev, found_inf_dev, stream);
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -65,6 +66,11 @@ cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const A
 // after a step's kernels. `skipped` is device-accessible memory (pinned host memory).
 cudaError_t adam_count_skipped_cuda(std::int64_t* skipped, int groups, const float* found_inf,
                                     cudaStream_t stream);
+// dst[i] = *src[i] for each src[i] that is not null, by a kernel queued on `stream`: no copy engine
+// takes part, so the read does not queue behind write-backs on the link (Note [Reading the step's
+// scalars] in adam_overlap.cpp). `dst` is device-accessible memory (pinned host memory).
+cudaError_t adam_read_floats_cuda(const std::array<const float*, 3>& src, float* dst,
+                                  cudaStream_t stream);
 #endif
 
 }  // namespace strata::optim

@@ -274,6 +274,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     StepClock clock(o, [&] {
       if (o.cuda) bridge::check(rt.device().stream_synchronize(rt.compute_stream()));
     });
+    ScalarReader reader(o);
     for (int step = 1; step <= o.steps; ++step) {
       rt.allocator().reset_peak_stats();
       reset_torch_peak(o);
@@ -324,9 +325,9 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       if (found_inf.defined()) scaler.update(found_inf);
       const double optimizer_ms = ms_since(optimizer_start);
       hooks.end_step();
-      const float loss_value = loss.item<float>();
       clock.wait();
       const double step_ms = clock.end(start);
+      const std::vector<float> read = reader.read({loss, grad_norm, step_scale, found_inf});
       bridge::check(rt.poll());
       if (traced) {
         // The trace covers the step's copies to the last: the step is the run's last, so the
@@ -340,12 +341,12 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       const rt::RuntimeStats after = rt.stats();
       StepRecord r;
       r.step = step;
-      r.loss = loss_value;
+      r.loss = read[0];
       r.step_ms = step_ms;
       r.optimizer_ms = optimizer_ms;
-      r.grad_norm = grad_norm.item<float>();
-      r.loss_scale = step_scale.item<float>();
-      r.skipped = found_inf.defined() && found_inf.item<float>() != 0.0f;
+      r.grad_norm = read[1];
+      r.loss_scale = read[2];
+      r.skipped = read[3] != 0.0f;
       r.redone = outcome == optim::Adam::StepOutcome::kRedone;
       r.h2d_bytes = after.migrated_bytes_h2d - before.migrated_bytes_h2d;
       r.d2h_bytes = after.migrated_bytes_d2h - before.migrated_bytes_d2h;
@@ -479,6 +480,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   std::pair<std::int64_t, std::int64_t> moved;  // by phase switches: host -> GPU, GPU -> host
 
   StepClock clock(o, nullptr);
+  ScalarReader reader(o);
   for (int step = 1; step <= o.steps; ++step) {
     reset_torch_peak(o);
     const Clock::time_point start = clock.start();
@@ -522,10 +524,9 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     scaler.update(found_inf);
     clock.wait();
     const double optimizer_ms = ms_since(optimizer_start);
-    const float loss_value = loss.item<float>();
     r.step = step;
-    r.loss = loss_value;
     r.step_ms = clock.end(start);
+    r.loss = reader.read({loss})[0];
     r.optimizer_ms = optimizer_ms;
     if (which == TorchBaseline::kMovedWithTo && o.cuda) {
       // The states' bytes, each way (the first step only moves them out).
