@@ -19,8 +19,9 @@
 // bytes they overwrite kept (Runtime::keep_for_undo; Note [Undo log] in runtime/undo.cpp).
 // finish_step reads the true grad_scale and found_inf (one host wait of a few bytes) and compares:
 //   - equal, bit for bit, and no inf: the speculation was the step; what was kept is dropped, and
-//     any layer backward could not step (not on the GPU then, or no host memory for its undo) is
-//     stepped now, as step() would;
+//     any layer backward could not step (not on the GPU then, no host memory for its undo, or
+//     resting wholly on the GPU with no room there for its undo: Note [Resting layers] in
+//     adam_overlap.cpp) is stepped now, as step() would;
 //   - otherwise (clipping triggered, or inf found): every kept byte goes back (a host wait for
 //     every stream, and a copy back for what was copied off the GPU), and step() runs with the true
 //     values. That costs one sequential step more, on the steps where it happens (clipping that
@@ -108,7 +109,9 @@ class Adam {
   // a device scalar that stays alive until finish_step; null: 1) and keeping what a redo needs.
   // The step's first call begins it (the step counters move); every call of a step passes the same
   // grad_scale. A layer with a tensor not on the GPU (a policy that keeps it on the host during
-  // backward), or whose undo does not fit the host, is left for finish_step, not an error. A
+  // backward), whose undo does not fit the host, or that rests wholly on the GPU without room
+  // there for its undo (Note [Resting layers] in adam_overlap.cpp), is left for finish_step, not
+  // an error. A
   // failure leaves the layer unstepped and nothing held; finish_step still completes the step.
   [[nodiscard]] absl::Status step_layer(int layer, const float* grad_scale = nullptr);
   enum class StepOutcome {

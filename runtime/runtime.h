@@ -254,9 +254,11 @@ class Runtime {
   // be held on the GPU (acquire). A staged tensor costs no copy: its write-back goes to a fresh
   // block of its home tier and the old home block is kept; a tensor resting on the GPU is copied to
   // pinned host memory on the D2H stream, and `stream` waits for that copy. A tensor kept already
-  // is left as it is. kResourceExhausted when the host has no room for it (nothing kept, nothing
+  // is left as it is. kResourceExhausted when the host has no room for it, or when `over_link` is
+  // false and a tensor resting on the GPU cannot be kept on the GPU (nothing kept, nothing
   // changed); kFailedPrecondition when it is not held on the GPU.
-  [[nodiscard]] absl::Status keep_for_undo(TensorHandle tensor, StreamHandle stream);
+  [[nodiscard]] absl::Status keep_for_undo(TensorHandle tensor, StreamHandle stream,
+                                           bool over_link = true);
   // The step stands: the kept bytes are dropped, freed behind the copy streams (no host wait).
   [[nodiscard]] absl::Status commit_undo();
   // Puts back every kept tensor's bytes wherever the tensor is now and frees what was kept, then

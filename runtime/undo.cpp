@@ -74,7 +74,7 @@ absl::StatusOr<void*> Runtime::Impl::keep_undo_on_gpu(const Entry& e, const void
   return *copy;
 }
 
-absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream) {
+absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream, bool over_link) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
   STRATA_ASSIGN_OR_RETURN(Entry * e, im.registry.get(tensor));
@@ -105,6 +105,11 @@ absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream) {
              !on_gpu.ok() || *on_gpu != nullptr) {
     if (!on_gpu.ok()) return on_gpu.status();
     im.undo.push_back({e, Tier::kGpu, *on_gpu, nullptr, stream});
+  } else if (!over_link) {
+    return absl::ResourceExhaustedError(
+        str_cat("keep_for_undo '", e->spec.name, "': no room to keep it on the GPU (",
+                im.policy->config().undo_on_gpu ? "the GPU budget is spent" : "undo_on_gpu is off",
+                ") and the caller would not have it cross the link"));
   } else {
     // Resting on the GPU: a copy to pinned host memory, which `stream` waits for.
     absl::StatusOr<void*> copy =

@@ -61,7 +61,10 @@ inline std::vector<Case> basic_cases() {
   keep_gpu_undo.undo_on_gpu = true;
   rt::PolicyConfig states_gpu_undo = states;
   states_gpu_undo.undo_on_gpu = true;
+  rt::PolicyConfig bulk_gpu_undo = bulk_all;
+  bulk_gpu_undo.undo_on_gpu = true;
   out.push_back({"keep_on_gpu", keep_gpu_undo, rt::DType::kFloat32});
+  out.push_back({"bulk", bulk_gpu_undo, rt::DType::kBFloat16});
   out.push_back({"layer_prefetch", states_gpu_undo, rt::DType::kFloat32});
   out.push_back({"layer_prefetch", states_gpu_undo, rt::DType::kBFloat16});
   return out;
