@@ -6,7 +6,6 @@
 #include <chrono>
 #include <exception>
 #include <fstream>
-#include <functional>
 #include <memory>
 #include <optional>
 
@@ -117,55 +116,6 @@ void write_trace(rt::CopyTracer& tracer, rt::Runtime& runtime, const std::string
   if (!csv) bridge::check(absl::InternalError(str_cat("writing the trace ", path, " failed")));
   std::printf("wrote the copy trace %s (%zu copies)\n", path.c_str(), spans.size());
 }
-
-// Note [Step end]: a training loop does not wait for the whole GPU at the end of a step; it reads
-// the loss, which waits for the stream the model computes on. So with StepEnd::kStream a step's
-// time ends when torch's current stream and the runtime's compute stream have done its work, and
-// copies still running then (the write-backs of the layers the optimizer stepped last, a .to()
-// baseline's states on their way home) run on into the next step's forward. Whatever the next
-// step has to wait for (a staging slot not yet written back, a home block not yet filled) it waits
-// for on the GPU, inside its own time, so each step's time runs from the previous step's end: the
-// times add up to the wall time of the run, less the wait for the last step's copies, reported
-// apart as RunResult::drain_ms. After a phase switch, which synchronizes everything, the next
-// step's time starts afresh. The traced step (the run's last) waits on the host for what the step
-// before left running, inside its time, so that its trace holds its own copies alone: a little
-// slower than the others, never faster. StepEnd::kDevice waits for every stream at the end of each
-// step, as strata-train did before.
-class StepClock {
- public:
-  StepClock(const TrainOptions& o, std::function<void()> wait_for_streams)
-      : o_(o), wait_for_streams_(std::move(wait_for_streams)) {}
-  bool stream_end() const { return o_.step_end == TrainOptions::StepEnd::kStream; }
-  // The step's start: the previous step's end while nothing synchronized since.
-  Clock::time_point start() const { return last_end_.value_or(Clock::now()); }
-  // Waits for the step's work (Note [Step end]).
-  void wait() const {
-    if (!stream_end()) return synchronize(o_);
-    synchronize_torch_stream(o_);
-    if (wait_for_streams_) wait_for_streams_();
-  }
-  // Ends the step begun at `start`; its time in ms.
-  double end(Clock::time_point start) {
-    const Clock::time_point now = Clock::now();
-    if (stream_end()) last_end_ = now;
-    return std::chrono::duration<double, std::milli>(now - start).count();
-  }
-  // Everything synchronized: the next step's time starts afresh.
-  void synchronized() { last_end_.reset(); }
-  // After the last step: waits for every stream; the time that took with StepEnd::kStream.
-  double drain(const std::function<void()>& wait_all) {
-    const Clock::time_point start = Clock::now();
-    synchronize(o_);
-    if (wait_all) wait_all();
-    last_end_.reset();
-    return stream_end() ? ms_since(start) : 0.0;
-  }
-
- private:
-  const TrainOptions& o_;
-  std::function<void()> wait_for_streams_;
-  std::optional<Clock::time_point> last_end_;
-};
 
 // The strata run proper; throws (c10::Error) on failure, which run_strata records.
 void train_strata(const TrainOptions& o, const std::string& run_name, const StepCallback& on_step,

@@ -59,7 +59,7 @@ struct TrainOptions {
   bool undo_on_gpu = false;
   // Micro-batches per step (gradient accumulation), each of `model.batch` sequences.
   int grad_accum = 1;
-  // Where a step's time ends (Note [Step end] in apps/train/train.cpp).
+  // Where a step's time ends (Note [Step end] in apps/train/torch_device.h).
   enum class StepEnd { kStream, kDevice };
   StepEnd step_end = StepEnd::kStream;
 };
@@ -74,7 +74,8 @@ inline constexpr int kLossScaleGrowthInterval = 2000;
 struct StepRecord {
   int step = 0;  // 1-based
   float loss = 0;
-  // Forward + backward + optimizer, from the previous step's end (Note [Step end] in train.cpp).
+  // Forward + backward + optimizer, from the previous step's end (Note [Step end] in
+  // torch_device.h).
   double step_ms = 0;
   double optimizer_ms = 0;  // the optimizer step alone (synchronized before and after)
   std::int64_t h2d_bytes = 0;
@@ -137,7 +138,7 @@ struct RunResult {
   std::int64_t host_rss_at_start_bytes = -1;
   std::int64_t peak_host_rss_bytes = -1;
   // With TrainOptions::StepEnd::kStream: the wait, after the last step, for its copies that were
-  // still running when its time ended (Note [Step end] in train.cpp).
+  // still running when its time ended (Note [Step end] in torch_device.h).
   double drain_ms = 0;
   // strata runs:
   std::string allocator_table;  // per-tier statistics at the end of training
