@@ -92,7 +92,8 @@ def run(args, use_strata):
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        # Not loss.item(): that copy would wait behind strata's write-backs (strata.read_scalars).
+        losses.extend(strata.read_scalars(loss))
         if tqdm:
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
         elif len(losses) % max(1, args.steps // 10) == 0:

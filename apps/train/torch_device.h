@@ -1,6 +1,7 @@
 // apps/train/torch_device.h (internal to apps/train/): the few things every part of strata-train
 // does with torch's device: wall-clock timing after a synchronize, a step's clock (StepClock, Note
-// [Step end]), reading scalars without the copy engine (ScalarReader), and torch's CUDA cache.
+// [Step end]) and torch's CUDA cache. Scalars are read with bridge::ScalarReader, which does not
+// wait behind the copies a step leaves running.
 //
 // Example:
 //   const Clock::time_point start = Clock::now();
@@ -112,56 +113,6 @@ class StepClock {
   const TrainOptions& o_;
   std::function<void()> wait_for_streams_;
   std::optional<Clock::time_point> last_end_;
-};
-
-// Reads float scalars on the host by a kernel that writes them into pinned memory, where .item()
-// would copy them through a copy engine: there such a copy queues behind the write-backs a strata
-// step leaves running (Note [Step end]), and a step's end, or the next one, would
-// wait for them. Without CUDA it is .item().
-//
-// Example:
-//   ScalarReader reader(options);
-//   std::vector<float> v = reader.read({loss, grad_norm});  // one wait for torch's stream
-class ScalarReader {
- public:
-  explicit ScalarReader(const TrainOptions& o) : o_(o) {}
-
-  // The values of 0-dim tensors (an undefined one reads 0), converted to float.
-  std::vector<float> read(const std::vector<torch::Tensor>& scalars) {
-    std::vector<float> out(scalars.size(), 0.0f);
-    if (!o_.cuda) {
-      for (std::size_t i = 0; i < scalars.size(); ++i) {
-        if (scalars[i].defined()) out[i] = scalars[i].item<float>();
-      }
-      return out;
-    }
-    const auto n = static_cast<std::int64_t>(scalars.size());
-    if (!host_.defined() || host_.numel() < n) {
-      host_ = torch::empty({n}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
-      // Pinned memory is mapped into the GPU's address space at the same address (unified
-      // addressing): as a CUDA tensor, kernels write it directly.
-      on_gpu_ = torch::from_blob(host_.data_ptr(), {n},
-                                 torch::TensorOptions().dtype(torch::kFloat).device(device_of(o_)));
-      one_ = torch::ones({}, torch::TensorOptions().dtype(torch::kFloat).device(device_of(o_)));
-    }
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (!scalars[i].defined()) continue;
-      torch::Tensor slot = on_gpu_.select(0, i);
-      at::mul_out(slot, scalars[i].to(torch::kFloat), one_);
-    }
-    synchronize_torch_stream(o_);
-    const float* values = host_.data_ptr<float>();
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (scalars[i].defined()) out[i] = values[i];
-    }
-    return out;
-  }
-
- private:
-  const TrainOptions& o_;
-  torch::Tensor host_;    // pinned
-  torch::Tensor on_gpu_;  // host_'s memory as a CUDA tensor
-  torch::Tensor one_;
 };
 
 }  // namespace strata::apps

@@ -16,6 +16,7 @@
 #include "base/host_memory.h"
 #include "bridge/grad_stats.h"
 #include "bridge/model_hooks.h"
+#include "bridge/scalar_reader.h"
 #include "bridge/status.h"
 #include "bridge/torch_runtime.h"
 #include "optim/adam.h"
@@ -224,7 +225,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     StepClock clock(o, [&] {
       if (o.cuda) bridge::check(rt.device().stream_synchronize(rt.compute_stream()));
     });
-    ScalarReader reader(o);
+    bridge::ScalarReader reader;
     for (int step = 1; step <= o.steps; ++step) {
       rt.allocator().reset_peak_stats();
       reset_torch_peak(o);
@@ -277,7 +278,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       hooks.end_step();
       clock.wait();
       const double step_ms = clock.end(start);
-      const std::vector<float> read = reader.read({loss, grad_norm, step_scale, found_inf});
+      const std::vector<double> read = reader.read({loss, grad_norm, step_scale, found_inf});
       bridge::check(rt.poll());
       if (traced) {
         // The trace covers the step's copies to the last: the step is the run's last, so the
@@ -291,12 +292,12 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       const rt::RuntimeStats after = rt.stats();
       StepRecord r;
       r.step = step;
-      r.loss = read[0];
+      r.loss = static_cast<float>(read[0]);
       r.step_ms = step_ms;
       r.optimizer_ms = optimizer_ms;
-      r.grad_norm = read[1];
-      r.loss_scale = read[2];
-      r.skipped = read[3] != 0.0f;
+      r.grad_norm = static_cast<float>(read[1]);
+      r.loss_scale = static_cast<float>(read[2]);
+      r.skipped = found_inf.defined() && read[3] != 0.0;
       r.redone = outcome == optim::Adam::StepOutcome::kRedone;
       r.h2d_bytes = after.migrated_bytes_h2d - before.migrated_bytes_h2d;
       r.d2h_bytes = after.migrated_bytes_d2h - before.migrated_bytes_d2h;
@@ -430,7 +431,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   std::pair<std::int64_t, std::int64_t> moved;  // by phase switches: host -> GPU, GPU -> host
 
   StepClock clock(o, nullptr);
-  ScalarReader reader(o);
+  bridge::ScalarReader reader;
   for (int step = 1; step <= o.steps; ++step) {
     reset_torch_peak(o);
     const Clock::time_point start = clock.start();
@@ -476,7 +477,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     const double optimizer_ms = ms_since(optimizer_start);
     r.step = step;
     r.step_ms = clock.end(start);
-    r.loss = reader.read({loss})[0];
+    r.loss = static_cast<float>(reader.read({loss})[0]);
     r.optimizer_ms = optimizer_ms;
     if (which == TorchBaseline::kMovedWithTo && o.cuda) {
       // The states' bytes, each way (the first step only moves them out).

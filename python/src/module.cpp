@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,6 +32,7 @@
 #include "allocator/tier.h"
 #include "bridge/grad_stats.h"
 #include "bridge/model_hooks.h"
+#include "bridge/scalar_reader.h"
 #include "bridge/status.h"
 #include "bridge/torch_runtime.h"
 #include "optim/adam.h"
@@ -389,6 +391,21 @@ PYBIND11_MODULE(_strata, m) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     }
   });
+
+  // One reader for the process, so its pinned buffer is reused, never destroyed (its pinned memory
+  // would be freed after CUDA's teardown at exit); the mutex lets the call wait for the stream with
+  // the GIL released.
+  m.def(
+      "read_scalars",
+      [](const std::vector<std::optional<at::Tensor>>& given) {
+        std::vector<at::Tensor> scalars;  // None: an undefined tensor, which reads NaN
+        for (const auto& t : given) scalars.push_back(t.value_or(at::Tensor()));
+        static std::mutex mu;
+        static auto* reader = new strata::bridge::ScalarReader;
+        const std::lock_guard<std::mutex> lock(mu);
+        return reader->read(scalars);
+      },
+      py::arg("scalars"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
       .def(py::init<const std::optional<std::string>&, const std::optional<std::int64_t>&, int,

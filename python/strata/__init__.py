@@ -19,10 +19,14 @@ layer over it. Two ways in:
     # Under FSDP2 (fully_shard, torchrun): each rank binds and steps its own shards.
     opt = strata.optim.AdamW(fsdp_model.parameters(), lr=3e-4)
     strata.distributed.clip_grad_norm_(opt, 1.0)
+
+    # The loss on the host without waiting behind strata's copies (not loss.item()).
+    loss_value, = strata.read_scalars(loss)
 """
 
 from . import distributed, optim
 from .runtime import Runtime, attach, parse_bytes
+from .scalars import read_scalars
 
-__all__ = ["Runtime", "attach", "distributed", "optim", "parse_bytes"]
+__all__ = ["Runtime", "attach", "distributed", "optim", "parse_bytes", "read_scalars"]
 __version__ = "0.2.0"

@@ -57,6 +57,7 @@ from .distributed import (
     sharded_like,
 )
 from .runtime import Runtime
+from .scalars import read_scalars
 
 
 def _check_hyper(lr, betas, eps, weight_decay):
@@ -244,7 +245,9 @@ class Adam(torch.optim.Optimizer):
             coef = clip_coef(total, self._max_grad_norm)
             taken_back = self._adam.overlapped_step_open()
             if taken_back:
-                if not bool((coef < 1.0).item()):
+                # Not .item(): that copy would queue behind the write-backs of the layers
+                # stepped last (strata.read_scalars).
+                if read_scalars(coef)[0] >= 1.0:
                     return None, False  # no clipping: what backward stepped stands
                 self._adam.cancel_step()
             torch._foreach_mul_(grads, coef.to(grads[0].device))
