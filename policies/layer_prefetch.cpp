@@ -299,18 +299,19 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // slots prefetch less but stream the same bytes); a budget in which not even one slot fits is
   // an error here, at setup. Then Note [Resident layers]: whole layers move into what is left, in
   // ascending order, as many as fit (the allocator refuses what would pass the budget). Nothing
-  // may be staged meanwhile.
+  // may be staged meanwhile. The ring comes first: when layers made resident by an earlier settle
+  // leave it fewer than K + 1 slots, they go home and the slots are counted again. Otherwise a
+  // role registered after a first step (gradients, in a loop that registers them once backward
+  // made them) would find the main pool full of the layers that settled without it, and the ring
+  // cut down to what is left: fewer layers prefetched, and in an overlapped step each fetch
+  // waiting for a write-back to free its slot.
   absl::Status settle(rt::PolicyContext& rt) {
     if (settled_) return absl::OkStatus();
     STRATA_RETURN_IF_ERROR(reset(rt));
-    const int wanted = static_cast<int>(std::min<std::size_t>(
-        config().prefetch_depth + 1,
-        std::max<std::size_t>(streamed_layers(rt, config().roles).size(), 1)));
-    absl::Status fit;
-    for (int slots = wanted; slots >= 1; --slots) {
-      slots_cap_ = static_cast<std::size_t>(slots);
-      fit = configure(rt);
-      if (fit.code() != absl::StatusCode::kResourceExhausted) break;
+    absl::Status fit = fit_ring(rt);
+    if (!fit.ok() || slots_cap_ < wanted_slots(rt)) {
+      STRATA_ASSIGN_OR_RETURN(const bool moved, unsettle_residents(rt));
+      if (moved) fit = fit_ring(rt);
     }
     if (!fit.ok()) {
       return absl::Status(fit.code(),
@@ -346,6 +347,44 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     STRATA_RETURN_IF_ERROR(rt.wait_all());
     parameter_layers_.reset();
     return configure(rt);
+  }
+
+  // K + 1 slots, or one for each layer that streams when fewer do.
+  std::size_t wanted_slots(const rt::PolicyContext& rt) const {
+    return std::min<std::size_t>(
+        config().prefetch_depth + 1,
+        std::max<std::size_t>(streamed_layers(rt, config().roles).size(), 1));
+  }
+
+  // Configures the most slots that fit, wanted_slots() at most; configure's error when not even
+  // one does.
+  absl::Status fit_ring(rt::PolicyContext& rt) {
+    absl::Status fit;
+    for (std::size_t slots = wanted_slots(rt); slots >= 1; --slots) {
+      slots_cap_ = slots;
+      fit = configure(rt);
+      if (fit.code() != absl::StatusCode::kResourceExhausted) break;
+    }
+    return fit;
+  }
+
+  // Sends the layers settle_residents moved to the main pool home (the roles this policy moves
+  // rest in pinned memory) and waits for the copies, so that their memory is free for the ring.
+  // Whether anything moved.
+  absl::StatusOr<bool> unsettle_residents(rt::PolicyContext& rt) {
+    bool moved = false;
+    for (int layer : rt.layers()) {
+      for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
+        STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+        if (info.bytes == 0 || !resident(info)) continue;
+        STRATA_RETURN_IF_ERROR(rt.migrate(h, placement(info.spec)));
+        moved = true;
+      }
+    }
+    if (!moved) return false;
+    parameter_layers_.reset();
+    STRATA_RETURN_IF_ERROR(rt.wait_all());  // one host wait, at setup, as settle_residents'
+    return true;
   }
 
   // As many slots as settle found room for (K + 1 at most), or fewer when fewer layers stream.

@@ -310,6 +310,53 @@ TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
       << "bulk's streaming step kept layers in the main pool";
 }
 
+// Note [Ring under a budget]: a role registered after a first step (gradients, in a training loop
+// that registers them once backward made them; here the second moments, so that each layer's
+// tensors keep train()'s order) finds layers resident that settled without it. The ring still
+// gets its K + 1 slots, those layers going home first, and training stays keep_on_gpu's.
+TEST(ParameterStreamingTest, ARoleRegisteredLaterDoesNotShrinkTheRing) {
+  constexpr int kLayers = 8;
+  constexpr std::size_t kN = 256 * 1024;  // 1 MiB tensors, 4 MiB a layer of every role
+  constexpr std::size_t kLayerBytes = 4 * kN * 4;
+  auto [ref_rt, ref_dev] = make_runtime("keep_on_gpu");
+  register_trainable(*ref_rt, kLayers, kN);
+  const auto want = train(*ref_rt, *ref_dev, kLayers, kN, 3, nullptr);
+
+  // K = 1: a ring of two whole layers and two resident layers fill the budget. Without the second
+  // moments, three layers of three roles fit beside the ring, which would leave room for one slot.
+  const std::size_t budget = 4 * kLayerBytes;
+  std::mt19937 rng(23);
+  auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()},
+                                /*deferred=*/true, budget);
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<float> init(kN);
+    for (std::size_t i = 0; i < kN; ++i)
+      init[i] = 0.01f * static_cast<float>((i * 7 + l) % 13) - 0.05f;
+    ASSERT_TRUE(
+        rt->register_tensor(spec(str_cat("l", l, ".p"), l, Role::kParameter, kN), init.data())
+            .ok());
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("l", l, ".g"), l, Role::kGradient, kN)).ok());
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("l", l, ".m"), l, Role::kExpAvg, kN)).ok());
+  }
+  // Settles: the ring, then three whole layers and the first tensor of a fourth (10 MiB).
+  ASSERT_TRUE(rt->begin_step().ok());
+  ASSERT_TRUE(rt->end_step().ok());
+  dev->run_pending();
+  // where() lists the tensors in registration order: l0.p l0.g l0.m l1.p ...
+  EXPECT_EQ(rt->stats().staging_bytes, static_cast<std::int64_t>(2 * 3 * kN * 4));
+  EXPECT_EQ(where(*rt), "G G G G G G G G G G P P P P P P P P P P P P P P");
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("l", l, ".v"), l, Role::kExpAvgSq, kN)).ok());
+  }
+  const auto got = train(*rt, *dev, kLayers, kN, 3, &rng);
+  EXPECT_EQ(rt->stats().staging_bytes, static_cast<std::int64_t>(2 * kLayerBytes));
+  EXPECT_LE(rt->stats().gpu_reserved_peak_bytes, static_cast<std::int64_t>(budget));
+  // Two whole layers resident: their first three tensors, and their second moments (listed last).
+  EXPECT_EQ(where(*rt), "G G G G G G P P P P P P P P P P P P P P P P P P G G P P P P P P");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, bytes] : want) EXPECT_EQ(got.at(name), bytes) << name;
+}
+
 TEST(ParameterStreamingTest, ForwardHoldsOneLayerAndKeepsTheLastForBackward) {
   auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()});
   register_trainable(*rt, 4, 100);  // per layer: p g m v
