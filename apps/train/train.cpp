@@ -93,6 +93,21 @@ torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets)
       logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
 }
 
+// Note [PyTorch's step, no host wait]: the baselines step as a PyTorch user's loop does, with
+// nothing read on the host before the step's end: torch.nn.utils.clip_grad_norm_ as Python runs it
+// on CUDA (foreach norms, their norm, the coefficient clamped to 1 and multiplied in on the GPU;
+// the C++ API's version reads the norm on the host and takes one kernel per tensor), and under
+// loss scaling GradScaler's found_inf handed to the fused kernel, which then changes nothing
+// (GradScaler.step does not read it for an optimizer that supports it). The norm, the loss scale
+// and found_inf are read with the loss, after the step's time.
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm) {
+  const std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2.0);
+  const torch::Tensor total = at::linalg_vector_norm(at::stack(norms), 2.0);
+  const torch::Tensor coef = at::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+  at::_foreach_mul_(grads, coef);
+  return total;
+}
+
 std::string message_of(const std::exception& e) {
   if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
   return e.what();
@@ -447,37 +462,38 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     clock.wait();
     const Clock::time_point optimizer_start = Clock::now();
     StepRecord r;
-    r.loss_scale = scaler.scale.item<float>();
     std::vector<torch::Tensor> grads;
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (low) masters[i].mutable_grad() = params[i].grad().to(torch::kFloat);
       grads.push_back(masters[i].grad());
     }
-    // torch.amp.GradScaler: unscale, and skip the step when a gradient overflowed.
+    // The step as PyTorch users run it, with no host wait (Note [PyTorch's step, no host wait]).
+    const torch::Tensor step_scale = scaler.scale.clone();
     torch::Tensor found_inf = torch::zeros({}, scaler.scale.options());
     if (scaler.enabled) {
       at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scaler.scale.reciprocal());
     }
-    r.skipped = found_inf.item<float>() != 0.0f;
-    if (o.clip_grad_norm > 0 && !r.skipped) {
-      r.grad_norm =
-          static_cast<float>(torch::nn::utils::clip_grad_norm_(masters, o.clip_grad_norm));
-    }
-    if (!r.skipped) {
-      if (which == TorchBaseline::kMovedWithTo) pinned.to_gpu(optimizer.states(), device);
-      optimizer.step(scaler.enabled ? found_inf : torch::Tensor());
-      if (which == TorchBaseline::kMovedWithTo) pinned.to_host(optimizer.states());
-      if (low) {
-        torch::NoGradGuard no_grad;
-        for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
-      }
+    const torch::Tensor grad_norm =
+        o.clip_grad_norm > 0 ? clip_grad_norm(grads, o.clip_grad_norm) : torch::Tensor();
+    if (which == TorchBaseline::kMovedWithTo) pinned.to_gpu(optimizer.states(), device);
+    optimizer.step(scaler.enabled ? found_inf : torch::Tensor());
+    if (which == TorchBaseline::kMovedWithTo) pinned.to_host(optimizer.states());
+    if (low) {
+      // A skipped step left the masters as they were: the parameters are rewritten unchanged.
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
     }
     scaler.update(found_inf);
     clock.wait();
     const double optimizer_ms = ms_since(optimizer_start);
     r.step = step;
     r.step_ms = clock.end(start);
-    r.loss = static_cast<float>(reader.read({loss})[0]);
+    const std::vector<double> read = reader.read({loss, grad_norm, step_scale, found_inf});
+    r.loss = static_cast<float>(read[0]);
+    r.skipped = read[3] != 0.0;
+    // As before this step read its values on the host: a skipped step reports no norm.
+    r.grad_norm = grad_norm.defined() && !r.skipped ? static_cast<float>(read[1]) : 0.0f;
+    r.loss_scale = static_cast<float>(read[2]);
     r.optimizer_ms = optimizer_ms;
     if (which == TorchBaseline::kMovedWithTo && o.cuda) {
       // The states' bytes, each way (the first step only moves them out).
