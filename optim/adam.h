@@ -111,8 +111,8 @@ class Adam {
   // grad_scale. A layer with a tensor not on the GPU (a policy that keeps it on the host during
   // backward), whose undo does not fit the host, or that rests wholly on the GPU without room
   // there for its undo (Note [Resting layers] in adam_overlap.cpp), is left for finish_step, not
-  // an error. A
-  // failure leaves the layer unstepped and nothing held; finish_step still completes the step.
+  // an error. A failure leaves the layer unstepped and nothing held; finish_step still completes
+  // the step.
   [[nodiscard]] absl::Status step_layer(int layer, const float* grad_scale = nullptr);
   enum class StepOutcome {
     kSequential,   // no layer was stepped during backward: step() ran

@@ -52,6 +52,11 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   // Acquiring a tensor that rests on the host would move it into the GPU's main pool for good:
   // such a layer is stepped after backward, where the policy streams it.
   if (!layer_on_gpu(layer)) return absl::OkStatus();
+  // Note [Resting layers], below. Without undo_on_gpu such a layer's undo could only cross the
+  // link, so it waits for finish_step without being acquired.
+  rt.staged_tensors(layer, arrived_);
+  const bool over_link = !arrived_.empty();
+  if (!over_link && !rt.policy().config().undo_on_gpu) return absl::OkStatus();
   const rt::StreamHandle stream = rt.compute_stream();
   std::vector<rt::TensorHandle> held;
   // What cannot be released now (a device error) is released by the next step_layer or
@@ -70,8 +75,6 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   // would add 14 bytes a bfloat16 parameter to the link's D2H direction, which the write-backs of
   // the streamed layers keep busy during backward (on an H200, 3.8 GB a step, 74 ms, in
   // strata-train's 24-block model with every role in 8 GiB). Such a layer waits for finish_step.
-  rt.staged_tensors(layer, arrived_);
-  const bool over_link = !arrived_.empty();
   std::vector<std::vector<AdamTensor>> per_group(groups_.size());
   std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
   for (std::size_t index : it->second) {
