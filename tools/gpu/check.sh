@@ -102,6 +102,11 @@ if [ -x "$BUILD/bin/bridge_phase_switch_test" ]; then
   LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run bridge_phase_switch "$BUILD/bin/bridge_phase_switch_test"
 fi
 LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run optim_adam "$BUILD/bin/optim_adam_test"
+[ -x "$BUILD/bin/optim_overlap_gpu_test" ] &&
+  san_run optim_overlap "$BUILD/bin/optim_overlap_gpu_test"
+if [ -x "$BUILD/bin/bridge_scalars_test" ]; then
+  LEAK_CHECK=no GTEST_FILTER='*Gpu*' san_run bridge_scalars "$BUILD/bin/bridge_scalars_test"
+fi
 GTEST_FILTER='*Gpu*' san_run optim_mixed "$BUILD/bin/optim_mixed_precision_test"
 STRATA_SOAK_STEPS=200 GTEST_FILTER='*Gpu*' san_run soak "$BUILD/bin/reliability_soak_test"
 
