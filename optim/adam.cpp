@@ -83,19 +83,69 @@ Adam::Adam(rt::Runtime& runtime, AdamOptions options)
     : runtime_(runtime), options_(std::move(options)) {}
 
 std::int64_t Adam::step_count(std::size_t group) const {
-  if (!skips_possible_) return steps_.at(group);
+  if (group >= groups_.size()) return 0;
   // The kernels may still be counting this step's skip.
-  (void)runtime_.device().stream_synchronize(runtime_.compute_stream());
-  return steps_.at(group) - skipped_[group];
+  if (skips_possible_) (void)runtime_.device().stream_synchronize(runtime_.compute_stream());
+  std::int64_t most = 0;
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].group != group) continue;
+    most = std::max(most, slots_[i].steps - (skips_possible_ ? skipped_[i] : 0));
+  }
+  return most;
+}
+
+absl::StatusOr<std::size_t> Adam::slot_of(rt::TensorHandle param) const {
+  auto it = slot_of_param_.find(param.id);
+  if (it == slot_of_param_.end() || slots_[it->second].param != param) {
+    return absl::NotFoundError(
+        str_cat("Adam: handle ", param.id, " is not a parameter of this optimizer"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::int64_t> Adam::step_count_of(rt::TensorHandle param) const {
+  STRATA_ASSIGN_OR_RETURN(const std::size_t i, slot_of(param));
+  if (!skips_possible_) return slots_[i].steps;
+  STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(runtime_.compute_stream()));
+  return slots_[i].steps - skipped_[i];
+}
+
+std::int64_t Adam::step_number() const {
+  std::int64_t most = 0;
+  for (const Slot& s : slots_) most = std::max(most, s.steps);
+  return most;
+}
+
+absl::Status Adam::skip_parameters(const std::vector<rt::TensorHandle>& params) {
+  std::vector<std::size_t> slots;
+  for (rt::TensorHandle p : params) {
+    STRATA_ASSIGN_OR_RETURN(const std::size_t i, slot_of(p));
+    slots.push_back(i);
+  }
+  for (std::size_t i : slots) skip_[i] = true;
+  return absl::OkStatus();
+}
+
+bool Adam::skipped_this_step(rt::TensorHandle param) const {
+  absl::StatusOr<std::size_t> i = slot_of(param);
+  return i.ok() && skip_[*i];
 }
 
 absl::Status Adam::reset_skipped() {
   if (skips_possible_) {
     STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(runtime_.compute_stream()));
   }
-  std::fill(skipped_, skipped_ + std::max<std::size_t>(groups_.size(), 1), 0);
+  std::fill(skipped_, skipped_ + std::max<std::size_t>(slots_.size(), 1), 0);
   skips_possible_ = false;
   return absl::OkStatus();
+}
+
+absl::Status Adam::fold_skipped() {
+  if (skips_possible_) {
+    STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(runtime_.compute_stream()));
+    for (std::size_t i = 0; i < slots_.size(); ++i) slots_[i].steps -= skipped_[i];
+  }
+  return reset_skipped();
 }
 
 Adam::~Adam() {
@@ -220,8 +270,8 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       adam->slots_.push_back(slot);
     }
   }
-  adam->steps_.assign(adam->groups_.size(), 0);
-  const std::size_t counters = std::max<std::size_t>(adam->groups_.size(), 1);
+  adam->skip_.assign(adam->slots_.size(), false);
+  const std::size_t counters = std::max<std::size_t>(adam->slots_.size(), 1);
   STRATA_ASSIGN_OR_RETURN(
       void* skipped, runtime.allocator().allocate(
                          rt::Tier::kPinnedHost, counters * sizeof(std::int64_t) + 4 * sizeof(float),
@@ -255,10 +305,22 @@ absl::Status Adam::set_step_count(std::size_t group, std::int64_t steps) {
     return absl::InvalidArgumentError(
         str_cat("Adam: group ", group, ": step count ", steps, " is negative"));
   }
-  // The other groups keep their counts: fold the skipped steps in before the flags are reset.
-  for (std::size_t g = 0; g < groups_.size(); ++g) steps_[g] = step_count(g);
-  STRATA_RETURN_IF_ERROR(reset_skipped());
-  steps_[group] = steps;
+  // The other parameters keep their counts: fold the skipped steps in before the flags are reset.
+  STRATA_RETURN_IF_ERROR(fold_skipped());
+  for (Slot& s : slots_) {
+    if (s.group == group) s.steps = steps;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::set_step_count_of(rt::TensorHandle param, std::int64_t steps) {
+  STRATA_ASSIGN_OR_RETURN(const std::size_t i, slot_of(param));
+  if (steps < 0) {
+    return absl::InvalidArgumentError(str_cat("Adam: parameter '", slots_[i].param_name,
+                                              "': step count ", steps, " is negative"));
+  }
+  STRATA_RETURN_IF_ERROR(fold_skipped());
+  slots_[i].steps = steps;
   return absl::OkStatus();
 }
 
@@ -314,7 +376,9 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
         "Adam: step() while a step begun by step_layer is open; complete it with finish_step");
   }
   overlapped_.clear();
-  return run_step(grad_scale, found_inf, /*new_step=*/true);
+  STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
+  std::fill(skip_.begin(), skip_.end(), false);  // Note [Per-parameter steps]
+  return absl::OkStatus();
 }
 
 absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, bool new_step) {
@@ -328,9 +392,6 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
                                               "changed; it can be retried): ",
                                               begin.message()));
   }
-  if (new_step) {
-    for (std::int64_t& s : steps_) ++s;
-  }
   if (found_inf != nullptr) skips_possible_ = true;
   // Note [A failed step]: parameters are stepped one launch after another, so a step that fails
   // part way has stepped those launched before the failure (last_step_parameters() lists them).
@@ -338,17 +399,17 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
   // home), every byte is intact (each tensor is either stepped or as it was), and the runtime
   // takes the next step. If no kernel was queued yet, the step counters go back too, so a retry
   // is exact; otherwise the error says which layers were stepped (restore a checkpoint to redo the
-  // step).
+  // step). Each parameter's step count moves when its kernel is queued (Note [Per-parameter
+  // steps]), so the counts always say which parameters took the step.
   std::vector<rt::TensorHandle> held;
   int failed_layer = -1;
   absl::Status status = step_layers(grad_scale, found_inf, held, failed_layer);
-  if (status.ok() && found_inf != nullptr) status = count_skipped(found_inf);
   if (status.ok()) {
     // Every layer is stepped; the policy's end of step is resumable, so one failure is retried.
     absl::Status end = rt.end_optimizer_step();
     if (!end.ok()) end = rt.end_optimizer_step();
     if (!end.ok()) {
-      return absl::Status(end.code(), str_cat("Adam step ", steps_.empty() ? 0 : steps_[0],
+      return absl::Status(end.code(), str_cat("Adam step ", step_number(),
                                               " stepped every layer, but the policy's end of "
                                               "step failed twice (the next hook finishes it): ",
                                               end.message()));
@@ -361,18 +422,17 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
   }
   (void)rt.end_optimizer_step();  // what it cannot finish, the next hook does
   if (last_step_.size() == stepped_before && new_step) {
-    for (std::int64_t& s : steps_) --s;
     return absl::Status(status.code(), str_cat("Adam step failed before any kernel ran (nothing "
                                                "changed; it can be retried): ",
                                                status.message()));
   }
   std::string layers;
   for (int l : last_step_layers()) str_append(&layers, layers.empty() ? "" : ", ", l);
-  return absl::Status(status.code(),
-                      str_cat("Adam step ", steps_.empty() ? 0 : steps_[0], " failed at layer ",
-                              failed_layer, " after stepping ", last_step_.size(), " of ",
-                              slots_.size(), " parameters (in layers ", layers,
-                              "); restore a checkpoint to redo the step: ", status.message()));
+  return absl::Status(
+      status.code(),
+      str_cat("Adam step ", step_number(), " failed at layer ", failed_layer, " after stepping ",
+              last_step_.size(), " of ", slots_.size(), " parameters (in layers ", layers,
+              "); restore a checkpoint to redo the step: ", status.message()));
 }
 
 std::vector<int> Adam::last_step_layers() const {
@@ -384,7 +444,8 @@ std::vector<int> Adam::last_step_layers() const {
   return out;
 }
 
-AdamTensor Adam::kernel_tensor(const Slot& s, const std::array<void*, 6>& ptrs) {
+AdamTensor Adam::kernel_tensor(std::size_t index, const std::array<void*, 6>& ptrs) const {
+  const Slot& s = slots_[index];
   AdamTensor t;
   t.param = ptrs[0];
   t.grad = ptrs[1];
@@ -395,16 +456,21 @@ AdamTensor Adam::kernel_tensor(const Slot& s, const std::array<void*, 6>& ptrs) 
   t.param_type = s.param_type;
   t.grad_type = s.grad_type;
   t.numel = s.numel;
+  t.step = s.steps + 1;
+  t.skipped = skips_possible_ ? skipped_ + index : nullptr;
   return t;
 }
 
-std::vector<AdamScalars> Adam::step_scalars() const {
-  std::vector<AdamScalars> scalars;
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    scalars.push_back(adam_scalars(groups_[g].hyper, steps_[g]));
-    if (skips_possible_) scalars.back().skipped = skipped_ + g;
+absl::Status Adam::launch(const std::vector<AdamTensor>& list, const std::vector<std::size_t>& of,
+                          std::size_t g, const float* grad_scale, const float* found_inf) {
+  if (list.empty()) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(
+      queue_kernel(list, adam_scalars(groups_[g].hyper, 1), grad_scale, found_inf));
+  for (std::size_t index : of) {
+    ++slots_[index].steps;
+    last_step_.push_back(slots_[index].param);
   }
-  return scalars;
+  return absl::OkStatus();
 }
 
 absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamScalars& scalars,
@@ -415,7 +481,10 @@ absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamS
   if (rt.device().is_simulated()) {
     const int threads = options_.cpu_threads;
     return rt.device().enqueue_host(stream, [list, s = scalars, threads, grad_scale, found_inf] {
-      if (found_inf != nullptr && *found_inf != 0.0f) return;
+      if (found_inf != nullptr && *found_inf != 0.0f) {
+        adam_count_skipped_cpu(list.data(), list.size());  // Note [Skipped steps]
+        return;
+      }
       const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
       adam_step_cpu(list.data(), list.size(), s, inv, threads);
     });
@@ -435,19 +504,7 @@ absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamS
 absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
                                std::vector<rt::TensorHandle>& held, int& failed_layer) {
   rt::Runtime& rt = runtime_;
-  const std::vector<AdamScalars> scalars = step_scalars();
   const rt::StreamHandle stream = rt.compute_stream();
-
-  // Queues the kernel for `list` (tensors of one group, of the slots `of`); once queued, those
-  // parameters count as stepped.
-  auto launch = [&](const std::vector<AdamTensor>& list, const std::vector<std::size_t>& of,
-                    std::size_t g) -> absl::Status {
-    absl::Status queued = queue_kernel(list, scalars[g], grad_scale, found_inf);
-    if (queued.ok() && !list.empty()) {
-      for (std::size_t index : of) last_step_.push_back(slots_[index].param);
-    }
-    return queued;
-  };
 
   for (int layer : rt.optimizer_layer_order()) {
     // Note [Overlapped step]: stepped during backward already.
@@ -466,6 +523,7 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
     if (it != by_layer_.end()) {
       for (std::size_t index : pipelined ? arrived : it->second) {
+        if (skip_[index]) continue;  // Note [Per-parameter steps]
         const Slot* s = &slots_[index];
         std::array<void*, 6> ptrs = {};
         const std::array<rt::TensorHandle, 6> hs = s->kernel_tensors();
@@ -476,9 +534,9 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
           held.push_back(hs[k]);
           ptrs[k] = *p;
         }
-        const AdamTensor t = kernel_tensor(*s, ptrs);
+        const AdamTensor t = kernel_tensor(index, ptrs);
         if (pipelined) {
-          STRATA_RETURN_IF_ERROR(launch({t}, {index}, s->group));
+          STRATA_RETURN_IF_ERROR(launch({t}, {index}, s->group, grad_scale, found_inf));
           STRATA_RETURN_IF_ERROR(rt.release(held, stream));
           held.clear();
         } else {
@@ -488,7 +546,7 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
       }
     }
     for (std::size_t g = 0; g < groups_.size(); ++g) {
-      STRATA_RETURN_IF_ERROR(launch(per_group[g], slots_of_group[g], g));
+      STRATA_RETURN_IF_ERROR(launch(per_group[g], slots_of_group[g], g, grad_scale, found_inf));
     }
     STRATA_RETURN_IF_ERROR(rt.release(held, stream));
     held.clear();
@@ -496,31 +554,6 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
   }
   return absl::OkStatus();
-}
-
-// After the step's kernels, on their stream: a step its flag skipped does not count.
-absl::Status Adam::count_skipped(const float* found_inf) {
-  rt::Runtime& rt = runtime_;
-  const rt::StreamHandle stream = rt.compute_stream();
-  const int groups = static_cast<int>(groups_.size());
-  std::int64_t* skipped = skipped_;
-  if (rt.device().is_simulated()) {
-    return rt.device().enqueue_host(stream, [skipped, groups, found_inf] {
-      if (*found_inf == 0.0f) return;
-      for (int g = 0; g < groups; ++g) ++skipped[g];
-    });
-  }
-#ifdef STRATA_HAS_CUDA
-  const cudaError_t err =
-      adam_count_skipped_cuda(skipped, groups, found_inf, static_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) {
-    return absl::InternalError(
-        str_cat("Adam: counting a skipped step failed: ", cudaGetErrorString(err)));
-  }
-  return absl::OkStatus();
-#else
-  return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
-#endif
 }
 
 const std::vector<std::size_t>& Adam::arrival_order(int layer) {

@@ -43,6 +43,7 @@
 //   STRATA_RETURN_IF_ERROR(adam->step());
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <istream>
@@ -139,15 +140,32 @@ class Adam {
   const std::vector<rt::TensorHandle>& last_step_parameters() const { return last_step_; }
   std::vector<int> last_step_layers() const;
 
+  // Note [Per-parameter steps]: torch steps a parameter only when it has a gradient, so each
+  // parameter keeps its own step count (its bias corrections follow it), and a parameter without
+  // a gradient in a step (frozen for a while, an unused head, an MoE expert not routed) is left as
+  // it is: no decay, no moment update, its count unchanged. skip_parameters names such parameters
+  // for the step about to run (or the one step_layer began: a layer already stepped in backward
+  // stays stepped, so name them before their layer's step_layer); the list is kept until a step
+  // completes (step, finish_step), so a failed step retried, or one taken back (cancel_step) and
+  // redone, skips the same ones; clear_skipped forgets it (a step abandoned). kNotFound, and
+  // nothing changes, for a handle that is not one of the optimizer's parameters.
+  [[nodiscard]] absl::Status skip_parameters(const std::vector<rt::TensorHandle>& params);
+  void clear_skipped() { std::fill(skip_.begin(), skip_.end(), false); }
+  bool skipped_this_step(rt::TensorHandle param) const;
+
   [[nodiscard]] absl::Status set_lr(std::size_t group, double lr);
   // Every hyperparameter of a group at once, as torch reads its param_groups at each step (an LR
   // schedule, a weight-decay change). amsgrad cannot change: its states exist or do not.
   [[nodiscard]] absl::Status set_hyper(std::size_t group, const AdamHyper& hyper);
-  // Steps taken by the group: a step that a found_inf flag skipped does not count (Note [Skipped
-  // steps] in adam_math.h). Once a step was given a flag, this waits for the compute stream.
+  // Steps taken: a step that a found_inf flag skipped does not count (Note [Skipped steps] in
+  // adam_kernels.h). Once a step was given a flag, these wait for the compute stream. A group's
+  // count is the most any of its parameters took (Note [Per-parameter steps]).
   std::int64_t step_count(std::size_t group) const;
-  // Sets a group's step counter, as loading a torch state dict does (bias corrections follow it).
+  [[nodiscard]] absl::StatusOr<std::int64_t> step_count_of(rt::TensorHandle param) const;
+  // Sets the step count of every parameter of a group, or of one parameter, as loading a torch
+  // state dict does (bias corrections follow it).
   [[nodiscard]] absl::Status set_step_count(std::size_t group, std::int64_t steps);
+  [[nodiscard]] absl::Status set_step_count_of(rt::TensorHandle param, std::int64_t steps);
   const AdamHyper& hyper(std::size_t group) const { return groups_.at(group).hyper; }
   std::size_t num_groups() const { return groups_.size(); }
   // The state tensors of a parameter: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad, and
@@ -175,6 +193,8 @@ class Adam {
     ElemType param_type = ElemType::kF32;
     ElemType grad_type = ElemType::kF32;
     std::string param_name, grad_name;  // for messages: handles outlive their tensors
+    // Steps queued for this parameter, skipped ones included (Note [Per-parameter steps]).
+    std::int64_t steps = 0;
     // The optimizer's state tensors of this parameter, valid or not, in checkpoint order.
     std::array<rt::TensorHandle, 4> states() const {
       return {exp_avg, exp_avg_sq, max_exp_avg_sq, master};
@@ -184,8 +204,17 @@ class Adam {
       return {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master};
     }
   };
-  // The kernel's view of a slot, from the addresses of its kernel_tensors().
-  static AdamTensor kernel_tensor(const Slot& s, const std::array<void*, 6>& ptrs);
+  // The kernel's view of slots_[index] for the step being queued, from the addresses of its
+  // kernel_tensors().
+  AdamTensor kernel_tensor(std::size_t index, const std::array<void*, 6>& ptrs) const;
+  // Queues the kernel for `list`, the tensors of slots `of` in group g; once it is queued, those
+  // parameters count as stepped (their step counts move, last_step_ lists them).
+  absl::Status launch(const std::vector<AdamTensor>& list, const std::vector<std::size_t>& of,
+                      std::size_t g, const float* grad_scale, const float* found_inf);
+  // The step the optimizer is at, for messages: the most steps any parameter was queued for.
+  std::int64_t step_number() const;
+  // The slot of a parameter's handle; kNotFound for one that is not this optimizer's.
+  absl::StatusOr<std::size_t> slot_of(rt::TensorHandle param) const;
   // The name a tensor of the slot was registered under.
   static std::string name_in(const Slot& s, rt::TensorHandle h);
   // The name of one of this optimizer's state tensors.
@@ -199,10 +228,8 @@ class Adam {
   // step] in adam.cpp); the parameters it stepped go to last_step_.
   absl::Status step_layers(const float* grad_scale, const float* found_inf,
                            std::vector<rt::TensorHandle>& held, int& failed_layer);
-  // step()'s body; with new_step false the step counters moved already (finish_step).
+  // step()'s body; with new_step false, part of the step was taken in backward (finish_step).
   absl::Status run_step(const float* grad_scale, const float* found_inf, bool new_step);
-  // The kernel's scalars of each group for this step.
-  std::vector<AdamScalars> step_scalars() const;
   // Queues the kernel for `list` (tensors of group g) on the compute stream.
   absl::Status queue_kernel(const std::vector<AdamTensor>& list, const AdamScalars& scalars,
                             const float* grad_scale, const float* found_inf);
@@ -218,8 +245,9 @@ class Adam {
   rt::Runtime& runtime_;
   AdamOptions options_;
   std::vector<ParamGroup>& groups_ = options_.groups;
-  std::vector<std::int64_t> steps_;
   std::vector<Slot> slots_;
+  // Per slot: the parameter sits out the step (Note [Per-parameter steps]).
+  std::vector<bool> skip_;
   // Indices into slots_ by layer, built once: step() runs every iteration.
   std::map<int, std::vector<std::size_t>> by_layer_;
   // The slot each state tensor and each parameter (by handle id) belongs to.
@@ -233,8 +261,8 @@ class Adam {
   std::vector<std::size_t> arrival_order_;
   // Bytes each layer needs on the GPU during its step: parameters, gradients and moments.
   std::map<int, std::size_t> step_bytes_;
-  // Note [Skipped steps]: per group, the steps a found_inf flag skipped, counted where the kernels
-  // run (pinned host memory the GPU writes through unified addressing, 8 bytes a group); read
+  // Note [Skipped steps]: per slot, the steps a found_inf flag skipped, counted where the kernels
+  // run (pinned host memory the GPU writes through unified addressing, 8 bytes a parameter); read
   // only once a step was given a flag.
   std::int64_t* skipped_ = nullptr;
   // Where read_scalars' kernel writes, in the same pinned allocation, after skipped_.
@@ -243,7 +271,8 @@ class Adam {
   // Waits for the compute stream, then sets the skipped counts to zero (a loaded checkpoint's
   // counters are exact).
   absl::Status reset_skipped();
-  absl::Status count_skipped(const float* found_inf);
+  // Folds the skipped counts into the slots' step counts and resets them (before a count is set).
+  absl::Status fold_skipped();
   // Runtime::unregistrations() when every handle was last found registered.
   std::uint64_t checked_unregistrations_ = ~std::uint64_t{0};
   // Note [Overlapped step]: the step step_layer began, its speculative scale and its layers.

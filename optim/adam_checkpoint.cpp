@@ -4,9 +4,12 @@
 // [Untrusted checkpoints]).
 //
 // Format (little-endian, as the machine writes it):
-//   "STRATA-ADAM-3\n", u32 groups, per group {i64 step, f64 lr, beta1, beta2, eps, weight_decay,
-//   u8 decoupled, amsgrad, maximize}, u32 tensors, per tensor {u32 name length, name, u64 bytes,
-//   bytes}, u64 FNV-1a of everything before it.
+//   "STRATA-ADAM-4\n", u32 groups, per group {i64 step, f64 lr, beta1, beta2, eps, weight_decay,
+//   u8 decoupled, amsgrad, maximize}, u32 parameters, per parameter in the optimizer's order
+//   {i64 step} (Note [Per-parameter steps] in adam.h; the group's step is the most of its
+//   parameters'), u32 tensors, per tensor {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of
+//   everything before it.
+// Version 3 ("STRATA-ADAM-3\n") had no per-parameter steps: each parameter takes its group's.
 // Version 2 ("STRATA-ADAM-2\n") stored the hyperparameters as f32, and version 1
 // ("STRATA-ADAM-1\n") as the 24 raw bytes of the float32 AdamHyper of its day (the f32 fields, the
 // flags, one byte of padding); load reads all three.
@@ -27,6 +30,7 @@ namespace {
 constexpr std::string_view kMagic1 = "STRATA-ADAM-1\n";
 constexpr std::string_view kMagic2 = "STRATA-ADAM-2\n";
 constexpr std::string_view kMagic3 = "STRATA-ADAM-3\n";
+constexpr std::string_view kMagic4 = "STRATA-ADAM-4\n";
 // Reads grow their buffers in pieces of this size as the bytes arrive, so what a file claims
 // costs nothing until it is there.
 constexpr std::size_t kReadPiece = 64 * 1024;
@@ -101,7 +105,7 @@ absl::Status corrupt(std::string_view what) {
 bool read_hyper(Reader& r, int version, AdamHyper& h, bool& bools_ok) {
   double f[5];
   unsigned char flags[3];
-  if (version == 3) {
+  if (version >= 3) {
     if (!r.bytes(f, sizeof(f)) || !r.bytes(flags, sizeof(flags))) return false;
   } else {
     unsigned char raw[24];
@@ -127,13 +131,20 @@ bool read_hyper(Reader& r, int version, AdamHyper& h, bool& bools_ok) {
 
 absl::Status Adam::save(std::ostream& out) {
   Writer w(out);
-  w.bytes(kMagic3.data(), kMagic3.size());
+  w.bytes(kMagic4.data(), kMagic4.size());
   w.pod(static_cast<std::uint32_t>(groups_.size()));
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const AdamHyper& h = groups_[g].hyper;
     w.pod(step_count(g));
     for (double f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay}) w.pod(f);
     for (bool b : {h.decoupled, h.amsgrad, h.maximize}) w.pod(static_cast<std::uint8_t>(b));
+  }
+  w.pod(static_cast<std::uint32_t>(slots_.size()));
+  if (skips_possible_) {
+    STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(runtime_.compute_stream()));
+  }
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    w.pod(slots_[i].steps - (skips_possible_ ? skipped_[i] : 0));
   }
   std::vector<rt::TensorHandle> tensors;
   for (const Slot& s : slots_) {
@@ -178,11 +189,15 @@ absl::Status Adam::save(std::ostream& out) {
 absl::Status Adam::load(std::istream& in) {
   Reader r(in);
   char magic[14];
-  static_assert(sizeof(magic) == kMagic3.size() && sizeof(magic) == kMagic2.size() &&
-                sizeof(magic) == kMagic1.size());
+  static_assert(sizeof(magic) == kMagic4.size() && sizeof(magic) == kMagic3.size() &&
+                sizeof(magic) == kMagic2.size() && sizeof(magic) == kMagic1.size());
   if (!r.bytes(magic, sizeof(magic))) return truncated();
   const std::string_view got(magic, sizeof(magic));
-  const int version = got == kMagic3 ? 3 : got == kMagic2 ? 2 : got == kMagic1 ? 1 : 0;
+  const int version = got == kMagic4   ? 4
+                      : got == kMagic3 ? 3
+                      : got == kMagic2 ? 2
+                      : got == kMagic1 ? 1
+                                       : 0;
   if (version == 0) return truncated();
   std::uint32_t groups = 0;
   if (!r.pod(groups)) return truncated();
@@ -205,6 +220,21 @@ absl::Status Adam::load(std::istream& in) {
           str_cat("Adam checkpoint: group ", g, " was saved with amsgrad ",
                   hypers[g].amsgrad ? "on" : "off", "; this optimizer has it ",
                   groups_[g].hyper.amsgrad ? "on" : "off"));
+    }
+  }
+  // Each parameter's step: its own (version 4), else its group's.
+  std::vector<std::int64_t> slot_steps(slots_.size());
+  for (std::size_t i = 0; i < slots_.size(); ++i) slot_steps[i] = steps[slots_[i].group];
+  if (version >= 4) {
+    std::uint32_t params = 0;
+    if (!r.pod(params)) return truncated();
+    if (params != slots_.size()) {
+      return absl::InvalidArgumentError(str_cat("Adam checkpoint has ", params,
+                                                " parameters; this optimizer has ", slots_.size()));
+    }
+    for (std::uint32_t i = 0; i < params; ++i) {
+      if (!r.pod(slot_steps[i])) return truncated();
+      if (slot_steps[i] < 0) return corrupt(str_cat("parameter ", i, " has a negative step"));
     }
   }
   std::size_t states = 0;
@@ -274,7 +304,7 @@ absl::Status Adam::load(std::istream& in) {
     return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
   }
   STRATA_RETURN_IF_ERROR(reset_skipped());
-  steps_ = steps;
+  for (std::size_t i = 0; i < slots_.size(); ++i) slots_[i].steps = slot_steps[i];
   for (std::uint32_t g = 0; g < groups; ++g) groups_[g].hyper = hypers[g];
   return absl::OkStatus();
 }

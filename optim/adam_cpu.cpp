@@ -15,7 +15,9 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
     const AdamTensor& x = tensors[t];
     const std::int64_t lo = std::max<std::int64_t>(begin - base, 0);
     const std::int64_t hi = std::min<std::int64_t>(end - base, x.numel);
-    for (std::int64_t i = lo; i < hi; ++i) adam_tensor_element(x, i, s, inv);
+    AdamScalars own = s;
+    if (lo < hi) bias_corrections(own, settled_step(x));  // Note [Skipped steps]
+    for (std::int64_t i = lo; i < hi; ++i) adam_tensor_element(x, i, own, inv);
     base += x.numel;
   }
 }
@@ -24,8 +26,7 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
 
 void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& scalars,
                    float inv_grad_scale, int threads) {
-  AdamScalars s = scalars;
-  settle_step(s);  // Note [Skipped steps]
+  const AdamScalars& s = scalars;
   std::int64_t total = 0;
   for (std::size_t t = 0; t < count; ++t) total += tensors[t].numel;
   // Threads only pay off on large lists; below ~1M elements one thread is faster than spawning.
@@ -44,6 +45,12 @@ void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScala
     pool.emplace_back([=] { run_range(tensors, count, s, inv_grad_scale, begin, end); });
   }
   for (std::thread& th : pool) th.join();
+}
+
+void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count) {
+  for (std::size_t t = 0; t < count; ++t) {
+    if (tensors[t].skipped != nullptr) ++*tensors[t].skipped;
+  }
 }
 
 }  // namespace strata::optim

@@ -81,7 +81,15 @@ __device__ __forceinline__ void update_low4(const AdamTensor& x, std::int64_t i,
 
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(Meta meta, AdamScalars s, const float* grad_scale, const float* found_inf) {
-  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  const int t = meta.block_tensor[blockIdx.x];
+  const AdamTensor& x = meta.t[t];
+  if (found_inf != nullptr && *found_inf != 0.0f) {
+    // Note [Skipped steps]: the tensor's first block counts the skip, once per tensor and step.
+    if (threadIdx.x == 0 && meta.block_chunk[blockIdx.x] == 0 && x.skipped != nullptr) {
+      ++*x.skipped;
+    }
+    return;
+  }
   {
     // The bias corrections with the device's pow, as torch's fused kernel takes them, so the bits
     // match its (the host's pow may differ in the last place); Note [Skipped steps]: the skipped
@@ -89,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
     __shared__ float step_size, bias_correction2_sqrt;
     if (threadIdx.x == 0) {
       AdamScalars settled = s;
-      bias_corrections(settled, s.skipped != nullptr ? s.step - *s.skipped : s.step);
+      bias_corrections(settled, settled_step(x));
       step_size = settled.step_size;
       bias_correction2_sqrt = settled.bias_correction2_sqrt;
     }
@@ -98,8 +106,6 @@ __global__ void __launch_bounds__(kThreads)
     s.bias_correction2_sqrt = bias_correction2_sqrt;
   }
   const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
-  const int t = meta.block_tensor[blockIdx.x];
-  const AdamTensor& x = meta.t[t];
   const std::int64_t begin = static_cast<std::int64_t>(meta.block_chunk[blockIdx.x]) * kChunk;
   const std::int64_t end = begin + kChunk < x.numel ? begin + kChunk : x.numel;
   float* p = static_cast<float*>(x.param);
@@ -141,10 +147,6 @@ __global__ void __launch_bounds__(kThreads)
 bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15) == 0; }
 bool aligned8(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 7) == 0; }
 
-__global__ void count_skipped_kernel(std::int64_t* skipped, int groups, const float* found_inf) {
-  if (static_cast<int>(threadIdx.x) < groups && *found_inf != 0.0f) ++skipped[threadIdx.x];
-}
-
 struct ThreeFloats {
   const float* src[3];
 };
@@ -159,13 +161,6 @@ __global__ void read_floats_kernel(ThreeFloats in, float* dst) {
 cudaError_t adam_read_floats_cuda(const std::array<const float*, 3>& src, float* dst,
                                   cudaStream_t stream) {
   read_floats_kernel<<<1, 32, 0, stream>>>(ThreeFloats{{src[0], src[1], src[2]}}, dst);
-  return cudaGetLastError();
-}
-
-cudaError_t adam_count_skipped_cuda(std::int64_t* skipped, int groups, const float* found_inf,
-                                    cudaStream_t stream) {
-  if (groups <= 0) return cudaSuccess;
-  count_skipped_kernel<<<1, ((groups + 31) / 32) * 32, 0, stream>>>(skipped, groups, found_inf);
   return cudaGetLastError();
 }
 
@@ -185,8 +180,9 @@ cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const A
   };
   for (std::size_t t = 0; t < count; ++t) {
     const AdamTensor& x = tensors[t];
-    if (x.numel == 0) continue;
-    const std::int64_t chunks = (x.numel + kChunk - 1) / kChunk;
+    // An empty tensor gets one block only to count a skipped step (Note [Skipped steps]).
+    if (x.numel == 0 && x.skipped == nullptr) continue;
+    const std::int64_t chunks = x.numel == 0 ? 1 : (x.numel + kChunk - 1) / kChunk;
     for (std::int64_t c = 0; c < chunks; ++c) {
       if (c == 0 || tensors_in == 0) {
         if (tensors_in == kMaxTensors) {

@@ -40,7 +40,19 @@ struct AdamTensor {
   float* master = nullptr;
   ElemType param_type = ElemType::kF32;
   ElemType grad_type = ElemType::kF32;
+  // Note [Skipped steps]: the parameter's own step count (Note [Per-parameter steps] in adam.h),
+  // this step included. A step that found_inf skipped does not count (torch's fused AdamW takes
+  // it back), but only the device knows which steps were skipped: when `skipped` is set (once a
+  // step was given a found_inf flag), the kernel adds 1 to it on a skipped step and takes its bias
+  // corrections from t = step - *skipped, read where it runs; the host's count is not the truth.
+  std::int64_t step = 1;
+  std::int64_t* skipped = nullptr;
 };
+
+// The step t whose bias corrections a tensor's update takes (Note [Skipped steps]).
+STRATA_HD std::int64_t settled_step(const AdamTensor& x) {
+  return x.skipped != nullptr ? x.step - *x.skipped : x.step;
+}
 
 // One element of a tensor's step, the same on the CPU and the GPU.
 STRATA_HD void adam_tensor_element(const AdamTensor& x, std::int64_t i, const AdamScalars& s,
@@ -53,19 +65,19 @@ STRATA_HD void adam_tensor_element(const AdamTensor& x, std::int64_t i, const Ad
 }
 
 // Splits the elements of all tensors over `threads` host threads (1: the calling thread only).
-// Deterministic: every element is computed the same way whatever the split.
+// Deterministic: every element is computed the same way whatever the split. `s` gives the
+// hyperparameters; each tensor's bias corrections come from its own step (settled_step).
 void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
                    float inv_grad_scale, int threads);
+// A step that found_inf skipped: adds 1 to each tensor's skipped count (Note [Skipped steps]).
+void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count);
 
 #ifdef STRATA_HAS_CUDA
 // grad_scale and found_inf are device pointers or null: with found_inf != 0 nothing is updated
-// (a mixed-precision step that overflowed), and gradients are divided by *grad_scale.
+// (a mixed-precision step that overflowed) and each tensor's skipped count goes up by 1 (Note
+// [Skipped steps]); gradients are divided by *grad_scale.
 cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
                            const float* grad_scale, const float* found_inf, cudaStream_t stream);
-// Adds 1 to skipped[0..groups) when *found_inf != 0 (Note [Skipped steps] in adam_math.h); queued
-// after a step's kernels. `skipped` is device-accessible memory (pinned host memory).
-cudaError_t adam_count_skipped_cuda(std::int64_t* skipped, int groups, const float* found_inf,
-                                    cudaStream_t stream);
 // dst[i] = *src[i] for each src[i] that is not null, by a kernel queued on `stream`: no copy engine
 // takes part, so the read does not queue behind write-backs on the link (Note [Reading the step's
 // scalars] in adam_overlap.cpp). `dst` is device-accessible memory (pinned host memory).

@@ -153,12 +153,6 @@ struct AdamScalars {
   bool decoupled;
   bool amsgrad;
   bool maximize;
-  // Note [Skipped steps]: a step that found_inf skipped does not count (as torch's fused AdamW
-  // takes it back), but only the device knows which steps were skipped. When `skipped` is set
-  // (after a step was given a found_inf flag), the bias corrections come from
-  // t = step - *skipped, read where the kernel runs (settle_step), not from the host's count.
-  std::int64_t step = 0;
-  const std::int64_t* skipped = nullptr;
 };
 
 // The bias corrections of step t as torch's fused kernel takes them: its step counter is a float32.
@@ -167,12 +161,6 @@ STRATA_HD void bias_corrections(AdamScalars& s, std::int64_t t) {
   const float bc1 = 1.0f - powf(s.beta1, steps);
   s.step_size = s.lr / bc1;
   s.bias_correction2_sqrt = sqrtf(1.0f - powf(s.beta2, steps));
-}
-
-// The bias corrections for the step actually taken (Note [Skipped steps]).
-STRATA_HD void settle_step(AdamScalars& s) {
-  if (s.skipped == nullptr) return;
-  bias_corrections(s, s.step - *s.skipped);
 }
 
 inline AdamScalars adam_scalars(const AdamHyper& h, std::int64_t step) {
@@ -185,8 +173,7 @@ inline AdamScalars adam_scalars(const AdamHyper& h, std::int64_t step) {
                 0.0f,
                 h.decoupled,
                 h.amsgrad,
-                h.maximize,
-                step};
+                h.maximize};
   bias_corrections(s, step);
   return s;
 }

@@ -36,7 +36,6 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
     speculative_scale_ = grad_scale;
     overlapped_.clear();
     last_step_.clear();
-    for (std::int64_t& s : steps_) ++s;
   } else if (grad_scale != speculative_scale_) {
     return absl::InvalidArgumentError(
         str_cat("Adam: step_layer(", layer,
@@ -78,6 +77,7 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   std::vector<std::vector<AdamTensor>> per_group(groups_.size());
   std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
   for (std::size_t index : it->second) {
+    if (skip_[index]) continue;  // Note [Per-parameter steps]
     const Slot& s = slots_[index];
     std::array<void*, 6> ptrs = {};
     const std::array<rt::TensorHandle, 6> hs = s.kernel_tensors();
@@ -94,20 +94,18 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
       if (kept.code() == absl::StatusCode::kResourceExhausted) return give_back(absl::OkStatus());
       if (!kept.ok()) return give_back(kept);
     }
-    per_group[s.group].push_back(kernel_tensor(s, ptrs));
+    per_group[s.group].push_back(kernel_tensor(index, ptrs));
     slots_of_group[s.group].push_back(index);
   }
-  const std::vector<AdamScalars> scalars = step_scalars();
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     // Speculation: no inf (found_inf is not known yet); grad_scale is the loss scale alone.
-    absl::Status queued = queue_kernel(per_group[g], scalars[g], speculative_scale_, nullptr);
+    absl::Status queued = launch(per_group[g], slots_of_group[g], g, speculative_scale_, nullptr);
     if (!queued.ok()) {
       // Groups queued before this one changed their parameters: the layer counts as stepped, and
       // finish_step's validation decides (a redo rolls those back too).
       if (g > 0) overlapped_.push_back(layer);
       return give_back(queued);
     }
-    for (std::size_t index : slots_of_group[g]) last_step_.push_back(slots_[index].param);
   }
   overlapped_.push_back(layer);
   // The policy writes the layer back and fetches the next (Note [Overlapped backward] in
@@ -198,6 +196,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
                                                rest.message()));
     }
     overlap_open_ = false;
+    std::fill(skip_.begin(), skip_.end(), false);  // Note [Per-parameter steps]
     return StepOutcome::kSpeculation;
   }
   absl::Status back = roll_back();
@@ -211,6 +210,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   // Rolled back: as if step_layer had never run, and step() takes the step (a failure there
   // leaves it untaken, to be retried with step()).
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
+  std::fill(skip_.begin(), skip_.end(), false);  // Note [Per-parameter steps]
   return StepOutcome::kRedone;
 }
 
@@ -218,8 +218,9 @@ absl::Status Adam::roll_back() {
   STRATA_RETURN_IF_ERROR(runtime_.rollback_undo());
   overlap_open_ = false;
   overlapped_.clear();
+  // The parameters stepped in backward take their step back (Note [Per-parameter steps]).
+  for (rt::TensorHandle p : last_step_) --slots_[slot_of_param_.at(p.id)].steps;
   last_step_.clear();
-  for (std::int64_t& s : steps_) --s;
   return absl::OkStatus();
 }
 

@@ -264,10 +264,35 @@ class Adam {
       runtime_->hooks().set_after_layer({});
       return;
     }
-    optim::Adam* adam = adam_.get();
     runtime_->hooks().set_after_layer(
-        [adam](int layer) { bridge::check(adam->step_layer(layer, nullptr)); },
+        [this](int layer) {
+          bridge::check(adam_->step_layer(
+              layer, speculative_scale_ ? speculative_scale_->data_ptr<float>() : nullptr));
+        },
         bridge::ModelHooks::AfterLayerStream::kOwnStream);
+  }
+
+  // The loss scale a step taken in backward divides by (a float32 device scalar the caller keeps
+  // unchanged until finish_step; None: 1). finish_step compares it with the true one.
+  void set_speculative_scale(const std::optional<torch::Tensor>& scale) {
+    if (scale && (scale->scalar_type() != torch::kFloat || scale->numel() != 1)) {
+      bridge::check(absl::InvalidArgumentError("the speculative scale is one float32 value"));
+    }
+    speculative_scale_ = scale;
+  }
+
+  // Note [Per-parameter steps] in optim/adam.h.
+  void skip_parameters(const std::vector<torch::Tensor>& params) {
+    std::vector<rt::TensorHandle> handles;
+    for (const torch::Tensor& p : params) handles.push_back(runtime_->binding().handle(p));
+    bridge::check(adam_->skip_parameters(handles));
+  }
+  void clear_skipped() { adam_->clear_skipped(); }
+  std::int64_t step_count_of(const torch::Tensor& param) const {
+    return bridge::unwrap(adam_->step_count_of(runtime_->binding().handle(param)));
+  }
+  void set_step_count_of(const torch::Tensor& param, std::int64_t steps) {
+    bridge::check(adam_->set_step_count_of(runtime_->binding().handle(param), steps));
   }
 
   bool overlapped_step_open() const { return adam_->overlapped_step_open(); }
@@ -352,6 +377,7 @@ class Adam {
   std::shared_ptr<Runtime> runtime_;
   std::unique_ptr<optim::Adam> adam_;
   bool stepping_in_backward_ = false;
+  std::optional<torch::Tensor> speculative_scale_;
 };
 
 }  // namespace
@@ -505,6 +531,11 @@ PYBIND11_MODULE(_strata, m) {
       .def("set_hyper", &Adam::set_hyper)
       .def("step_count", &Adam::step_count)
       .def("set_step_count", &Adam::set_step_count)
+      .def("step_count_of", &Adam::step_count_of)
+      .def("set_step_count_of", &Adam::set_step_count_of)
+      .def("skip_parameters", &Adam::skip_parameters)
+      .def("clear_skipped", &Adam::clear_skipped)
+      .def("set_speculative_scale", &Adam::set_speculative_scale)
       .def("read_state", &Adam::read_state)
       .def("write_state", &Adam::write_state)
       .def("num_groups", &Adam::num_groups);

@@ -24,6 +24,24 @@ final, while backward goes on, and step() validates it; clipping then belongs to
     opt.step()                      # validates: redoes the step if clipping triggered
     norm = opt.last_grad_norm       # as clip_grad_norm_ returns it
 
+A user's loop as it is (Hugging Face Trainer's, nanoGPT's, a LoRA script's) trains as under
+torch.optim.AdamW: model.zero_grad() and p.grad = ... are seen (Note [Gradients the loop replaced]
+in strata/runtime.py), frozen and unused parameters are skipped (Note [Per-parameter steps] in
+optim/adam.h), and torch.amp.GradScaler hands its scale and found_inf to the kernel
+(Note [GradScaler]):
+
+    scaler = torch.amp.GradScaler()
+    opt = strata.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    for batch in data:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        model.zero_grad()
+
 Note [Stepping in backward under FSDP2]: a fully_shard unit's gradients are final once its
 reduce-scatter has accumulated into the sharded gradients, where FSDP2 runs the parameters'
 post-accumulate-grad hooks, on the reduce-scatter stream. The optimizer hooks every parameter; the
@@ -41,6 +59,7 @@ equal, and equal to clip_grad_norm_ followed by the step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Union
 
@@ -80,6 +99,13 @@ def _as_float(x) -> float:
     return float(x.item() if isinstance(x, torch.Tensor) else x)
 
 
+def _scalar_or_none(t) -> Optional[torch.Tensor]:
+    # GradScaler's grad_scale / found_inf as the kernels read them: one contiguous float32 value.
+    if t is None:
+        return None
+    return t.detach().reshape(()).to(torch.float32).contiguous()
+
+
 class Adam(torch.optim.Optimizer):
     """torch.optim.Adam, stepped by strata's runtime (see AdamW for the strata arguments)."""
 
@@ -96,6 +122,10 @@ class Adam(torch.optim.Optimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         policy: Optional[str] = None,
         gpu_budget: Union[int, str, None] = None,
         prefetch_depth: int = 1,
@@ -104,8 +134,15 @@ class Adam(torch.optim.Optimizer):
         overlap: Optional[str] = None,
         max_grad_norm: Optional[float] = None,
         undo_on_gpu: bool = False,
+        device: Optional[str] = None,
     ):
         _check_hyper(lr, betas, eps, weight_decay)
+        for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise ValueError(
+                    f"strata.optim.{self._name}: {flag}=True is not supported: strata's step "
+                    "runs its own kernels outside autograd and CUDA graphs; leave it False"
+                )
         if max_grad_norm is not None and not (
             float(max_grad_norm) > 0 and math.isfinite(max_grad_norm)
         ):
@@ -125,31 +162,45 @@ class Adam(torch.optim.Optimizer):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
-            foreach=None,
+            foreach=foreach,
             capturable=False,
             differentiable=False,
-            fused=None,
+            fused=fused,
             decoupled_weight_decay=self._decoupled,
         )
+        self._constructed = False
         super().__init__(params, defaults)
+        self._constructed = True
         from . import _strata
         from .runtime import parse_bytes
 
-        first = self.param_groups[0]["params"][0]
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.device != first.device:
-                    raise ValueError(
-                        f"strata.optim.{self._name}: every parameter must be on one device; "
-                        f"found {first.device} and {p.device}"
-                    )
+        # Note [Per-parameter steps] in optim/adam.h: a frozen parameter gets no state and is
+        # never touched; it keeps its place in param_groups (and in the state dict's numbering).
+        self._param_name = {}
+        for gi, g in enumerate(self.param_groups):
+            for i, p in enumerate(g["params"]):
+                self._param_name[id(p)] = f"param_groups[{gi}]['params'][{i}]"
+        self._trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._trainable_ids = {id(p) for p in self._trainable}
+        if not self._trainable:
+            raise ValueError(
+                f"strata.optim.{self._name}: no parameter requires grad, so there is nothing to "
+                "step; pass the parameters being trained"
+            )
+        first = self._trainable[0]
+        for p in self._trainable:
+            if p.device != first.device:
+                raise ValueError(
+                    f"strata.optim.{self._name}: every parameter must be on one device; "
+                    f"found {first.device} and {p.device}"
+                )
         self._owns_runtime = runtime is None
         if runtime is None:
             runtime = Runtime(
                 policy=policy,
                 gpu_budget=gpu_budget,
                 prefetch_depth=prefetch_depth,
-                device="cuda" if first.device.type == "cuda" else "simulated",
+                device=self._device_for(first, device),
                 overlap=overlap or "none",
                 undo_on_gpu=undo_on_gpu,
             )
@@ -157,9 +208,25 @@ class Adam(torch.optim.Optimizer):
         self._bind(parse_bytes(layer_bytes, "layer_bytes"))
         groups = []
         for g in self.param_groups:
-            pairs = [runtime.bound_tensors(p) for p in g["params"]]
+            pairs = []
+            for p in g["params"]:
+                if not p.requires_grad:
+                    continue
+                param_t, grad_t = runtime.bound_tensors(p)
+                if grad_t is None:
+                    raise ValueError(
+                        f"strata.optim.{self._name}: {self._param_name[id(p)]} requires grad "
+                        "but was frozen when it was attached, so strata holds no gradient for "
+                        "it; attach the model after setting requires_grad"
+                    )
+                pairs.append((param_t, grad_t))
             groups.append((pairs, self._hyper(g)))
         self._adam = _strata.Adam(runtime._rt, groups, 0)
+        runtime._before_layer_done = self._prepare_layer
+        self._versions: dict = {}  # Note [Gradients changed after their layer stepped]
+        self._accumulating = False
+        self._spec_scale: Optional[torch.Tensor] = None
+        self._keep_alive: tuple = ()
         self._hypers = [self._hyper(g) for g in self.param_groups]
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Optional[torch.Tensor] = None
@@ -172,11 +239,112 @@ class Adam(torch.optim.Optimizer):
             if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
                 self._hook_gradients()
 
+    def _device_for(self, first: torch.Tensor, device: Optional[str]) -> str:
+        if device is not None:
+            return device
+        if first.device.type == "cuda":
+            return "cuda"
+        if torch.cuda.is_available():
+            raise ValueError(
+                f"strata.optim.{self._name}: the parameters are on the CPU, but this machine has "
+                "a GPU: move the model there first (model.cuda()), or pass device='simulated' to "
+                "step in host memory that stands in for the GPU (for tests)"
+            )
+        return "simulated"
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_constructed", True):
+            raise NotImplementedError(
+                f"strata.optim.{self._name}: add_param_group after construction is not "
+                "supported (strata lays out every state when the optimizer is made); make a new "
+                "optimizer with every group"
+            )
+        super().add_param_group(param_group)
+
+    # Note [Gradients the loop replaced] in strata/runtime.py, for a layer about to be stepped in
+    # backward (or, without overlap, whose backward is done): its gradients are strata's again,
+    # and its parameters without one sit the step out. Note [Gradients changed after their layer
+    # stepped]: the version of each gradient the layer's step read is kept.
+    def _prepare_layer(self, layer: int) -> None:
+        if self._closed or self._accumulating:
+            return
+        skipped = []
+        for p in self._runtime._layer_users[layer]:
+            if id(p) not in self._param_name:
+                continue  # another optimizer's
+            if self._runtime._take_gradient(p, self._param_name[id(p)]):
+                self._versions[id(p)] = (p.grad, local(p.grad)._version)
+            else:
+                skipped.append(self._runtime.bound_tensors(p)[0])
+        if skipped:
+            self._adam.skip_parameters(skipped)
+
+    # Note [Gradients changed after their layer stepped]: a layer stepped in backward read its
+    # gradients then; a loop that changes them afterwards (its own clip_grad_norm_, unscale_,
+    # manual scaling: all in place, each a new version of the tensor, or a new tensor) makes that
+    # step stale, and step() takes it back and steps again with the gradients as they are.
+    # GradScaler.step (when the loop did not unscale_) checks the gradients for inf by
+    # multiplying them by 1.0 in place first: one version each, no value changed, allowed.
+    def _gradients_changed(self, scaler_checked: bool) -> bool:
+        allowed = 1 if scaler_checked else 0
+        for p in self._trainable:
+            seen = self._versions.get(id(p))
+            if seen is None:
+                continue
+            grad, version = seen
+            if p.grad is not grad or local(p.grad)._version - version > allowed:
+                return True
+        return False
+
+    # The gradients of every parameter as the loop left them (Note [Gradients the loop
+    # replaced]); returns the bound parameters that have none this step.
+    def _take_gradients(self) -> list:
+        self._check_frozen()
+        skipped = []
+        for p in self._trainable:
+            if not self._runtime._take_gradient(p, self._param_name[id(p)]):
+                skipped.append(self._runtime.bound_tensors(p)[0])
+        return skipped
+
+    def _check_frozen(self) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) not in self._trainable_ids and p.grad is not None:
+                    raise RuntimeError(
+                        f"strata.optim.{self._name}: {self._param_name[id(p)]} was frozen "
+                        "(requires_grad=False) when the optimizer was made, so it has no state, "
+                        "but it has a gradient now; make the optimizer after unfreezing it, or "
+                        "set its .grad to None"
+                    )
+
+    @contextlib.contextmanager
+    def accumulate(self):
+        """Gradient accumulation under overlap="backward": the backward passes run inside this
+        context only accumulate; the step is taken in the backward after it, over the summed
+        gradients. Without overlap it changes nothing (gradients accumulate anyway).
+
+            for micro in batches[:-1]:
+                with opt.accumulate():
+                    loss_fn(model(micro)).backward()
+            loss_fn(model(batches[-1])).backward()   # each layer steps here
+            opt.step()
+        """
+        if self._runtime.overlap != "backward" or self._accumulating:
+            yield
+            return
+        self._accumulating = True
+        self._adam.set_step_in_backward(False)
+        try:
+            yield
+        finally:
+            self._accumulating = False
+            self._adam.set_step_in_backward(True)
+
     # Note [Stepping in backward under FSDP2]: a layer is done once every parameter of it has had
     # its post-accumulate-grad hook this step.
     def _hook_gradients(self) -> None:
         self._layer_size, self._layer_seen = {}, {}
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = list(self._trainable)
         for p in params:
             layer = self._runtime._layer_of.get(id(p))
             if layer is None:
@@ -195,6 +363,8 @@ class Adam(torch.optim.Optimizer):
 
     def _grad_hook(self, layer: int):
         def hook(_param):
+            if self._accumulating:
+                return
             seen = self._layer_seen.get(layer, 0) + 1
             if seen > self._layer_size[layer]:
                 self._abandon_backward()
@@ -202,9 +372,10 @@ class Adam(torch.optim.Optimizer):
                     f"strata.optim.{self._name}: layer {layer}'s gradients were accumulated "
                     "twice before step(); with overlap='backward' each layer is stepped in its "
                     "backward, so a step has one backward (under FSDP2, micro-batches before the "
-                    "last run with set_requires_gradient_sync(False)); use overlap='none' to "
-                    "accumulate gradients otherwise. The layers stepped in the first backward "
-                    "were rolled back; zero the gradients and go on"
+                    "last run with set_requires_gradient_sync(False)); run the backward passes "
+                    "before the last inside `with opt.accumulate():`, or use overlap='none'. "
+                    "The layers stepped in the first backward were rolled back; zero the "
+                    "gradients and go on"
                 )
             self._layer_seen[layer] = seen
             if seen == self._layer_size[layer]:
@@ -218,6 +389,7 @@ class Adam(torch.optim.Optimizer):
     def _abandon_backward(self) -> None:
         self._runtime._rt.join_step_stream()  # what is taken back must have been written
         self._adam.cancel_step()
+        self._adam.clear_skipped()
         self._adam.set_step_in_backward(False)
         try:
             self._runtime._rt.finish_backward()
@@ -225,6 +397,7 @@ class Adam(torch.optim.Optimizer):
         finally:
             self._adam.set_step_in_backward(True)
             self._layer_seen = {}
+            self._versions = {}
 
     # Note [Clipping in the step]: with the gradients resting on the GPU (the policy streams the
     # optimizer's states only), clipping is clip_grad_norm_'s: its norm (over the mesh under
@@ -237,10 +410,14 @@ class Adam(torch.optim.Optimizer):
     # them by 1 / coefficient (equal to the last bit or so). Returns (the scale finish_step
     # divides by, whether a step taken in backward was taken back); the total norm is kept in
     # last_grad_norm.
-    def _clip(self) -> tuple:
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+    # With GradScaler's scale (grad_scale, not unscaled by the loop), the norm is the unscaled
+    # gradients'.
+    def _clip(self, grad_scale: Optional[torch.Tensor]) -> tuple:
+        params = [p for p in self._trainable if p.grad is not None]
         if not self._runtime._streams_gradients:
             total, grads = grad_norm(params)
+            if grad_scale is not None:
+                total = total / grad_scale.to(total.device).reshape(())
             self.last_grad_norm = total
             coef = clip_coef(total, self._max_grad_norm)
             taken_back = self._adam.overlapped_step_open()
@@ -253,6 +430,8 @@ class Adam(torch.optim.Optimizer):
             torch._foreach_mul_(grads, coef.to(grads[0].device))
             return None, taken_back
         total = all_reduce_norm(self._runtime._rt.total_norm(), params)
+        if grad_scale is not None:
+            total = total / grad_scale.to(total.device).reshape(())
         self.last_grad_norm = total
         coef = clip_coef(total, self._max_grad_norm)
         return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False
@@ -266,7 +445,7 @@ class Adam(torch.optim.Optimizer):
             pending, size = [], 0
             by_unit = {}
             for i, p in enumerate(g["params"]):
-                if self._runtime.is_bound(p):
+                if self._runtime.is_bound(p) or not p.requires_grad:
                     continue
                 name = f"group{gi}.param{i}"
                 if is_dtensor(p) and id(p) in units:
@@ -302,57 +481,94 @@ class Adam(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"strata.optim.{self._name}: the optimizer was closed")
 
+    # Note [GradScaler]: torch.amp.GradScaler sees _step_supports_amp_scaling and, instead of
+    # unscaling the gradients and reading found_inf on the host, sets the optimizer's grad_scale
+    # (None when the loop called scaler.unscale_ itself) and found_inf, device tensors, for the
+    # step to divide by and to skip on, as torch's fused AdamW does: no host wait. A step that
+    # found_inf skips changes nothing (parameters, states, step counts), under overlap too: the
+    # layers stepped in backward are taken back (Note [Overlapped step] in optim/adam.h).
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
-        """One step over every parameter, with each group's hyperparameters as they are now (an
-        LR scheduler's changes included); returns closure()'s loss when given a closure."""
+        """One step over every parameter that has a gradient (torch skips the others, and so does
+        strata), with each group's hyperparameters as they are now (an LR scheduler's changes
+        included); returns closure()'s loss when given a closure. Under GradScaler.step the scale
+        and found_inf come from the scaler (Note [GradScaler])."""
         self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if len(self.param_groups) != len(self._hypers):
-            raise NotImplementedError(
-                f"strata.optim.{self._name}: param groups added after construction are not "
-                "supported; make a new optimizer"
-            )
         for i, g in enumerate(self.param_groups):
             h = self._hyper(g)
             if h != self._hypers[i]:
                 _check_hyper(h["lr"], (h["beta1"], h["beta2"]), h["eps"], h["weight_decay"])
                 self._adam.set_hyper(i, h)
                 self._hypers[i] = h
+        grad_scale = _scalar_or_none(getattr(self, "grad_scale", None))
+        found_inf = _scalar_or_none(getattr(self, "found_inf", None))
         rt = self._runtime._rt
+        # Before finish_backward, which steps (under overlap) the layers backward left: what they
+        # step must be the loop's gradients, and their parameters without one must sit out.
+        changed = self._adam.overlapped_step_open() and self._gradients_changed(
+            grad_scale is not None
+        )
+        skipped = self._take_gradients()
+        if skipped:
+            self._adam.skip_parameters(skipped)
         rt.finish_backward()
-        scale, taken_back = None, False
+        taken_back = False
+        if changed:
+            self._adam.cancel_step()  # Note [Gradients changed after their layer stepped]
+            taken_back = True
+        scale = grad_scale
         if self._max_grad_norm is not None:
-            scale, taken_back = self._clip()
-        self.last_step_outcome = self._adam.finish_step(scale, None)
+            clip_scale, clipped_back = self._clip(grad_scale)
+            taken_back = taken_back or clipped_back
+            if clip_scale is not None:
+                scale = clip_scale if grad_scale is None else (grad_scale * clip_scale).reshape(())
+        # What the kernels read stays alive until they have run (the next step).
+        self._keep_alive = (grad_scale, found_inf, scale)
+        self.last_step_outcome = self._adam.finish_step(scale, found_inf)
         if taken_back:
             self.last_step_outcome = "redone"
         self.steps_redone += self.last_step_outcome == "redone"
         rt.end_step()
+        self._versions = {}
         if self._grad_hooks:
             self._layer_seen = {}
+        if self._runtime.overlap == "backward" and grad_scale is not None:
+            # The next step's layers stepped in backward divide by this scale; it holds unless
+            # GradScaler.update changes it (Note [GradScaler]).
+            self._spec_scale = grad_scale.detach().clone()
+            self._adam.set_speculative_scale(self._spec_scale)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes every gradient. Gradients bound to strata are zeroed in place wherever they are
-        (set_to_none does not apply to them: autograd keeps accumulating into strata's memory);
-        others as torch does."""
-        bound = []
+        """As torch's: set_to_none drops every gradient (a parameter that then gets none in
+        backward sits the next step out, as in torch); autograd accumulates the next gradient into
+        strata's memory again (Note [Gradients the loop replaced] in strata/runtime.py).
+        set_to_none=False zeroes them in place, wherever strata keeps them."""
+        bound, dtensors = [], []
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                if self._runtime.is_bound(p.grad):
+                if self._runtime.is_bound(p.grad) and is_dtensor(p):
                     bound.append(p.grad)
+                    dtensors.append(p)  # Note [Gradients the loop replaced]: kept for FSDP2
                 elif set_to_none:
                     p.grad = None
+                elif self._runtime.is_bound(p.grad):
+                    bound.append(p.grad)
                 else:
                     p.grad.zero_()
         if bound:
             self._runtime.zero_(*bound)
+        for p in dtensors:
+            if set_to_none:
+                self._runtime._zeroed[id(p)] = local(p.grad)._version
 
     # --- checkpoints in torch.optim.AdamW's format ---
     def _read_state(self, p: torch.Tensor) -> dict:
@@ -385,14 +601,18 @@ class Adam(torch.optim.Optimizer):
         self._check_open()
         self._runtime.wait_all()
         state, groups, index = {}, [], 0
-        for gi, g in enumerate(self.param_groups):
+        for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
             packed["params"] = list(range(index, index + len(g["params"])))
-            steps = self._adam.step_count(gi)
             for p in g["params"]:
-                # Every parameter has its states from the start, unlike torch's optimizers, and a
-                # state dict says so: torch.distributed.checkpoint.load fills in only the entries
-                # the state dict it loads into already has.
+                if id(p) not in self._trainable_ids:  # frozen: no state, as in torch
+                    index += 1
+                    continue
+                # Every trainable parameter has its states from the start, unlike torch's
+                # optimizers, and a state dict says so: torch.distributed.checkpoint.load fills
+                # in only the entries the state dict it loads into already has. Each has its own
+                # step count (Note [Per-parameter steps] in optim/adam.h).
+                steps = self._adam.step_count_of(self._runtime.bound_tensors(p)[0])
                 entry = {"step": torch.tensor(float(steps), dtype=torch.float32)}
                 entry.update(self._read_state(p))
                 state[index] = entry
@@ -419,14 +639,18 @@ class Adam(torch.optim.Optimizer):
                     f"{saved.get('amsgrad')}; this optimizer has amsgrad={mine['amsgrad']}"
                 )
         saved_state = state_dict["state"]
-        plan = []  # (group, step, [(param, states)])
+        plan = []  # (group, [(param, step, states)])
         for gi, (mine, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            steps, entries = set(), []
+            entries = []
             for p, key in zip(mine["params"], saved["params"]):
                 entry = saved_state.get(key, saved_state.get(str(key)))
-                if entry is None:
+                if entry is None or id(p) not in self._trainable_ids:
                     continue
-                steps.add(_as_float(entry["step"]))
+                step = _as_float(entry["step"])
+                if step != math.floor(step) or step < 0:
+                    raise ValueError(
+                        f"strata.optim.{self._name}: step {step} of parameter {key} is not a count"
+                    )
                 values = {}
                 for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                     if name in entry:
@@ -441,22 +665,14 @@ class Adam(torch.optim.Optimizer):
                         values[name] = v.detach().to("cpu", torch.float32).reshape(want.shape)
                 if p.dtype != torch.float32 and "master_param" not in values:
                     values["master_param"] = local(p).detach().to("cpu", torch.float32)
-                entries.append((p, values))
-            if len(steps) > 1:
-                raise ValueError(
-                    f"strata.optim.{self._name}: group {gi} has parameters at different steps "
-                    f"({sorted(steps)}); strata keeps one step counter a group"
-                )
-            step = steps.pop() if steps else 0.0
-            if step != math.floor(step) or step < 0:
-                raise ValueError(f"strata.optim.{self._name}: step {step} is not a count")
-            plan.append((gi, int(step), entries, saved))
-        for gi, step, entries, saved in plan:
+                entries.append((p, int(step), values))
+            plan.append((gi, entries, saved))
+        for gi, entries, saved in plan:
             for k, v in saved.items():
                 if k != "params":
                     self.param_groups[gi][k] = v
-            self._adam.set_step_count(gi, step)
-            for p, values in entries:
+            for p, step, values in entries:
+                self._adam.set_step_count_of(self._runtime.bound_tensors(p)[0], step)
                 self._write_state(p, values)
 
     def close(self) -> list:
@@ -487,7 +703,14 @@ class AdamW(Adam):
 
     Args (torch's): params (tensors or param-group dicts), lr, betas, eps, weight_decay, amsgrad,
         maximize. Every group's hyperparameters are read at every step, so torch's LR schedulers
-        work unchanged.
+        work unchanged. foreach and fused are accepted and change nothing: strata's own fused
+        kernel steps either way (its math is torch's fused AdamW's). capturable=True and
+        differentiable=True raise ValueError. add_param_group after construction raises.
+        As in torch, a parameter with requires_grad=False gets no state and is never touched,
+        and one whose .grad is None at a step sits that step out (no decay, its own step count
+        unchanged); the loop may drop or replace gradients as it likes (model.zero_grad(),
+        p.grad = ...): strata steps what autograd produced. GradScaler passes its scale and
+        found_inf straight to the kernel.
     Args (strata's):
         policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None: STRATA_POLICY, else the default.
         gpu_budget: bytes or a size such as "8GiB" that strata may take on the GPU.
@@ -506,6 +729,13 @@ class AdamW(Adam):
         undo_on_gpu: with overlap, keep the bytes a redo needs of tensors resting on the GPU
             (FSDP2's float32 shards) on the GPU while the budget has room, instead of copying
             them to pinned host memory over the link.
+        device: None (default): the parameters' GPU; CPU parameters on a machine with a GPU
+            raise ValueError (move the model first); "simulated" steps CPU parameters in host
+            memory standing in for the GPU.
+
+    With overlap="backward", accumulate() runs micro-batches before the last without stepping,
+    and a gradient the loop changes after its layer was stepped (its own clip_grad_norm_,
+    scaler.unscale_) is seen, and the step redone with it.
     """
 
     _decoupled = True

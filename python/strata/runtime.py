@@ -21,6 +21,7 @@ is away raises RuntimeError saying where it is.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Iterable, Optional, Sequence, Union
 
@@ -28,6 +29,8 @@ import torch
 
 from . import _strata
 from .distributed import check_shardable, is_dtensor, local, make_grad, whole_storage
+
+_log = logging.getLogger("strata")
 
 _UNITS = {
     "": 1,
@@ -120,12 +123,23 @@ class Runtime:
         roles_moved = {r.strip() for r in roles.split(",")}
         # Whether the policy streams gradients (Note [Clipping in the step] in strata/optim.py).
         self._streams_gradients = bool(roles_moved & {"all", "gradient"})
+        self.prefetch_depth = prefetch_depth
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
         self._layer_grads: list = []  # per layer, the bound gradients
         self._layer_params: list = []  # per layer, the bound parameters
         self._layer_of: dict = {}  # id(parameter as the user holds it) -> its layer
-        self._hooks: list = []
+        self._layer_users: list = []  # per layer, the parameters as the user holds them
+        # id(parameter) -> its gradient as bound, as the user's .grad held it (a DTensor under
+        # FSDP2): Note [Gradients the loop replaced]
+        self._grad_obj: dict = {}
+        # id(DTensor parameter) -> its gradient's version when zero_grad zeroed it in place
+        self._zeroed: dict = {}
+        # Called with a layer's index just before the runtime's after_backward of it (the
+        # optimizer's check of that layer's gradients).
+        self._before_layer_done = None
+        self._hooks: list = []  # attach's module hooks
+        self._param_hooks: list = []  # Note [Gradients the loop replaced]
         self._closed = False
 
     # --- what it is ---
@@ -171,14 +185,24 @@ class Runtime:
 
     def add_layer(self, named_params: Sequence) -> int:
         """Binds (name, parameter) pairs as one new layer, with their gradients (made zero where
-        a parameter has none); returns the layer's index. Parameters already bound are skipped.
-        A DTensor parameter (FSDP2) binds this rank's shard (Note [Binding an FSDP2 shard] in
+        a parameter has none); returns the layer's index. Parameters already bound are skipped; a
+        frozen parameter (requires_grad=False) is bound without a gradient. A DTensor parameter
+        (FSDP2) binds this rank's shard (Note [Binding an FSDP2 shard] in
         strata/distributed.py)."""
         self._check_open()
         layer = len(self._layer_grads)
-        grads, params = [], []
+        grads, params, users = [], [], []
         for name, p in named_params:
             if self.is_bound(p):
+                continue
+            if not p.requires_grad:
+                param_t = whole_storage(local(p)) if is_dtensor(p) else p
+                self._rt.register(
+                    param_t, self._unique(name), layer, "parameter", self._home(param_t)
+                )
+                self._bound.append(param_t)
+                self._layer_of[id(p)] = layer
+                params.append(param_t)
                 continue
             if is_dtensor(p):
                 check_shardable(p, name)
@@ -188,7 +212,8 @@ class Runtime:
                     p.grad = make_grad(p)
                 param_t, grad_t = whole_storage(local(p)), whole_storage(local(p.grad))
             else:
-                if p.grad is None:
+                had_grad = p.grad is not None
+                if not had_grad:
                     p.grad = torch.zeros_like(p)
                 param_t, grad_t = p, p.grad
             self._rt.register(param_t, self._unique(name), layer, "parameter", self._home(param_t))
@@ -198,19 +223,90 @@ class Runtime:
             )
             self._bound.append(grad_t)
             self._layer_of[id(p)] = layer
+            self._grad_obj[id(p)] = p.grad
+            if not is_dtensor(p):
+                self._param_hooks.append(p.register_hook(self._grad_pre_hook(p)))
+                if not had_grad:
+                    p.grad = None  # as the loop left it; backward puts the bound one back
             grads.append(grad_t)
             params.append(param_t)
+            users.append(p)
         self._layer_grads.append(grads)
         self._layer_params.append(params)
+        self._layer_users.append(users)
         self._rt.set_layers(self._layer_params, self._layer_grads)
         return layer
 
     def bound_tensors(self, p: torch.Tensor) -> tuple:
         """(parameter, gradient) as strata bound them: `p` and its gradient, or for a DTensor the
-        whole storages of its local shard and of its gradient's."""
+        whole storages of its local shard and of its gradient's; the gradient is None for a frozen
+        parameter."""
+        g = self._grad_obj.get(id(p))
         if is_dtensor(p):
-            return whole_storage(local(p)), whole_storage(local(p.grad))
-        return p, p.grad
+            return whole_storage(local(p)), None if g is None else whole_storage(local(g))
+        return p, g
+
+    # Note [Gradients the loop replaced]: strata binds each trainable parameter's gradient once,
+    # and its kernels read that memory. A training loop may drop it (model.zero_grad() and
+    # torch's zero_grad() set .grad to None: Hugging Face's Trainer does every step) or replace it
+    # (p.grad = ..., DDP's gradient_as_bucket_view, FSDP2's new sharded gradients). So:
+    #   - a hook on each parameter, run by autograd just before it accumulates the parameter's
+    #     gradient, puts the bound gradient back, zeroed, where .grad is None: autograd then
+    #     accumulates into strata's memory, and nothing is copied;
+    #   - before a layer is stepped (step(), or in backward under overlap) a gradient that is
+    #     another tensor is copied into the bound one, which becomes .grad again;
+    #   - a parameter whose .grad is None then got no gradient this step: the optimizer skips it
+    #     as torch does (Note [Per-parameter steps] in optim/adam.h).
+    # FSDP2 sets the sharded gradients itself, after its reduce-scatter, into the gradient that
+    # is there (or a new one where there is none, which would cost a copy every step), so
+    # strata.optim's zero_grad zeroes DTensor gradients in place and keeps their version: one
+    # that no backward added to since counts as None.
+    # The step never reads a stale value: it steps what autograd produced, or raises naming the
+    # parameter.
+    def _grad_pre_hook(self, p: torch.Tensor):
+        def hook(grad):
+            if p.grad is None and not self._closed:
+                bound = self._grad_obj[id(p)]
+                self._zero_bound(bound)
+                p.grad = bound
+            return None
+
+        return hook
+
+    def _zero_bound(self, t: torch.Tensor) -> None:
+        if self._rt.is_accessible(local(t)):
+            local(t).zero_()
+        else:
+            self._rt.zero([local(t)])
+
+    def _take_gradient(self, p: torch.Tensor, name: str) -> bool:
+        """Note [Gradients the loop replaced]: makes the gradient strata binds for `p` hold what
+        p.grad holds; False when p has no gradient this step."""
+        g = p.grad
+        bound = self._grad_obj[id(p)]
+        if g is None:
+            return False
+        if g is bound:
+            # A DTensor's gradient zeroed in place that no backward added to since: none.
+            return self._zeroed.get(id(p)) != local(g)._version
+        if local(g).untyped_storage().data_ptr() == local(bound).untyped_storage().data_ptr():
+            return True  # a view of the bound gradient (the same memory)
+        if not self._rt.is_accessible(local(bound)):
+            raise RuntimeError(
+                f"strata: parameter {name}'s gradient was replaced by another tensor after its "
+                "layer's backward, and the gradient strata holds for it is in host memory now "
+                "(roles='all' streams gradients); change gradients in place (p.grad.mul_(...)) "
+                "or zero them with zero_grad()"
+            )
+        if tuple(local(g).shape) != tuple(local(bound).shape):
+            raise RuntimeError(
+                f"strata: parameter {name}'s gradient has shape {tuple(local(g).shape)}; the "
+                f"parameter has {tuple(local(bound).shape)}"
+            )
+        with torch.no_grad():
+            local(bound).copy_(local(g))
+        p.grad = bound
+        return True
 
     def is_bound(self, t: torch.Tensor) -> bool:
         return self._rt.is_bound(local(t))
@@ -237,6 +333,8 @@ class Runtime:
         self._rt.before_backward(layer)
 
     def _after_backward(self, layer: int) -> None:
+        if self._before_layer_done is not None:
+            self._before_layer_done(layer)
         if self.simulated or self.overlap != "backward" or not torch.cuda.is_available():
             self._rt.after_backward(layer)
             return
@@ -289,9 +387,11 @@ class Runtime:
         strata's is still alive, e.g. an optimizer not closed)."""
         if self._closed:
             return []
-        for h in self._hooks:
+        for h in self._hooks + self._param_hooks:
             h.remove()
         self._hooks.clear()
+        self._param_hooks.clear()
+        self._before_layer_done = None
         if self._rt.in_step():
             # A forward that no optimizer step followed (an evaluation) left layers held.
             self._rt.finish_backward()
@@ -305,28 +405,73 @@ class Runtime:
         return self._rt.leak_report()
 
 
-def _named_layers(model: torch.nn.Module, layers) -> list:
+def _count(module: torch.nn.Module, counted: set) -> int:
+    n = 0
+    for p in module.parameters():
+        if id(p) not in counted:
+            n += p.numel()
+    return n
+
+
+def discover_layers(model: torch.nn.Module, prefetch_depth: int = 1) -> list:
+    """(name, module) pairs that make good strata layers, in the model's order.
+
+    Note [Finding the blocks]: a layer is the unit a policy streams, so a layer must be small
+    beside the whole (a ring of prefetch_depth + 1 layers must fit where the whole does not) and
+    follow the model's blocks. From the model down: a ModuleList or ModuleDict is always opened
+    (its entries are the blocks, wherever it sits: model.layers, model.model.layers,
+    transformer.h), and so is any other child with children of its own that holds more than
+    1 / (prefetch_depth + 1) of the parameters (a wrapper such as Hugging Face's LlamaModel
+    inside LlamaForCausalLM). Everything else with parameters is a layer of its own: each block,
+    the embeddings, the final norm, the head. A parameter shared by two modules (tied embeddings)
+    belongs to the first. Parameters held directly by an opened module are left out here;
+    attach binds them as one last layer.
+    """
+    total = max(_count(model, set()), 1)
+    threshold = total / (prefetch_depth + 1)
+    counted: set = set()
+    out = []
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            n = _count(child, counted)
+            if n == 0:
+                continue
+            has_children = any(True for _ in child.children())
+            container = isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict))
+            if has_children and (container or n > threshold):
+                walk(child, full)
+                continue
+            out.append((full, child))
+            counted.update(id(p) for p in child.parameters())
+
+    walk(model, "")
+    return out
+
+
+def _named_layers(model: torch.nn.Module, layers, prefetch_depth: int) -> list:
     if layers is None:
-        children = list(model.named_children())
-        out = [(name, child) for name, child in children]
-    else:
-        names = {id(m): n for n, m in model.named_modules()}
-        out = []
-        for m in layers:
-            if not isinstance(m, torch.nn.Module):
-                raise ValueError(f"strata.attach: layers must be modules, got {type(m).__name__}")
-            if id(m) not in names:
-                raise ValueError("strata.attach: a layer given is not a submodule of the model")
-            out.append((names[id(m)], m))
+        return discover_layers(model, prefetch_depth)
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for m in layers:
+        if not isinstance(m, torch.nn.Module):
+            raise ValueError(f"strata.attach: layers must be modules, got {type(m).__name__}")
+        if id(m) not in names:
+            raise ValueError("strata.attach: a layer given is not a submodule of the model")
+        out.append((names[id(m)], m))
     return out
 
 
 def attach(model: torch.nn.Module, runtime: Runtime, layers: Optional[Iterable] = None) -> list:
     """Binds `model`'s parameters and gradients to `runtime`, one strata layer per module of
-    `layers` (default: the model's top-level children, in order), and installs the hooks that tell
-    the runtime where forward and backward are, so a policy with roles="all" streams parameters
-    and gradients through them. A module without parameters of its own is no layer; parameters in
-    no layer go to one last layer of their own. Returns the modules that became layers.
+    `layers` (default: the blocks found in the module tree, Note [Finding the blocks] in
+    discover_layers), and installs the hooks that tell the runtime where forward and backward
+    are, so a policy with roles="all" streams parameters and gradients through them. The hooks
+    see positional and keyword arguments alike. A module without parameters of its own is no
+    layer; parameters in no layer go to one last layer of their own. Returns the modules that
+    became layers.
 
     One forward and one backward per optimizer step: no gradient accumulation over several
     backward passes while gradients stream. A forward that no step follows (an evaluation) keeps
@@ -336,7 +481,7 @@ def attach(model: torch.nn.Module, runtime: Runtime, layers: Optional[Iterable] 
             "strata.attach: the model's parameters are DTensors (FSDP2); FSDP2 moves them itself. "
             "Pass them to strata.optim.AdamW, whose layers follow the fully_shard units"
         )
-    named = _named_layers(model, layers)
+    named = _named_layers(model, layers, runtime.prefetch_depth)
     if not named:
         raise ValueError("strata.attach: the model has no layers (no child modules given or found)")
     seen, attached = set(), []
@@ -347,22 +492,35 @@ def attach(model: torch.nn.Module, runtime: Runtime, layers: Optional[Iterable] 
             continue
         seen.update(id(p) for _, p in params)
         layer = runtime.add_layer(params)
-        runtime._hooks.append(module.register_forward_pre_hook(_pre_hook(runtime, layer)))
-        runtime._hooks.append(module.register_forward_hook(_post_hook(runtime, layer)))
+        runtime._hooks.append(
+            module.register_forward_pre_hook(_pre_hook(runtime, layer), with_kwargs=True)
+        )
+        runtime._hooks.append(
+            module.register_forward_hook(_post_hook(runtime, layer), with_kwargs=True)
+        )
         attached.append(module)
     rest = [(n, p) for n, p in model.named_parameters() if id(p) not in seen]
     if rest:
         runtime.add_layer(rest)
+    sizes = [sum(p.numel() for p in m.parameters()) for m in attached]
+    _log.info(
+        "strata.attach: %d layers from %s (largest %d parameters, %s)",
+        len(attached) + (1 if rest else 0),
+        "the layers given" if layers is not None else "the module tree",
+        max(sizes) if sizes else 0,
+        ", ".join(n for n, _ in named[:3]) + (", ..." if len(named) > 3 else ""),
+    )
     return attached
 
 
 def _pre_hook(runtime: Runtime, layer: int):
-    def hook(module, args):
+    def hook(module, args, kwargs):
         runtime._before_forward(layer)
         # Once autograd has the gradient of this layer's input, the layer's own gradients are in
-        # (autograd runs AccumulateGrad first among ready nodes): its backward is done.
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.requires_grad:
+        # (autograd runs AccumulateGrad first among ready nodes): its backward is done. The input
+        # may come by keyword (hidden_states=... in Hugging Face's models).
+        for a in _output_tensors((args, kwargs)):
+            if a.requires_grad:
                 a.register_hook(lambda g: runtime._after_backward(layer))
                 break
         return None
@@ -382,7 +540,7 @@ def _output_tensors(output):
 
 
 def _post_hook(runtime: Runtime, layer: int):
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
         # Once the gradient of an output is complete, autograd is about to run the layer's
         # backward: the runtime holds the layer first, so autograd never writes into a layer whose
         # data is still arriving. Layers whose backward does not follow the reverse order of

@@ -86,6 +86,7 @@ TEST(AdamCpuKernelTest, MatchesAFloat64ReferenceOverManySteps) {
                      b.v.data(),
                      h.amsgrad ? b.vmax.data() : nullptr,
                      static_cast<std::int64_t>(n)};
+        t.step = step;  // each tensor's bias corrections follow its own step
         adam_step_cpu(&t, 1, adam_scalars(h, step), 1.0f, 1);
         for (std::size_t i = 0; i < n; ++i) {
           reference(rp[i], b.g[i], rm[i], rv[i], rvmax[i], h, step);
@@ -106,6 +107,7 @@ TEST(AdamCpuKernelTest, ThreadSplitsGiveBitwiseEqualResults) {
   AdamTensor tb{b.p.data(), b.g.data(), b.m.data(),
                 b.v.data(), nullptr,    static_cast<std::int64_t>(n)};
   AdamScalars s = adam_scalars({.weight_decay = 0.01f}, 3);
+  ta.step = tb.step = 3;
   adam_step_cpu(&ta, 1, s, 1.0f, 1);
   adam_step_cpu(&tb, 1, s, 1.0f, 7);
   EXPECT_EQ(a.p, b.p);
@@ -172,6 +174,8 @@ TEST_F(GpuAdamKernelTest, GpuMatchesTheCpuKernelOnManyTensorsAndTails) {
     }
     for (std::int64_t step = 1; step <= 5; ++step) {
       const AdamScalars s = adam_scalars(h, step);
+      for (AdamTensor& t : cpu) t.step = step;
+      for (AdamTensor& t : gpu) t.step = step;
       adam_step_cpu(cpu.data(), cpu.size(), s, 1.0f, 4);
       ASSERT_EQ(adam_step_cuda(gpu.data(), gpu.size(), s, nullptr, nullptr, nullptr), cudaSuccess);
     }

@@ -612,5 +612,67 @@ TEST(AdamBadInputTest, AnUnregisteredTensorStopsTheStepBeforeAnyLaunch) {
   EXPECT_EQ(rt::testing::read_all(*runtime, p0), before) << "layer 0 must not have been stepped";
 }
 
+// Note [Per-parameter steps]: a parameter named to skip_parameters sits the step out (its values,
+// states and step count unchanged), the others step as usual, and the counts differ from then on:
+// training the two halves apart equals training them with skips, under every policy, and a
+// checkpoint keeps each parameter's count.
+class PerParameterStepsTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PerParameterStepsTest, SkippedParametersAreUntouchedAndKeepTheirOwnCounts) {
+  const auto init = initial_values();
+  auto [runtime, dev] = make_runtime(GetParam(), {.prefetch_depth = 1});
+  Model m = register_model(*runtime, init);
+  auto adam = *Adam::create(*runtime, options_for(m, true, false));
+  // Step 1: everything. Steps 2-3: layer 1 sits out. Step 4: everything again.
+  for (int step = 1; step <= 4; ++step) {
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(runtime->write(m.grads[l], gradient(l, step).data()).ok());
+    }
+    const std::vector<unsigned char> layer1 = read_all(*runtime, m.params[1]);
+    const std::vector<unsigned char> layer0 = read_all(*runtime, m.params[0]);
+    const bool skip = step == 2 || step == 3;
+    if (skip) ASSERT_TRUE(adam->skip_parameters({m.params[1]}).ok());
+    EXPECT_EQ(adam->skipped_this_step(m.params[1]), skip);
+    ASSERT_TRUE(runtime->begin_step().ok());
+    ASSERT_TRUE(adam->step().ok());
+    ASSERT_TRUE(runtime->end_step().ok());
+    EXPECT_FALSE(adam->skipped_this_step(m.params[1])) << "the list outlived its step";
+    EXPECT_EQ(read_all(*runtime, m.params[1]) == layer1, skip) << "step " << step;
+    EXPECT_NE(read_all(*runtime, m.params[0]), layer0) << "step " << step;
+  }
+  EXPECT_EQ(*adam->step_count_of(m.params[0]), 4);
+  EXPECT_EQ(*adam->step_count_of(m.params[1]), 2);
+  EXPECT_EQ(adam->step_count(0), 4);  // a group's count: the most of its parameters'
+  // The bias corrections follow each parameter's own count: layer 1's second step is a step 2.
+  auto [ref, ref_dev] = make_runtime("keep_on_gpu", {});
+  Model mr = register_model(*ref, init);
+  AdamOptions one = options_for(mr, true, false);
+  auto ref_adam = *Adam::create(*ref, one);
+  for (int step : {1, 4}) {
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(ref->write(mr.grads[l], gradient(l, step).data()).ok());
+    }
+    ASSERT_TRUE(ref->begin_step().ok());
+    ASSERT_TRUE(ref_adam->step().ok());
+    ASSERT_TRUE(ref->end_step().ok());
+  }
+  EXPECT_EQ(read_all(*runtime, m.params[1]), read_all(*ref, mr.params[1]));
+  // A checkpoint keeps the counts; a fresh optimizer loading it steps on from them.
+  std::stringstream file;
+  ASSERT_TRUE(adam->save(file).ok());
+  auto [c, c_dev] = make_runtime(GetParam(), {.prefetch_depth = 1});
+  Model mc = register_model(*c, init);
+  auto loaded = *Adam::create(*c, options_for(mc, true, false));
+  ASSERT_TRUE(loaded->load(file).ok());
+  EXPECT_EQ(*loaded->step_count_of(mc.params[0]), 4);
+  EXPECT_EQ(*loaded->step_count_of(mc.params[1]), 2);
+  ASSERT_TRUE(loaded->set_step_count_of(mc.params[1], 7).ok());
+  EXPECT_EQ(*loaded->step_count_of(mc.params[1]), 7);
+  EXPECT_EQ(*loaded->step_count_of(mc.params[0]), 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, PerParameterStepsTest,
+                         ::testing::Values("keep_on_gpu", "bulk", "layer_prefetch"));
+
 }  // namespace
 }  // namespace strata::optim

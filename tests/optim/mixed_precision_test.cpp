@@ -171,6 +171,7 @@ TEST(MixedPrecisionTest, EveryDtypePairStepsTheMasterInFloat32NearAFloat64Refere
         (void)vmax;
       }
       AdamTensor t = x.tensor();
+      t.step = step;
       adam_step_cpu(&t, 1, s, 1.0f, 2);
     }
     const bool low = c.param != ElemType::kF32;
@@ -420,6 +421,8 @@ TEST_F(GpuMixedPrecisionTest, GpuAgreesWithTheCpuKernelAndRoundsAlikeForEveryDty
       device[k] = t;
     }
     const AdamScalars s = adam_scalars(h, step);
+    for (AdamTensor& t : host) t.step = step;
+    for (AdamTensor& t : device) t.step = step;
     adam_step_cpu(host.data(), host.size(), s, 1.0f, 2);
     ASSERT_EQ(adam_step_cuda(device.data(), device.size(), s, nullptr, nullptr, nullptr),
               cudaSuccess);

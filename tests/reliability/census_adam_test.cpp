@@ -173,6 +173,14 @@ TEST_F(AdamCensusTest, SetLrAndStep) {
                  "Adam: tensor 'w.exp_avg_sq' (layer 0) was unregistered after the optimizer was "
                  "made");
   EXPECT_EQ(adam->step_count(0), 1);
+  // Note [Per-parameter steps]: what skip_parameters and the per-parameter counts refuse.
+  expect_refused("Adam: skip_parameters naming a tensor that is not a parameter of it",
+                 adam->skip_parameters({g_}), absl::StatusCode::kNotFound,
+                 "Adam: handle " + std::to_string(g_.id) + " is not a parameter of this optimizer");
+  EXPECT_FALSE(adam->skipped_this_step(w_)) << "a refused call skipped a parameter";
+  expect_refused("Adam: a negative step count of one parameter", adam->set_step_count_of(w_, -1),
+                 kInvalid, "Adam: parameter 'w': step count -1 is negative");
+  EXPECT_EQ(*adam->step_count_of(w_), 1);
   std::stringstream out;
   expect_refused("Adam: a checkpoint once a state is gone", adam->save(out),
                  absl::StatusCode::kFailedPrecondition,
@@ -183,11 +191,13 @@ TEST_F(AdamCensusTest, SetLrAndStep) {
 }
 
 // The checkpoint format (adam_checkpoint.cpp): header 14 bytes, group count, per group 51 bytes
-// (step, five float64 hyperparameters, three flags), tensor count, then per tensor {name length,
-// name, size, bytes}, then the checksum.
+// (step, five float64 hyperparameters, three flags), parameter count, per parameter its step,
+// tensor count, then per tensor {name length, name, size, bytes}, then the checksum. The optimizer
+// here has one parameter.
 constexpr std::size_t kGroupAt = 18;
 constexpr std::size_t kFlagsAt = kGroupAt + 48;
-constexpr std::size_t kCountAt = kGroupAt + 51;
+constexpr std::size_t kParamsAt = kGroupAt + 51;
+constexpr std::size_t kCountAt = kParamsAt + 4 + 8;
 
 std::uint64_t fnv(const std::string& s, std::size_t n) {
   std::uint64_t h = 1469598103934665603ull;
@@ -238,6 +248,12 @@ TEST_F(AdamCensusTest, CheckpointsThatLie) {
   expect_refused("Adam checkpoint: amsgrad other than the optimizer's",
                  load(edited<std::uint8_t>(good, kFlagsAt + 1, 1)), kInvalid,
                  "Adam checkpoint: group 0 was saved with amsgrad on; this optimizer has it off");
+  expect_refused("Adam checkpoint: a parameter count that lies",
+                 load(edited<std::uint32_t>(good, kParamsAt, 7)), kInvalid,
+                 "Adam checkpoint has 7 parameters; this optimizer has 1");
+  expect_refused("Adam checkpoint: a negative step of one parameter",
+                 load(edited<std::int64_t>(good, kParamsAt + 4, -2)), kDataLoss,
+                 "Adam checkpoint is corrupt: parameter 0 has a negative step");
   expect_refused("Adam checkpoint: a state count that lies",
                  load(edited<std::uint32_t>(good, kCountAt, 0xFFFFFFFFu)), kInvalid,
                  "Adam checkpoint has 4294967295 state tensors; this optimizer has 2");

@@ -1,0 +1,355 @@
+"""Users' own training loops, each against torch.optim.AdamW on the same loop and data (CPU,
+simulated device, every policy): gradients the loop drops or replaces (model.zero_grad(),
+p.grad = ...), frozen LoRA base weights, an unused head, mixture-of-experts routing, torch.optim's
+keywords, GradScaler, the loop's own clipping and gradient accumulation under overlap, and a
+Hugging Face-shaped model attached with the layers found in its module tree."""
+
+import pytest
+import strata
+import torch
+import torch.nn.functional as F
+from models import POLICIES, Mlp, assert_bitwise, assert_close, batch, params_of
+from users import CausalLm, LoraMlp, Moe, TwoHeads, lm_batch
+
+HYPER = dict(lr=1e-2, weight_decay=0.1)
+
+
+def torch_opt(model):
+    return torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+
+
+def strata_opt(policy, **kw):
+    def make(model):
+        return strata.optim.AdamW(model.parameters(), policy=policy, **HYPER, **kw)
+
+    return make
+
+
+def mse_step(model, step):
+    x, y = batch(step)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return loss.item()
+
+
+def hf_loop(model, opt, steps):
+    """Hugging Face Trainer's order: model.zero_grad() (set_to_none) after every step."""
+    losses = []
+    model.zero_grad()
+    for step in range(steps):
+        losses.append(mse_step(model, step))
+        opt.step()
+        model.zero_grad()
+    return losses
+
+
+def replace_loop(model, opt, steps):
+    """A loop that hands the optimizer new gradient tensors (as DDP's bucket views do)."""
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        losses.append(mse_step(model, step))
+        for p in model.parameters():
+            p.grad = p.grad * 1.0
+        opt.step()
+    return losses
+
+
+def run(make_model, make_opt, loop, steps=8):
+    model = make_model()
+    opt = make_opt(model)
+    losses = loop(model, opt, steps)
+    state = opt.state_dict()
+    params = params_of(model)
+    if hasattr(opt, "close"):
+        assert opt.close() == []
+    return losses, params, state
+
+
+def steps_of(state):
+    return {k: float(v["step"]) for k, v in state["state"].items()}
+
+
+@pytest.mark.parametrize("loop", [hf_loop, replace_loop], ids=["model_zero_grad", "p_grad_set"])
+def test_gradients_the_loop_drops_or_replaces_are_the_ones_stepped(loop):
+    want_losses, want_params, _ = run(Mlp, torch_opt, loop)
+    first = None
+    for policy in POLICIES:
+        losses, params, _ = run(Mlp, strata_opt(policy), loop)
+        assert_close([torch.tensor(losses)], [torch.tensor(want_losses)], rel=1e-5)
+        assert_close(params, want_params, rel=1e-5)
+        if first is None:
+            first = (losses, params)
+        else:
+            assert losses == first[0]
+            assert_bitwise(params, first[1])
+
+
+def plain_loop(model, opt, steps):
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        losses.append(mse_step(model, step))
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_frozen_lora_base_is_never_touched_and_has_no_state(policy):
+    before = params_of(LoraMlp())
+    want_losses, want_params, want_state = run(LoraMlp, torch_opt, hf_loop)
+    losses, params, state = run(LoraMlp, strata_opt(policy), hf_loop)
+    frozen = [not p.requires_grad for p in LoraMlp().parameters()]
+    for b, p, f in zip(before, params, frozen):
+        if f:
+            assert torch.equal(b, p)
+    assert_close(params, want_params, rel=1e-5)
+    assert_close([torch.tensor(losses)], [torch.tensor(want_losses)], rel=1e-5)
+    assert sorted(state["state"]) == sorted(want_state["state"])
+    assert steps_of(state) == steps_of(want_state)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_unused_head_is_skipped_as_torch_skips_it(policy):
+    before = params_of(TwoHeads())
+    _, want_params, want_state = run(TwoHeads, torch_opt, plain_loop)
+    _, params, state = run(TwoHeads, strata_opt(policy), plain_loop)
+    assert_close(params, want_params, rel=1e-5)
+    # aux_head (the last two parameters) was never stepped nor decayed.
+    assert torch.equal(params[-1], before[-1]) and torch.equal(params[-2], before[-2])
+    # strata lists every trainable parameter from the start (at step 0); torch those stepped.
+    got = steps_of(state)
+    assert {k: v for k, v in got.items() if v > 0} == steps_of(want_state)
+    assert got[4] == 0.0 and got[5] == 0.0
+
+
+def moe_loop(model, opt, steps):
+    losses = []
+    for step in range(steps):
+        model.route = step
+        opt.zero_grad()
+        losses.append(mse_step(model, step))
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+def test_experts_not_routed_keep_their_own_step_counts(policy, overlap):
+    want_losses, want_params, want_state = run(Moe, torch_opt, moe_loop, steps=7)
+    make = strata_opt(policy, overlap=overlap, layer_bytes="4KiB")
+    losses, params, state = run(Moe, make, moe_loop, steps=7)
+    assert_close([torch.tensor(losses)], [torch.tensor(want_losses)], rel=1e-5)
+    assert_close(params, want_params, rel=1e-5)
+    assert steps_of(state) == steps_of(want_state)  # 4, 4, 3, 3 ... as each expert was routed
+    # The per-parameter counts survive a round trip, into strata and into torch.
+    model = Moe()
+    opt = strata.optim.AdamW(model.parameters(), policy=policy, **HYPER)
+    opt.load_state_dict(want_state)
+    assert steps_of(opt.state_dict()) == steps_of(want_state)
+    opt.close()
+
+
+def test_torch_keywords_foreach_and_fused_accepted_capturable_refused():
+    model = Mlp()
+    for kw in (dict(fused=True), dict(foreach=True), dict(fused=False, foreach=False)):
+        opt = strata.optim.AdamW(model.parameters(), **kw)
+        opt.close()
+    for kw in (dict(capturable=True), dict(differentiable=True)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            strata.optim.AdamW(model.parameters(), **kw)
+    opt = strata.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(NotImplementedError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1
+    _, want_params, _ = run(Mlp, torch_opt, plain_loop, steps=4)
+    _, params, _ = run(Mlp, strata_opt("layer_prefetch", fused=True), plain_loop, steps=4)
+    assert_close(params, want_params, rel=1e-5)
+    opt.close()
+
+
+def test_a_frozen_parameter_given_a_gradient_later_raises_and_changes_nothing():
+    model = LoraMlp()
+    opt = strata.optim.AdamW(model.parameters(), policy="layer_prefetch", **HYPER)
+    plain_loop(model, opt, 2)
+    before = params_of(model)
+    state = opt.state_dict()
+    model.inp.base.weight.requires_grad_(True)
+    opt.zero_grad()
+    mse_step(model, 5)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\].*frozen"):
+        opt.step()
+    assert_bitwise(params_of(model), before)
+    assert steps_of(opt.state_dict()) == steps_of(state)
+    model.inp.base.weight.grad = None
+    model.inp.base.weight.requires_grad_(False)
+    opt.step()  # the loop goes on once it is fixed
+    opt.close()
+
+
+def test_a_cpu_model_on_a_machine_with_a_gpu_raises_with_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"model\.cuda\(\).*device='simulated'"):
+        strata.optim.AdamW(Mlp().parameters())
+    strata.optim.AdamW(Mlp().parameters(), device="simulated").close()
+
+
+def scaler_loop(inf_at=3, clip=False, accumulate=False):
+    def loop(model, opt, steps):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        losses = []
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(step)
+            micro = [(x[:4], y[:4]), (x[4:], y[4:])] if accumulate else [(x, y)]
+            for i, (xs, ys) in enumerate(micro):
+                loss = F.mse_loss(model(xs), ys) / len(micro)
+                if step == inf_at:
+                    loss = loss * float("inf")  # an overflow: GradScaler skips this step
+                last = i == len(micro) - 1
+                if last or not hasattr(opt, "accumulate"):
+                    scaler.scale(loss).backward()
+                else:
+                    with opt.accumulate():
+                        scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+        return losses
+
+    return loop
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    "clip,accumulate", [(False, False), (True, False), (False, True)], ids=["", "clip", "accum"]
+)
+def test_grad_scaler_with_a_skipped_step_under_overlap_and_without(policy, clip, accumulate):
+    loop = scaler_loop(clip=clip, accumulate=accumulate)
+    _, want_params, want_state = run(Mlp, torch_opt, loop, steps=7)
+    results = []
+    for overlap in ("none", "backward"):
+        make = strata_opt(policy, overlap=overlap, layer_bytes="1KiB")
+        losses, params, state = run(Mlp, make, loop, steps=7)
+        assert_close(params, want_params, rel=1e-5)
+        assert steps_of(state) == steps_of(want_state)  # the skipped step did not count
+        results.append((losses, params))
+    assert results[0][0] == results[1][0]
+    assert_bitwise(results[0][1], results[1][1])
+
+
+def test_a_skipped_step_changes_nothing():
+    model = Mlp()
+    opt = strata.optim.AdamW(model.parameters(), policy="layer_prefetch", **HYPER)
+    plain_loop(model, opt, 2)
+    before, state = params_of(model), opt.state_dict()
+    scaler = torch.amp.GradScaler("cpu")
+    opt.zero_grad()
+    scaler.scale(F.mse_loss(model(batch(9)[0]), batch(9)[1]) * float("inf")).backward()
+    scaler.step(opt)
+    assert_bitwise(params_of(model), before)
+    after = opt.state_dict()
+    assert steps_of(after) == steps_of(state)
+    for k in state["state"]:
+        assert torch.equal(after["state"][k]["exp_avg"], state["state"][k]["exp_avg"])
+    opt.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_loops_own_clipping_under_overlap_is_seen_and_the_step_redone(policy):
+    outcomes = []
+
+    def loop(model, opt, steps):
+        losses = []
+        for step in range(steps):
+            opt.zero_grad()
+            losses.append(mse_step(model, step))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            outcomes.append(getattr(opt, "last_step_outcome", None))
+        return losses
+
+    _, want_params, _ = run(Mlp, torch_opt, loop, steps=6)
+    seq = run(Mlp, strata_opt(policy, layer_bytes="1KiB"), loop, steps=6)
+    model = Mlp()
+    opt = strata_opt(policy, overlap="backward", layer_bytes="1KiB")(model)
+    outcomes.clear()
+    losses = loop(model, opt, 6)
+    # Every step's gradients were clipped after backward: a step taken in backward is redone
+    # (layer_prefetch steps layers in backward; keep_on_gpu without undo_on_gpu and bulk leave
+    # them for step(): Note [Resting layers]).
+    if policy == "layer_prefetch":
+        assert set(outcomes) == {"redone"}
+    assert_close(params_of(model), want_params, rel=1e-5)
+    assert losses == seq[0]
+    assert_bitwise(params_of(model), seq[1])
+    assert opt.close() == []
+
+
+def test_module_tree_discovery_finds_the_blocks():
+    lm = CausalLm(n=6)
+    names = [n for n, _ in strata.runtime.discover_layers(lm)]
+    assert names == (
+        ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(6)] + ["model.norm", "lm_head"]
+    )
+    # Nested: blocks in a ModuleList inside a ModuleList's entries' parent.
+    nested = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([Mlp(), Mlp()]))
+    got = [n for n, _ in strata.runtime.discover_layers(nested)]
+    assert got[0] == "0" and all(n.startswith("1.") for n in got[1:]) and len(got) >= 3
+    # Flat: each Linear its own layer.
+    flat = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
+    assert [n for n, _ in strata.runtime.discover_layers(flat)] == ["0", "1", "2", "3", "4"]
+
+
+def lm_loop(model, opt, steps):
+    losses = []
+    model.zero_grad()
+    for step in range(steps):
+        out = model(**lm_batch(step))
+        out["loss"].backward()
+        opt.step()
+        model.zero_grad()
+        losses.append(out["loss"].item())
+    return losses
+
+
+def wide_lm():
+    return CausalLm(d=128)
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+def test_an_hf_shaped_model_attached_with_default_layers_under_a_small_budget(overlap, caplog):
+    want_losses, want_params, _ = run(wide_lm, torch_opt, lm_loop, steps=5)
+    whole = sum(p.numel() for p in wide_lm().parameters()) * 4
+    budget = 8 << 20
+    # Parameters, gradients and moments of the whole (as one layer, as attach made it before)
+    # are far over the budget; a block's fit twice over.
+    assert whole * 4 > 2 * budget
+    block = sum(p.numel() for p in wide_lm().model.layers[0].parameters()) * 4
+    assert 2 * 4 * block < budget
+
+    def make(model):
+        rt = strata.Runtime(
+            policy="layer_prefetch",
+            roles="all",
+            gpu_budget=budget,
+            device="simulated",
+            overlap=overlap,
+        )
+        with caplog.at_level("INFO", logger="strata"):
+            layers = strata.attach(model, rt)
+        assert len(layers) == 13  # embeddings, 10 blocks, final norm, head
+        assert "13 layers from the module tree" in caplog.text
+        opt = strata.optim.AdamW(model.parameters(), runtime=rt, **HYPER)
+        return rt, opt
+
+    model = wide_lm()
+    rt, opt = make(model)
+    losses = lm_loop(model, opt, 5)
+    assert_close([torch.tensor(losses)], [torch.tensor(want_losses)], rel=1e-5)
+    assert_close(params_of(model), want_params, rel=1e-5)
+    assert opt.close() == []
+    assert rt.close() == []
