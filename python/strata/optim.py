@@ -268,6 +268,8 @@ class Adam(torch.optim.Optimizer):
     def _prepare_layer(self, layer: int) -> None:
         if self._closed or self._accumulating:
             return
+        if not self._adam.overlapped_step_open():
+            self._sync_hyper()  # the step begins: with the hyperparameters as they are now
         skipped = []
         for p in self._runtime._layer_users[layer]:
             if id(p) not in self._param_name:
@@ -278,6 +280,21 @@ class Adam(torch.optim.Optimizer):
                 skipped.append(self._runtime.bound_tensors(p)[0])
         if skipped:
             self._adam.skip_parameters(skipped)
+
+    # Each group's hyperparameters as they are now (an LR scheduler's changes included); whether
+    # any changed. A step taken in backward read them when it began: one that changed since is
+    # taken back and redone, as for a gradient (Note [Gradients changed after their layer
+    # stepped]).
+    def _sync_hyper(self) -> bool:
+        changed = False
+        for i, g in enumerate(self.param_groups):
+            h = self._hyper(g)
+            if h != self._hypers[i]:
+                _check_hyper(h["lr"], (h["beta1"], h["beta2"]), h["eps"], h["weight_decay"])
+                self._adam.set_hyper(i, h)
+                self._hypers[i] = h
+                changed = True
+        return changed
 
     # Note [Gradients changed after their layer stepped]: a layer stepped in backward read its
     # gradients then; a loop that changes them afterwards (its own clip_grad_norm_, unscale_,
@@ -500,20 +517,14 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for i, g in enumerate(self.param_groups):
-            h = self._hyper(g)
-            if h != self._hypers[i]:
-                _check_hyper(h["lr"], (h["beta1"], h["beta2"]), h["eps"], h["weight_decay"])
-                self._adam.set_hyper(i, h)
-                self._hypers[i] = h
+        open_before = self._adam.overlapped_step_open()
+        hyper_changed = self._sync_hyper()
         grad_scale = _scalar_or_none(getattr(self, "grad_scale", None))
         found_inf = _scalar_or_none(getattr(self, "found_inf", None))
         rt = self._runtime._rt
         # Before finish_backward, which steps (under overlap) the layers backward left: what they
         # step must be the loop's gradients, and their parameters without one must sit out.
-        changed = self._adam.overlapped_step_open() and self._gradients_changed(
-            grad_scale is not None
-        )
+        changed = open_before and (hyper_changed or self._gradients_changed(grad_scale is not None))
         skipped = self._take_gradients()
         if skipped:
             self._adam.skip_parameters(skipped)

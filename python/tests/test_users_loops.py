@@ -289,6 +289,31 @@ def test_the_loops_own_clipping_under_overlap_is_seen_and_the_step_redone(policy
     assert opt.close() == []
 
 
+def test_an_lr_schedule_under_overlap_steps_with_the_rate_of_each_step():
+    # The scheduler changes the rate after step(); layers stepped in the next backward use the new
+    # one (and a rate changed after backward redoes the step).
+    def loop(change_after_backward):
+        def run_loop(model, opt, steps):
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+            losses = []
+            for step in range(steps):
+                opt.zero_grad()
+                losses.append(mse_step(model, step))
+                if change_after_backward and step == 3:
+                    opt.param_groups[0]["lr"] *= 0.5
+                opt.step()
+                sched.step()
+            return losses
+
+        return run_loop
+
+    for late in (False, True):
+        _, want_params, _ = run(Mlp, torch_opt, loop(late), steps=6)
+        make = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")
+        _, params, _ = run(Mlp, make, loop(late), steps=6)
+        assert_close(params, want_params, rel=1e-5)
+
+
 def test_module_tree_discovery_finds_the_blocks():
     lm = CausalLm(n=6)
     names = [n for n, _ in strata.runtime.discover_layers(lm)]
@@ -353,3 +378,34 @@ def test_an_hf_shaped_model_attached_with_default_layers_under_a_small_budget(ov
     assert_close(params_of(model), want_params, rel=1e-5)
     assert opt.close() == []
     assert rt.close() == []
+
+
+def hf_example():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_loop.py"
+    spec = importlib.util.spec_from_file_location("hf_trainer_loop", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_the_hf_trainer_shaped_example_matches_torch_on_the_cpu(overlap, clip, capsys):
+    argv = ["--steps", "10", "--layers", "3", "--compare", "--overlap", overlap]
+    argv += ["--max_grad_norm", clip]
+    assert hf_example().main(argv) == 0, capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_float16_grad_scaler_loop_is_bitwise_torchs_fused_adamw(overlap, clip, capsys):
+    # float16 autocast, GradScaler with a skipped step (step 3 overflows), with unscale_ and
+    # clip_grad_norm_ or without (the scale then reaches the kernel), model.zero_grad():
+    # parameters bitwise torch.optim.AdamW(fused=True)'s.
+    argv = ["--device", "cuda", "--steps", "30", "--compare", "--overlap", overlap]
+    argv += ["--prefetch_depth", "2", "--max_grad_norm", clip]
+    assert hf_example().main(argv) == 0, capsys.readouterr().out
