@@ -11,6 +11,7 @@
 //
 // Example:
 //   AdamTensor t{p, g, m, v, nullptr, numel};
+//   t.step = step;  // the parameter's own step count (Note [Per-parameter steps] in adam.h)
 //   AdamScalars s = adam_scalars(hyper, step);
 //   adam_step_cpu(&t, 1, s, /*inv_grad_scale=*/1.0f, /*threads=*/8);
 //   cudaError_t err = adam_step_cuda(&t, 1, s, grad_scale_dev, found_inf_dev, stream);

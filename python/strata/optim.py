@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Optional, Union
 
 import torch
@@ -244,11 +245,12 @@ class Adam(torch.optim.Optimizer):
             return device
         if first.device.type == "cuda":
             return "cuda"
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and os.environ.get("STRATA_DEVICE") != "simulated":
             raise ValueError(
                 f"strata.optim.{self._name}: the parameters are on the CPU, but this machine has "
-                "a GPU: move the model there first (model.cuda()), or pass device='simulated' to "
-                "step in host memory that stands in for the GPU (for tests)"
+                "a GPU: move the model there first (model.cuda()), or pass device='simulated' "
+                "(or set STRATA_DEVICE=simulated) to step in host memory that stands in for the "
+                "GPU (for tests)"
             )
         return "simulated"
 
@@ -741,8 +743,8 @@ class AdamW(Adam):
             (FSDP2's float32 shards) on the GPU while the budget has room, instead of copying
             them to pinned host memory over the link.
         device: None (default): the parameters' GPU; CPU parameters on a machine with a GPU
-            raise ValueError (move the model first); "simulated" steps CPU parameters in host
-            memory standing in for the GPU.
+            raise ValueError (move the model first); "simulated" (or the environment variable
+            STRATA_DEVICE=simulated) steps CPU parameters in host memory standing in for the GPU.
 
     With overlap="backward", accumulate() runs micro-batches before the last without stepping,
     and a gradient the loop changes after its layer was stepped (its own clip_grad_norm_,

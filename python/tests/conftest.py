@@ -1,8 +1,14 @@
 """pytest setup: the `gpu` mark, skipped cleanly on a machine without a CUDA device, and the
 `distributed` mark of tests that launch several processes with torchrun."""
 
+import os
+
 import pytest
 import torch
+
+# The CPU tests step CPU models on the simulated device, on a machine with a GPU too (where a CPU
+# model is otherwise refused: strata.optim.AdamW's device argument).
+os.environ.setdefault("STRATA_DEVICE", "simulated")
 
 
 def pytest_configure(config):

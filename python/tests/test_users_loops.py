@@ -189,6 +189,7 @@ def test_a_frozen_parameter_given_a_gradient_later_raises_and_changes_nothing():
 
 def test_a_cpu_model_on_a_machine_with_a_gpu_raises_with_the_fix(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("STRATA_DEVICE", raising=False)
     with pytest.raises(ValueError, match=r"model\.cuda\(\).*device='simulated'"):
         strata.optim.AdamW(Mlp().parameters())
     strata.optim.AdamW(Mlp().parameters(), device="simulated").close()

@@ -349,7 +349,8 @@ TEST(TorchParityTest, GpuKernelStepsAreBitwiseTorchsFusedAdamW) {
                           .numel = n,
                           .master = low ? master.data_ptr<float>() : nullptr,
                           .param_type = et,
-                          .grad_type = et};
+                          .grad_type = et,
+                          .step = step};
       ASSERT_EQ(
           optim::adam_step_cuda(&t, 1, optim::adam_scalars(h, step), nullptr, nullptr, nullptr),
           cudaSuccess);
