@@ -20,7 +20,7 @@
 //   kMaxAlignment; small segments are kSmallSegmentSize; a large segment is the request rounded up
 //   to kLargeSegmentGranularity.
 //
-// Note [Stream ordering] (DESIGN.md) as the pool implements it:
+// Note [Stream ordering] (docs/design.md, section 6) as the pool implements it:
 //   - a block belongs to the stream it was allocated on, and blocks are reused only by that stream;
 //     work on one stream runs in order, so a block freed there can be handed out again at once;
 //   - record_stream(ptr, s) says another stream s also uses the block; at free, an event is

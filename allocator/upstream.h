@@ -100,7 +100,7 @@ std::unique_ptr<Upstream> make_simulated_pinned_upstream();
 
 // How pinned host memory is obtained. Both are pinned once per segment and pooled by the pool
 // above; which is the default was chosen by measurement (bench/results, and Note [Pinned upstream]
-// in upstream.cpp).
+// in cuda_backend.cpp).
 enum class PinnedMethod { kCudaHostAlloc, kMmapRegister };
 std::string_view pinned_method_name(PinnedMethod method);
 

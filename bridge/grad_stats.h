@@ -7,7 +7,7 @@
 // inf/NaN check only when set_check_non_finite(true) asked for it (Note [Opt-in inf check]).
 // After backward, grad_scale() gives Adam the one device scalar its kernel divides gradients by
 // (the loss scale, and the clip coefficient of torch.nn.utils.clip_grad_norm_), and found_inf()
-// the flag a step is skipped by (Note [Skipped steps] in optim/adam_math.h). Misuse (a layer
+// the flag a step is skipped by (Note [Skipped steps] in optim/adam_kernels.h). Misuse (a layer
 // added twice in a step, totals with no layer added, found_inf without the check) throws
 // kFailedPrecondition. Partial sums are added in layer order, so the result does not depend on
 // where the policy keeps the gradients.

@@ -1,7 +1,7 @@
 // bridge/status.h: where absl::Status meets C++ exceptions, at the LibTorch boundary.
 //
 // Library code returns absl::Status; LibTorch code throws c10::Error. bridge/ is the one place that
-// converts, in both directions (DESIGN.md, Errors):
+// converts, in both directions (docs/design.md, section 8):
 //   - check / unwrap turn a failed Status into a c10::Error whose message is "CODE: message", the
 //     runtime's message unchanged, so a LibTorch user (and Python, through the c10 error types)
 //     sees what the library said. Codes with a c10 counterpart raise it: kInvalidArgument ->

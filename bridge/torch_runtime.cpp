@@ -218,7 +218,7 @@ TorchBinding::TorchBinding(rt::Runtime& runtime)
       [this](rt::TensorHandle h, rt::Tier tier, void* data) { on_moved(h, tier, data); });
   before_step_id_ = runtime_.add_before_optimizer_step([this] { return check_gradients(); });
   // Torch computes on its current stream; the runtime's hooks fence copies behind it (Note
-  // [Compute fence] in runtime.cpp).
+  // [Compute fence] in runtime/migration.cpp).
   if (!gpu_is_simulated_) {
     runtime_.set_compute_stream(current_stream(c10::Device(c10::kCUDA, 0)));
   }
