@@ -410,3 +410,115 @@ def test_float16_grad_scaler_loop_is_bitwise_torchs_fused_adamw(overlap, clip, c
     argv = ["--device", "cuda", "--steps", "30", "--compare", "--overlap", overlap]
     argv += ["--prefetch_depth", "2", "--max_grad_norm", clip]
     assert hf_example().main(argv) == 0, capsys.readouterr().out
+
+
+def nano_loop(model, opt, steps):
+    losses = []
+    for step in range(steps):
+        b = lm_batch(step)
+        _, loss = model(b["input_ids"], b["labels"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("roles,budget", [("optimizer_states", 16 << 20), ("all", 8 << 20)])
+def test_a_nanogpt_shaped_model_with_tied_weights_attached_by_default(roles, budget):
+    from users import NanoGpt
+
+    names = [n for n, _ in strata.runtime.discover_layers(NanoGpt())]
+    assert names == (
+        ["transformer.wte", "transformer.wpe"]
+        + [f"transformer.h.{i}" for i in range(6)]
+        + ["transformer.ln_f"]
+    )  # lm_head's weight is wte's
+    _, want_params, _ = run(NanoGpt, torch_opt, nano_loop, steps=4)
+    model = NanoGpt()
+    rt = strata.Runtime(policy="layer_prefetch", roles=roles, gpu_budget=budget, device="simulated")
+    strata.attach(model, rt)
+    opt = strata.optim.AdamW(model.parameters(), runtime=rt, **HYPER)
+    nano_loop(model, opt, 4)
+    assert_close(params_of(model), want_params, rel=1e-5)
+    assert opt.close() == []
+    assert rt.close() == []
+
+
+def test_census_of_bad_inputs_from_users_loops(capsys):
+    """Each bad input a user's loop can hand strata.optim: a clear error naming the fix, and
+    nothing changed (parameters, states, step counts)."""
+    model = LoraMlp()
+    opt = strata.optim.AdamW(model.parameters(), policy="layer_prefetch", **HYPER)
+    plain_loop(model, opt, 2)
+
+    def snapshot():
+        state = opt.state_dict()
+        return params_of(model), steps_of(state), [v["exp_avg"] for v in state["state"].values()]
+
+    def frozen_with_grad():
+        model.inp.base.weight.grad = torch.ones_like(model.inp.base.weight)
+        try:
+            opt.step()
+        finally:
+            model.inp.base.weight.grad = None
+
+    def load(step):
+        state = opt.state_dict()
+        first = next(iter(state["state"]))
+        state["state"][first]["step"] = torch.tensor(step)
+        opt.load_state_dict(state)
+
+    frozen = LoraMlp()
+    cases = [
+        (
+            "capturable=True",
+            lambda: strata.optim.AdamW(Mlp().parameters(), capturable=True),
+            ValueError,
+            "capturable=True is not supported",
+        ),
+        (
+            "differentiable=True",
+            lambda: strata.optim.AdamW(Mlp().parameters(), differentiable=True),
+            ValueError,
+            "differentiable=True is not supported",
+        ),
+        (
+            "add_param_group after construction",
+            lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}),
+            NotImplementedError,
+            "make a new optimizer with every group",
+        ),
+        (
+            "a frozen parameter given a gradient",
+            frozen_with_grad,
+            RuntimeError,
+            "make the optimizer after unfreezing it",
+        ),
+        (
+            "no parameter requires grad",
+            lambda: strata.optim.AdamW([p for p in frozen.parameters() if not p.requires_grad]),
+            ValueError,
+            "no parameter requires grad",
+        ),
+        ("a state dict step that is not a count", lambda: load(2.5), ValueError, "not a count"),
+        ("a negative state dict step", lambda: load(-1.0), ValueError, "not a count"),
+        (
+            "max_grad_norm not positive",
+            lambda: strata.optim.AdamW(Mlp().parameters(), max_grad_norm=0.0),
+            ValueError,
+            "max_grad_norm",
+        ),
+    ]
+    for name, call, error, message in cases:
+        before = snapshot()
+        with pytest.raises(error, match=message):
+            call()
+        after = snapshot()
+        assert_bitwise(after[0], before[0]), name
+        assert after[1] == before[1], name
+        assert_bitwise(after[2], before[2]), name
+    opt.step()  # the optimizer goes on after every refusal
+    assert opt.close() == []
+    with capsys.disabled():
+        print(f"\nstrata.optim bad inputs tried: {len(cases)} distinct")

@@ -125,3 +125,32 @@ class Moe(torch.nn.Module):
         k = self.route
         h = h + self.experts[k % 4](h) + self.experts[(k + 1) % 4](h)
         return self.out(torch.tanh(h))
+
+
+class NanoGpt(torch.nn.Module):
+    """nanoGPT's shape: transformer = ModuleDict(wte, wpe, h=ModuleList, ln_f), and lm_head whose
+    weight is tied to wte's."""
+
+    def __init__(self, vocab=96, d=128, n=6, block=16, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.transformer = torch.nn.ModuleDict(
+            dict(
+                wte=torch.nn.Embedding(vocab, d),
+                wpe=torch.nn.Embedding(block, d),
+                h=torch.nn.ModuleList(Block(d) for _ in range(n)),
+                ln_f=torch.nn.LayerNorm(d),
+            )
+        )
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+        self.vocab = vocab
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = F.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
+        return logits, loss
