@@ -517,6 +517,26 @@ PYBIND11_MODULE(_strata, m) {
       .def("stats", &Runtime::stats)
       .def("memory_stats", &Runtime::memory_stats)
       .def("memory_summary", [](Runtime& r) { return r.rt().allocator().format_stats(); })
+      // Every registered tensor: name, layer, role, bytes, the tier its data is in, whether it is
+      // in a staging slot and whether a move is under way (memory_summary's table).
+      .def("tensors",
+           [](Runtime& r) {
+             py::list out;
+             for (strata::rt::TensorHandle h : r.rt().tensors()) {
+               absl::StatusOr<strata::rt::TensorInfo> info = r.rt().info(h);
+               if (!info.ok()) continue;
+               py::dict d;
+               d["name"] = info->spec.name;
+               d["layer"] = info->spec.layer;
+               d["role"] = std::string(strata::rt::role_name(info->spec.role));
+               d["bytes"] = info->bytes;
+               d["tier"] = std::string(strata::alloc::tier_name(info->tier));
+               d["staged"] = info->staged;
+               d["in_flight"] = info->in_flight;
+               out.append(d);
+             }
+             return out;
+           })
       .def("leak_report", &Runtime::leak_report)
       .def("format_leak_report",
            [](Runtime& r) { return r.rt().allocator().format_leak_report(); });

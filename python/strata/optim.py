@@ -60,8 +60,10 @@ equal, and equal to clip_grad_norm_ followed by the step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -76,8 +78,11 @@ from .distributed import (
     local,
     sharded_like,
 )
+from .layers import plan_layers, state_bytes
 from .runtime import Runtime
 from .scalars import read_scalars
+
+_log = logging.getLogger("strata")
 
 
 def _check_hyper(lr, betas, eps, weight_decay):
@@ -129,13 +134,14 @@ class Adam(torch.optim.Optimizer):
         fused: Optional[bool] = None,
         policy: Optional[str] = None,
         gpu_budget: Union[int, str, None] = None,
-        prefetch_depth: int = 1,
+        prefetch_depth: Optional[int] = None,
         layer_bytes: Union[int, str, None] = None,
         runtime: Optional[Runtime] = None,
         overlap: Optional[str] = None,
         max_grad_norm: Optional[float] = None,
         undo_on_gpu: bool = False,
         device: Optional[str] = None,
+        model: Optional[torch.nn.Module] = None,
     ):
         _check_hyper(lr, betas, eps, weight_decay)
         for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
@@ -178,9 +184,16 @@ class Adam(torch.optim.Optimizer):
         # Note [Per-parameter steps] in optim/adam.h: a frozen parameter gets no state and is
         # never touched; it keeps its place in param_groups (and in the state dict's numbering).
         self._param_name = {}
+        self._named = False  # whether the user's names are known (Note [Layers without being told])
+        model_names = {}
+        if model is not None:
+            model_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         for gi, g in enumerate(self.param_groups):
+            names = g.get("param_names")
             for i, p in enumerate(g["params"]):
-                self._param_name[id(p)] = f"param_groups[{gi}]['params'][{i}]"
+                name = names[i] if names is not None else model_names.get(id(p))
+                self._named = self._named or name is not None
+                self._param_name[id(p)] = name or f"group{gi}.param{i}"
         self._trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
         if not self._trainable:
@@ -196,17 +209,29 @@ class Adam(torch.optim.Optimizer):
                     f"found {first.device} and {p.device}"
                 )
         self._owns_runtime = runtime is None
+        budget = parse_bytes(gpu_budget, "gpu_budget")
+        unbound = [p for p in self._trainable if runtime is None or not runtime.is_bound(p)]
+        plan, how = self._plan(unbound, parse_bytes(layer_bytes, "layer_bytes"), model, budget)
         if runtime is None:
+            depth_from = "argument"
+            if prefetch_depth is None:
+                prefetch_depth, depth_from = self._auto_depth(plan, budget), "the budget"
             runtime = Runtime(
                 policy=policy,
-                gpu_budget=gpu_budget,
+                gpu_budget=budget,
                 prefetch_depth=prefetch_depth,
                 device=self._device_for(first, device),
                 overlap=overlap or "none",
                 undo_on_gpu=undo_on_gpu,
             )
+        elif prefetch_depth is not None:
+            raise ValueError(
+                f"strata.optim.{self._name}: prefetch_depth comes from the runtime given; make "
+                "the runtime with the depth wanted"
+            )
         self._runtime = runtime
-        self._bind(parse_bytes(layer_bytes, "layer_bytes"))
+        for layer in plan:
+            runtime.add_layer(layer)
         groups = []
         for g in self.param_groups:
             pairs = []
@@ -224,6 +249,12 @@ class Adam(torch.optim.Optimizer):
             groups.append((pairs, self._hyper(g)))
         self._adam = _strata.Adam(runtime._rt, groups, 0)
         runtime._before_layer_done = self._prepare_layer
+        if self._owns_runtime:
+            self._log_choice(plan, how, policy, budget, depth_from)
+            if first.device.type == "cuda":
+                # Note [Blocks the bound tensors left]: binding moved the parameters and gradients
+                # into strata's pool; torch's caching allocator would keep the blocks they left.
+                torch.cuda.empty_cache()
         self._versions: dict = {}  # Note [Gradients changed after their layer stepped]
         self._accumulating = False
         self._spec_scale: Optional[torch.Tensor] = None
@@ -455,30 +486,87 @@ class Adam(torch.optim.Optimizer):
         coef = clip_coef(total, self._max_grad_norm)
         return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False
 
-    # Parameters not bound yet (not attached): one strata layer per param group, or layers of
-    # about layer_bytes (parameter bytes) in order; FSDP2 parameters (DTensors) one layer per
-    # fully_shard unit within each param group, in the order of the units' first parameters.
-    def _bind(self, layer_bytes: Optional[int]) -> None:
+    # Note [Layers without being told] in strata/layers.py: the layers of the parameters not bound
+    # yet (not attached). FSDP2 parameters (DTensors): one layer per fully_shard unit; layer_bytes
+    # given: runs of about that many parameter bytes in order; else plan_layers. Returns (layers,
+    # how they were found).
+    def _plan(self, params: list, layer_bytes: Optional[int], model, budget) -> tuple:
         units = fsdp_units() if layer_bytes is None else {}
-        for gi, g in enumerate(self.param_groups):
+        amsgrad = any(g["amsgrad"] for g in self.param_groups)
+        by_unit, rest = {}, []
+        for p in params:
+            named = (self._param_name[id(p)], p)
+            if is_dtensor(p) and id(p) in units:
+                by_unit.setdefault(units[id(p)], []).append(named)
+            else:
+                rest.append(named)
+        plan, how = list(by_unit.values()), ["FSDP2's fully_shard units"] if by_unit else []
+        if rest and layer_bytes is not None:
             pending, size = [], 0
-            by_unit = {}
-            for i, p in enumerate(g["params"]):
-                if self._runtime.is_bound(p) or not p.requires_grad:
-                    continue
-                name = f"group{gi}.param{i}"
-                if is_dtensor(p) and id(p) in units:
-                    by_unit.setdefault(units[id(p)], []).append((name, p))
-                    continue
-                pending.append((name, p))
-                size += p.numel() * p.element_size()
-                if layer_bytes is not None and size >= layer_bytes:
-                    self._runtime.add_layer(pending)
+            for named in rest:
+                pending.append(named)
+                size += named[1].numel() * named[1].element_size()
+                if size >= layer_bytes:
+                    plan.append(pending)
                     pending, size = [], 0
-            for named in by_unit.values():
-                self._runtime.add_layer(named)
             if pending:
-                self._runtime.add_layer(pending)
+                plan.append(pending)
+            how.append("layer_bytes")
+        elif rest:
+            more, found = plan_layers(rest, self._named, model, budget, 3, amsgrad)
+            plan += more
+            how.append(found)
+        return plan, " and ".join(how)
+
+    def _layer_state_bytes(self, layer: list) -> int:
+        amsgrad = any(g["amsgrad"] for g in self.param_groups)
+        return sum(state_bytes(p, amsgrad) for _, p in layer)
+
+    # Prefetch depth from the budget: 3 without one; with one, as many slots of the largest
+    # layer's states as fit beside the parameters and gradients strata keeps on the GPU, less one,
+    # between 1 and 3.
+    def _auto_depth(self, plan: list, budget: Optional[int]) -> int:
+        if budget is None or not plan:
+            return 3
+        slot = max(self._layer_state_bytes(layer) for layer in plan)
+        resident = sum(2 * local(p).numel() * local(p).element_size() for l in plan for _, p in l)
+        return max(1, min(3, (budget - resident) // max(slot, 1) - 1))
+
+    def _log_choice(self, plan: list, how: str, policy, budget, depth_from: str) -> None:
+        sizes = [self._layer_state_bytes(layer) for layer in plan]
+        total = max(sum(sizes), 1)
+        largest = max(sizes) if sizes else 0
+        source = (
+            "argument"
+            if policy
+            else "STRATA_POLICY"
+            if os.environ.get("STRATA_POLICY")
+            else "default"
+        )
+        rt = self._runtime
+        _log.info(
+            "strata.optim.%s: policy %s (%s), %d layers from %s, largest layer's states %.1f MiB "
+            "(%.0f%% of %.1f MiB), prefetch depth %d (%s), GPU budget %s, overlap %s",
+            self._name,
+            rt.policy,
+            source,
+            len(plan),
+            how or "the runtime's binding",
+            largest / 2**20,
+            100 * largest / total,
+            total / 2**20,
+            rt.prefetch_depth,
+            depth_from,
+            "none" if budget is None else f"{budget / 2**30:.2f} GiB",
+            rt.overlap,
+        )
+        if len(plan) and largest > total / 4 and total > (64 << 20):
+            warnings.warn(
+                f"strata.optim.{self._name}: one layer holds {100 * largest / total:.0f}% of the "
+                "optimizer states, and the staging ring keeps that much of them on the GPU; pass "
+                "model= or named_parameters() so that strata finds the blocks, or layer_bytes=",
+                stacklevel=3,
+            )
 
     def _hyper(self, g: dict) -> dict:
         return dict(
@@ -727,10 +815,13 @@ class AdamW(Adam):
     Args (strata's):
         policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None: STRATA_POLICY, else the default.
         gpu_budget: bytes or a size such as "8GiB" that strata may take on the GPU.
-        prefetch_depth: layers layer_prefetch brings ahead of use.
-        layer_bytes: parameters are grouped into strata layers in order: one layer per param
-            group when None, else layers of about this many parameter bytes (the unit
-            layer_prefetch streams).
+        prefetch_depth: layers layer_prefetch brings ahead of use; None: from the budget (3
+            without one, else as many as fit, 1 to 3).
+        layer_bytes: None (default): strata finds its layers (Note [Layers without being told]
+            in strata/layers.py): FSDP2's units, the blocks of `model` when given, the blocks in
+            the parameters' names when named_parameters() is passed, else runs of parameters
+            sized from the budget; else layers of about this many parameter bytes, in order.
+        model: the module the parameters come from, so that layers follow its blocks.
         runtime: a strata.Runtime to use (e.g. with the model attached) instead of one of the
             optimizer's own; policy, gpu_budget, prefetch_depth, overlap and undo_on_gpu then come
             from it.

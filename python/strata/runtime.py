@@ -29,6 +29,7 @@ import torch
 
 from . import _strata
 from .distributed import check_shardable, is_dtensor, local, make_grad, whole_storage
+from .layers import discover_layers
 
 _log = logging.getLogger("strata")
 
@@ -370,7 +371,47 @@ class Runtime:
         return self._rt.memory_stats()
 
     def memory_summary(self) -> str:
-        return self._rt.memory_summary()
+        """One table of the GPU's memory as torch, strata and the driver see it, then per layer and
+        role where strata's bytes are (GPU, staged in the ring, pinned or pageable host), then the
+        allocator's own per-tier statistics.
+
+        Note [What the budget counts]: gpu_budget bounds strata's GPU pools: whatever strata
+        binds and keeps on the GPU (parameters and gradients it does not stream, layers resident
+        for good, the staging ring, undo copies kept on the GPU). torch's own memory
+        (activations, its cache) is torch's and is not counted."""
+        gib = 2**30
+        lines = ["GPU memory (GiB)            current     peak"]
+        if torch.cuda.is_available() and not self.simulated:
+            dev = torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(dev)
+            lines.append(f"  driver: used of {total / gib:.1f}   {(total - free) / gib:8.2f}")
+            lines.append(
+                f"  torch allocated          {torch.cuda.memory_allocated(dev) / gib:8.2f} "
+                f"{torch.cuda.max_memory_allocated(dev) / gib:8.2f}"
+            )
+            lines.append(
+                f"  torch reserved           {torch.cuda.memory_reserved(dev) / gib:8.2f} "
+                f"{torch.cuda.max_memory_reserved(dev) / gib:8.2f}"
+            )
+        stats = self._rt.memory_stats()
+        for what in ("allocated", "reserved"):
+            cur = stats.get(f"gpu.{what}_bytes.current", 0) / gib
+            peak = stats.get(f"gpu.{what}_bytes.peak", 0) / gib
+            lines.append(f"  strata {what:<17} {cur:8.2f} {peak:8.2f}")
+        lines.append("")
+        lines.append("strata's tensors by layer and role (MiB): where their data is now")
+        table: dict = {}
+        for t in self._rt.tensors():
+            where = "staged" if t["staged"] else t["tier"]
+            row = table.setdefault((t["layer"], t["role"]), {})
+            row[where] = row.get(where, 0) + t["bytes"]
+        places = ["gpu", "staged", "pinned_host", "pageable_host"]
+        lines.append(f"  {'layer':>5} {'role':<16}" + "".join(f"{p:>14}" for p in places))
+        for (layer, role), row in sorted(table.items()):
+            cells = "".join(f"{row.get(p, 0) / 2**20:14.1f}" for p in places)
+            lines.append(f"  {layer:>5} {role:<16}{cells}")
+        lines.append("")
+        return "\n".join(lines) + self._rt.memory_summary()
 
     def leak_report(self) -> list:
         """What the allocator still holds: one dict (tier, bytes, owner) per live allocation."""
@@ -403,51 +444,6 @@ class Runtime:
         self._bound.clear()
         self._closed = True
         return self._rt.leak_report()
-
-
-def _count(module: torch.nn.Module, counted: set) -> int:
-    n = 0
-    for p in module.parameters():
-        if id(p) not in counted:
-            n += p.numel()
-    return n
-
-
-def discover_layers(model: torch.nn.Module, prefetch_depth: int = 1) -> list:
-    """(name, module) pairs that make good strata layers, in the model's order.
-
-    Note [Finding the blocks]: a layer is the unit a policy streams, so a layer must be small
-    beside the whole (a ring of prefetch_depth + 1 layers must fit where the whole does not) and
-    follow the model's blocks. From the model down: a ModuleList or ModuleDict is always opened
-    (its entries are the blocks, wherever it sits: model.layers, model.model.layers,
-    transformer.h), and so is any other child with children of its own that holds more than
-    1 / (prefetch_depth + 1) of the parameters (a wrapper such as Hugging Face's LlamaModel
-    inside LlamaForCausalLM). Everything else with parameters is a layer of its own: each block,
-    the embeddings, the final norm, the head. A parameter shared by two modules (tied embeddings)
-    belongs to the first. Parameters held directly by an opened module are left out here;
-    attach binds them as one last layer.
-    """
-    total = max(_count(model, set()), 1)
-    threshold = total / (prefetch_depth + 1)
-    counted: set = set()
-    out = []
-
-    def walk(module: torch.nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
-            full = f"{prefix}.{name}" if prefix else name
-            n = _count(child, counted)
-            if n == 0:
-                continue
-            has_children = any(True for _ in child.children())
-            container = isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict))
-            if has_children and (container or n > threshold):
-                walk(child, full)
-                continue
-            out.append((full, child))
-            counted.update(id(p) for p in child.parameters())
-
-    walk(model, "")
-    return out
 
 
 def _named_layers(model: torch.nn.Module, layers, prefetch_depth: int) -> list:

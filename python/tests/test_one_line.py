@@ -1,0 +1,128 @@
+"""The README's one line, strata.optim.AdamW(model.parameters()), on models shaped like users'
+(issue 37): strata finds its layers without being told (Note [Layers without being told] in
+strata/layers.py), says what it chose in one INFO line, and trains equal to torch.optim.AdamW,
+also when the states exceed what the GPU budget leaves beside the parameters."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import strata
+from models import assert_close, params_of
+from strata.layers import block_of, plan_layers, state_bytes
+
+
+class Blocks(torch.nn.Module):
+    """n MLP blocks in a ModuleList between an input and an output projection."""
+
+    def __init__(self, n=12, d=512, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(16, d)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, d), torch.nn.GELU())
+            for _ in range(n)
+        )
+        self.out = torch.nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.out(h)
+
+
+def data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def train(model, opt, steps=4):
+    for step in range(steps):
+        x, y = data(step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return params_of(model)
+
+
+def reference(steps=4):
+    model = Blocks()
+    return train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False), steps)
+
+
+@pytest.mark.parametrize("how", ["parameters", "named_parameters", "model"])
+def test_the_one_line_trains_equal_to_torch_with_states_over_the_budget(how, caplog):
+    model = Blocks()
+    params = sum(p.numel() for p in model.parameters()) * 4
+    budget = 40 << 20
+    # The states (8 bytes a parameter) exceed what the budget leaves beside the parameters and
+    # gradients strata keeps on the GPU: they must stream.
+    assert 2 * params > budget - 2 * params
+    args = {
+        "parameters": (model.parameters(),),
+        "named_parameters": (model.named_parameters(),),
+        "model": (model.parameters(),),
+    }[how]
+    kw = {"model": model} if how == "model" else {}
+    with caplog.at_level(logging.INFO, logger="strata"):
+        opt = strata.optim.AdamW(*args, lr=1e-3, gpu_budget=budget, **kw)
+    line = [r.getMessage() for r in caplog.records if "strata.optim.AdamW: policy" in r.message]
+    assert len(line) == 1, caplog.text
+    assert "policy layer_prefetch (default)" in line[0] and "GPU budget 0.04 GiB" in line[0]
+    want = {
+        "parameters": "runs of parameters",
+        "named_parameters": "the parameters' names",
+        "model": "the module tree",
+    }[how]
+    assert want in line[0]
+    assert opt.runtime.num_layers >= 4  # never one layer of the whole model
+    assert_close(train(model, opt), reference(), rel=1e-5)
+    assert opt.close() == []
+
+
+def test_layers_follow_the_blocks_by_name_and_by_module():
+    model = Blocks(n=6)  # each block under 1 / (depth + 1) of the whole: not opened
+    named = list(model.named_parameters())
+    layers, how = plan_layers(named, True)
+    assert how == "the parameters' names"
+    assert [sorted({block_of(n) for n, _ in layer}) for layer in layers] == [
+        ["inp"],
+        ["blocks.0"],
+        ["blocks.1"],
+        ["blocks.2"],
+        ["blocks.3"],
+        ["blocks.4"],
+        ["blocks.5"],
+        ["out"],
+    ]
+    by_module, how = plan_layers(named, False, model=model)
+    assert how == "the module tree"
+    assert [[n for n, _ in layer] for layer in by_module] == [
+        [n for n, _ in layer] for layer in layers
+    ]
+    assert block_of("model.layers.3.mlp.up_proj.weight") == "model.layers.3"
+    assert block_of("lm_head.weight") == "lm_head"
+
+
+def test_runs_of_parameters_are_sized_from_the_budget_and_never_split_a_parameter():
+    params = [
+        (f"p{i}", torch.nn.Parameter(torch.zeros(1 << 20))) for i in range(24)
+    ]  # 8 MiB states each
+    total = sum(state_bytes(p) for _, p in params)
+    layers, how = plan_layers(params, False, budget=128 << 20, prefetch_depth=3)
+    assert "MiB of states each" in how
+    assert [p for layer in layers for _, p in layer] == [p for _, p in params]
+    assert max(sum(state_bytes(p) for _, p in layer) for layer in layers) <= total / 4
+    assert len(layers) >= 8
+
+
+def test_a_layer_with_most_of_the_states_is_warned_about():
+    big = [torch.nn.Parameter(torch.zeros(12 << 20))] + [
+        torch.nn.Parameter(torch.zeros(1 << 20)) for _ in range(4)
+    ]
+    with pytest.warns(UserWarning, match="one layer holds"):
+        opt = strata.optim.AdamW(big, layer_bytes=1 << 30)
+    opt.close()
