@@ -17,6 +17,9 @@ apt-get download libabsl-dev libabsl20220623 libgtest-dev libgmock-dev libbenchm
 ls -la
 cd ../..
 python3 -m pip download -q -d .deps/wheels pytest tqdm
+# torchao for bench/users_script.py's CPUOffloadOptimizer peer (the GPU machine's Python 3.12).
+python3 -m pip download -q --no-deps -d .deps/wheels --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 torchao
 # numpy for torch.distributed.checkpoint, built for the GPU machine's Python 3.12.
 python3 -m pip download -q -d .deps/wheels --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 numpy

@@ -1,0 +1,294 @@
+"""A user's own training script, timed with strata and its peers (issue 37), on one GPU.
+
+The script is what a PyTorch user writes, not strata-train: a plain model whose blocks sit in an
+nn.ModuleList (LayerNorm, Linear(d, 4d), GELU, Linear(4d, d), a residual; 28 blocks of d=2048 are
+0.94 B parameters), float32 parameters under bfloat16 autocast, clip_grad_norm_(1.0), AdamW, and
+zero_grad() after every step. The approaches (--approaches, all by default):
+
+  resident        torch.optim.AdamW(fused=True), every state on the GPU
+  torchao         torchao's CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True): fused CPU
+                  AdamW, gradients copied to the host during backward (its default keeps the GPU
+                  gradients too; its step does not see clip_grad_norm_, which acts on the GPU's)
+  strata          strata.optim.AdamW(model.parameters()): the README's one line, defaults only
+  strata_tuned    strata.optim.AdamW(model.parameters(), model=model, prefetch_depth=3,
+                  overlap="backward", max_grad_norm=1.0): the step inside backward, clipping
+                  in the optimizer
+  fsdp2           FSDP2 on one GPU (fully_shard per block, bfloat16 MixedPrecisionPolicy),
+                  torch.optim.AdamW(fused=True), every state on the GPU
+  fsdp2_offload   the same with CPUOffloadPolicy(pin_memory=True): fused CPU AdamW
+  fsdp2_strata    the same FSDP2 model with strata.optim.AdamW(model.parameters())
+
+Each run is a process of its own, so that its device peak is its own: cudaMemGetInfo polled every
+5 ms by a thread (the driver's view, torch's and strata's included), beside torch's
+max_memory_reserved. The driver runs the approaches in rounds, interleaved (A B C ... A B C ...),
+and reports per approach the median step time over the rounds, min and max, the ratio to the
+resident run of the same batch, and the device peak.
+
+    python3 bench/users_script.py --batches 8 32 --rounds 2 --json out.json
+    python3 bench/users_script.py --one strata --batch 8            # one run, JSON on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+APPROACHES = [
+    "resident",
+    "torchao",
+    "strata",
+    "strata_tuned",
+    "fsdp2",
+    "fsdp2_offload",
+    "fsdp2_strata",
+]
+
+
+def build_model(args, torch):
+    class Block(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(d)
+            self.up = torch.nn.Linear(d, 4 * d)
+            self.down = torch.nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    class Model(torch.nn.Module):
+        def __init__(self, d, n):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+            self.head = torch.nn.Linear(d, d)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return Model(args.d_model, args.blocks)
+
+
+class Poller:
+    """The device's used memory as the driver sees it, polled every 5 ms."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.peak = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def used(self):
+        free, total = self.torch.cuda.mem_get_info()
+        return total - free
+
+    def run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.used())
+            time.sleep(0.005)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.used())
+
+
+def one_run(args):
+    import torch
+
+    torch.cuda.init()
+    base = torch.cuda.mem_get_info()
+    base_used = base[1] - base[0]
+    fsdp = args.one.startswith("fsdp2")
+    if fsdp:
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    with Poller(torch) as poll:
+        model = build_model(args, torch)
+        clip_in_loop = True
+        autocast = not fsdp
+        if fsdp:
+            from torch.distributed.fsdp import (
+                CPUOffloadPolicy,
+                MixedPrecisionPolicy,
+                fully_shard,
+            )
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            kw = {"mp_policy": mp}
+            if args.one == "fsdp2_offload":
+                kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+            for b in model.blocks:
+                fully_shard(b, **kw)
+            fully_shard(model, **kw)
+        if args.one in ("resident", "fsdp2", "fsdp2_offload"):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        elif args.one == "torchao":
+            from torchao.optim import CPUOffloadOptimizer
+
+            opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
+        elif args.one in ("strata", "fsdp2_strata"):
+            import strata
+
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4)
+        elif args.one == "strata_tuned":
+            import strata
+
+            opt = strata.optim.AdamW(
+                model.parameters(),
+                lr=1e-4,
+                model=model,
+                prefetch_depth=3,
+                overlap="backward",
+                max_grad_norm=1.0,
+            )
+            clip_in_loop = False
+        else:
+            raise SystemExit(f"unknown approach {args.one}")
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(args.batch, args.seq, args.d_model, device="cuda", generator=g)
+        y = torch.randn(args.batch, args.seq, args.d_model, device="cuda", generator=g)
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                out = model(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+            loss.backward()
+            if clip_in_loop:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        t_first = time.perf_counter()
+        losses = [step()]
+        torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - t_first) * 1e3
+        for _ in range(args.warmup - 1):
+            losses.append(step())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            losses.append(step())
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    out = {
+        "approach": args.one,
+        "batch": args.batch,
+        "ms_per_step": ms,
+        "first_step_ms": first_ms,
+        "device_peak_gib": poll.peak / 2**30,
+        "device_base_gib": base_used / 2**30,
+        "torch_max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "losses": [float(v) for v in losses],
+        "gpu": torch.cuda.get_device_name(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    if args.one.startswith("strata") or args.one == "fsdp2_strata":
+        stats = opt.runtime.memory_stats()
+        out["strata_gpu_reserved_peak_gib"] = stats.get("gpu.reserved_bytes.peak", 0) / 2**30
+        out["strata_layers"] = opt.runtime.num_layers
+        out["prefetch_depth"] = opt.runtime.prefetch_depth
+        opt.close()
+    print("RESULT " + json.dumps(out), flush=True)
+    if fsdp:
+        torch.distributed.destroy_process_group()
+
+
+def driver(args):
+    results = []
+    for r in range(args.rounds):
+        for batch in args.batches:
+            for approach in args.approaches:
+                cmd = [sys.executable, __file__, "--one", approach, "--batch", str(batch)]
+                cmd += ["--d_model", str(args.d_model), "--blocks", str(args.blocks)]
+                cmd += ["--seq", str(args.seq), "--steps", str(args.steps)]
+                cmd += ["--warmup", str(args.warmup)]
+                t0 = time.time()
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+                if p.returncode != 0 or not line:
+                    err = (p.stderr or p.stdout).strip().splitlines()[-3:]
+                    print(f"round {r} b{batch} {approach}: FAILED ({' | '.join(err)})", flush=True)
+                    results.append({"approach": approach, "batch": batch, "error": err})
+                    continue
+                res = json.loads(line[-1][len("RESULT ") :])
+                res["round"] = r
+                results.append(res)
+                print(
+                    f"round {r} b{batch} {approach:<14} {res['ms_per_step']:8.1f} ms  "
+                    f"peak {res['device_peak_gib']:6.2f} GiB  ({time.time() - t0:.0f} s)",
+                    flush=True,
+                )
+    table = summarize(results, args)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "table": table, "args": vars(args)}, f, indent=1)
+
+
+def summarize(results, args):
+    lines = [
+        f"{'approach':<14} {'batch':>5} {'median ms':>10} {'min':>8} {'max':>8} "
+        f"{'x resident':>10} {'peak GiB':>9}"
+    ]
+    for batch in args.batches:
+        ok = [r for r in results if r.get("batch") == batch and "error" not in r]
+        ref = {
+            a: statistics.median([r["ms_per_step"] for r in ok if r["approach"] == a] or [0])
+            for a in ("resident", "fsdp2")
+        }
+        for approach in args.approaches:
+            runs = [r for r in ok if r["approach"] == approach]
+            if not runs:
+                lines.append(f"{approach:<14} {batch:>5}   failed")
+                continue
+            ms = [r["ms_per_step"] for r in runs]
+            base = ref["fsdp2" if approach.startswith("fsdp2") else "resident"]
+            peak = max(r["device_peak_gib"] for r in runs)
+            ratio = statistics.median(ms) / base if base else float("nan")
+            lines.append(
+                f"{approach:<14} {batch:>5} {statistics.median(ms):10.1f} {min(ms):8.1f} "
+                f"{max(ms):8.1f} {ratio:10.2f} {peak:9.2f}"
+            )
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--one", default=None, help="run one approach in this process")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--approaches", nargs="+", default=APPROACHES)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--d_model", type=int, default=2048)
+    ap.add_argument("--blocks", type=int, default=28)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.one:
+        one_run(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()
