@@ -251,10 +251,6 @@ class Adam(torch.optim.Optimizer):
         runtime._before_layer_done = self._prepare_layer
         if self._owns_runtime:
             self._log_choice(plan, how, policy, budget, depth_from)
-            if first.device.type == "cuda":
-                # Note [Blocks the bound tensors left]: binding moved the parameters and gradients
-                # into strata's pool; torch's caching allocator would keep the blocks they left.
-                torch.cuda.empty_cache()
         self._versions: dict = {}  # Note [Gradients changed after their layer stepped]
         self._accumulating = False
         self._spec_scale: Optional[torch.Tensor] = None
@@ -266,8 +262,10 @@ class Adam(torch.optim.Optimizer):
         self.steps_redone = 0
         self._grad_hooks: list = []
         self._closed = False
+        self._speculating = False  # Note [When to step in backward]
+        self._spec_wait, self._spec_backoff = 0, 0
         if runtime.overlap == "backward":
-            self._adam.set_step_in_backward(True)
+            self._set_speculating(True)
             if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
                 self._hook_gradients()
 
@@ -383,12 +381,44 @@ class Adam(torch.optim.Optimizer):
             yield
             return
         self._accumulating = True
-        self._adam.set_step_in_backward(False)
+        speculating = self._speculating
+        self._set_speculating(False)
         try:
             yield
         finally:
             self._accumulating = False
-            self._adam.set_step_in_backward(True)
+            self._set_speculating(speculating)
+
+    def _set_speculating(self, on: bool) -> None:
+        self._speculating = on
+        self._adam.set_step_in_backward(on)
+
+    # Note [When to step in backward]: a step taken in backward and then redone (clipping fired,
+    # inf was found, the loop changed a gradient) costs more than the step after backward: the
+    # work in backward, the roll-back, and the whole step again. Early in training, or with a
+    # tight max_grad_norm, clipping fires at every step, and stepping in backward would make
+    # every step slower. So after a step is redone, the next steps are taken after backward (1,
+    # then 2, 4, ... up to 64 after redone tries in a row), then stepping in backward is tried
+    # again; a try that holds resets the wait. last_step_outcome says what each step was.
+    def _adapt_speculation(self) -> None:
+        if self._spec_wait > 0:  # this step was taken after backward by choice
+            self._spec_wait -= 1
+            if self._spec_wait == 0:
+                self._set_speculating(True)
+            return
+        if self.last_step_outcome == "redone":
+            if self._spec_backoff == 0:
+                _log.info(
+                    "strata.optim.%s: a step taken in backward was redone (clipping fired, inf "
+                    "was found, or the loop changed a gradient); the next steps run after backward "
+                    "for a while (Note [When to step in backward])",
+                    self._name,
+                )
+            self._spec_backoff = min(2 * self._spec_backoff, 64) if self._spec_backoff else 1
+            self._spec_wait = self._spec_backoff
+            self._set_speculating(False)
+        elif self.last_step_outcome == "speculation":
+            self._spec_backoff = 0
 
     # Note [Stepping in backward under FSDP2]: a layer is done once every parameter of it has had
     # its post-accumulate-grad hook this step.
@@ -639,6 +669,8 @@ class Adam(torch.optim.Optimizer):
         self._versions = {}
         if self._grad_hooks:
             self._layer_seen = {}
+        if self._runtime.overlap == "backward":
+            self._adapt_speculation()
         if self._runtime.overlap == "backward" and grad_scale is not None:
             # The next step's layers stepped in backward divide by this scale; it holds unless
             # GradScaler.update changes it (Note [GradScaler]).

@@ -235,6 +235,13 @@ class Runtime:
         self._layer_grads.append(grads)
         self._layer_params.append(params)
         self._layer_users.append(users)
+        # Note [Blocks the bound tensors left]: binding copies each tensor into strata's pool, and
+        # torch's caching allocator keeps the block it left (the parameter's, and the zeroed
+        # gradient's made for it). Given back layer by layer, the device never holds the model
+        # twice: binding a model whose parameters and gradients fill half the GPU would otherwise
+        # need all of it, and torch would keep them after.
+        if any(t.is_cuda for t in params) and not self.simulated:
+            torch.cuda.empty_cache()
         self._rt.set_layers(self._layer_params, self._layer_grads)
         return layer
 
