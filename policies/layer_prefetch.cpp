@@ -549,11 +549,13 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   std::vector<int> staged_;          // layers this policy staged, oldest first
   std::size_t next_ = 0;             // next layer to stage in the current phase
   std::size_t slots_ = 1;            // slots of the ring
-  std::size_t slots_cap_;            // most slots the budget leaves room for (Note [Ring under...])
+  // The most slots the budget leaves room for (See Note [Ring under a budget]).
+  std::size_t slots_cap_;
   bool in_forward_ = false;
   bool in_backward_ = false;
   enum class BackwardState { kPending, kBegun, kDone };
-  std::vector<BackwardState> backward_state_;  // per backward_ position (Note [Backward out...])
+  // Per backward_ position (See Note [Backward out of order]).
+  std::vector<BackwardState> backward_state_;
   struct Held {
     int layer;
     RoleSet roles;
