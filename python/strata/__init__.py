@@ -24,9 +24,32 @@ layer over it. Two ways in:
     loss_value, = strata.read_scalars(loss)
 """
 
-from . import distributed, optim
-from .runtime import Runtime, attach, parse_bytes
-from .scalars import read_scalars
+__version__ = "0.3.0"  # the one version: CMakeLists.txt and pyproject.toml read it from here
+
+
+def _check_torch():
+    # The extension links LibTorch and torch_python of the torch it was built against; another
+    # torch fails to load it with a loader error, so say what is wrong first.
+    try:
+        from ._build_info import TORCH_VERSION
+    except ImportError:  # a tree not built by CMake's install (tests run from the source tree)
+        return
+    import torch
+
+    have = torch.__version__.split("+")[0]
+    if have != TORCH_VERSION.split("+")[0]:
+        raise ImportError(
+            f"strata {__version__} was built against torch {TORCH_VERSION}, but torch {have} is "
+            "installed; reinstall strata against this torch (pip install --no-build-isolation "
+            "--force-reinstall strata-tiering, or from its source tree), or install torch "
+            f"{TORCH_VERSION}"
+        )
+
+
+_check_torch()
+
+from . import distributed, optim  # noqa: E402
+from .runtime import Runtime, attach, parse_bytes  # noqa: E402
+from .scalars import read_scalars  # noqa: E402
 
 __all__ = ["Runtime", "attach", "distributed", "optim", "parse_bytes", "read_scalars"]
-__version__ = "0.2.0"
