@@ -188,12 +188,18 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
     STRATA_RETURN_IF_ERROR(check_hyper(adam->groups_[g].hyper, g));
     for (auto [param, grad] : adam->groups_[g].params) {
       STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime.info(param));
-      if (!grad.valid()) {
+      if (!grad.valid() && !adam->options_.gradients_given) {
         return absl::InvalidArgumentError(
             str_cat("Adam: parameter '", p.spec.name, "' has no gradient"));
       }
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo d, runtime.info(grad));
       STRATA_RETURN_IF_ERROR(check_tensor(p, rt::Role::kParameter, "parameter"));
+      // Note [Gradients given at each step]: the gradient is memory the caller owns.
+      rt::TensorInfo d = p;
+      d.bytes = 0;
+      d.spec.role = rt::Role::kGradient;
+      if (grad.valid()) {
+        STRATA_ASSIGN_OR_RETURN(d, runtime.info(grad));
+      }
       STRATA_RETURN_IF_ERROR(check_tensor(d, rt::Role::kGradient, "gradient"));
       if (d.spec.dtype != p.spec.dtype && d.spec.dtype != rt::DType::kFloat32) {
         return absl::InvalidArgumentError(
@@ -223,7 +229,9 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
     for (auto [param, grad] : adam->groups_[g].params) {
       rt::TensorInfo p = *runtime.info(param);
-      const rt::TensorInfo d = *runtime.info(grad);
+      rt::TensorInfo d = p;
+      d.spec.name = str_cat(p.spec.name, ".grad");
+      if (grad.valid()) d = *runtime.info(grad);
       Slot slot;
       slot.param = param;
       slot.grad = grad;
@@ -351,6 +359,43 @@ absl::StatusOr<std::vector<rt::TensorHandle>> Adam::state(rt::TensorHandle param
   return absl::NotFoundError("Adam: no state for that parameter");
 }
 
+absl::Status Adam::set_gradient(rt::TensorHandle param, const void* data, ElemType type) {
+  STRATA_ASSIGN_OR_RETURN(const std::size_t i, slot_of(param));
+  Slot& s = slots_[i];
+  if (s.grad.valid()) {
+    return absl::FailedPreconditionError(
+        str_cat("Adam: parameter '", s.param_name,
+                "' has a registered gradient; set_gradient is for "
+                "parameters listed without one (Note [Gradients given at each step])"));
+  }
+  if (data == nullptr) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: set_gradient of parameter '", s.param_name, "' with no data"));
+  }
+  if (type != s.param_type && type != ElemType::kF32) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: the gradient of parameter '", s.param_name,
+                "' is in another low-precision dtype than the parameter; a gradient is in its "
+                "parameter's dtype or float32"));
+  }
+  s.given_grad = data;
+  s.grad_type = type;
+  return absl::OkStatus();
+}
+
+absl::Status Adam::check_gradients_given(const std::vector<std::size_t>& slots) const {
+  for (std::size_t i : slots) {
+    const Slot& s = slots_[i];
+    if (!s.grad.valid() && s.given_grad == nullptr && !skip_[i]) {
+      return absl::FailedPreconditionError(
+          str_cat("Adam: parameter '", s.param_name, "' (layer ", s.layer,
+                  ") has no gradient for this step: give it with set_gradient, or name it to "
+                  "skip_parameters (Note [Gradients given at each step])"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Adam::check_can_step() {
   // The handles were checked, and nothing was unregistered since: all still there.
   const std::uint64_t unregistrations = runtime_.unregistrations();
@@ -377,13 +422,23 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   }
   overlapped_.clear();
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  std::fill(skip_.begin(), skip_.end(), false);  // Note [Per-parameter steps]
+  end_step_lists();  // Note [Per-parameter steps]
   return absl::OkStatus();
 }
 
 absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, bool new_step) {
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(check_can_step());
+  if (options_.gradients_given) {
+    // The layers this call steps (not those stepped in backward) have their gradients.
+    std::vector<std::size_t> stepping;
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      if (std::find(overlapped_.begin(), overlapped_.end(), slots_[i].layer) == overlapped_.end()) {
+        stepping.push_back(i);
+      }
+    }
+    STRATA_RETURN_IF_ERROR(check_gradients_given(stepping));
+  }
   if (new_step) last_step_.clear();
   const std::size_t stepped_before = last_step_.size();
   if (absl::Status begin = rt.begin_optimizer_step(); !begin.ok()) {
@@ -534,6 +589,7 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
           held.push_back(hs[k]);
           ptrs[k] = *p;
         }
+        if (!hs[1].valid()) ptrs[1] = const_cast<void*>(s->given_grad);  // checked before
         const AdamTensor t = kernel_tensor(index, ptrs);
         if (pipelined) {
           STRATA_RETURN_IF_ERROR(launch({t}, {index}, s->group, grad_scale, found_inf));

@@ -72,6 +72,15 @@ struct ParamGroup {
 
 struct AdamOptions {
   std::vector<ParamGroup> groups;
+  // Note [Gradients given at each step]: with this on, a parameter listed with an invalid
+  // gradient handle takes its gradient from set_gradient at each step (memory the caller owns)
+  // instead of a registered tensor. Gradients that no policy moves need not live in strata's pool:
+  // torch frees them at zero_grad() and makes the next ones during backward in memory the
+  // activations leave, while a gradient bound in strata's pool holds its bytes for the whole run
+  // and cannot share them (bench/results/2026-11-25-H100-users-script traces what that costs).
+  // The kernel then reads the gradient where autograd put it. Off: every parameter needs a
+  // registered gradient.
+  bool gradients_given = false;
   // Host threads of the CPU kernel (simulated device).
   int cpu_threads = 8;
 };
@@ -150,7 +159,19 @@ class Adam {
   // redone, skips the same ones; clear_skipped forgets it (a step abandoned). kNotFound, and
   // nothing changes, for a handle that is not one of the optimizer's parameters.
   [[nodiscard]] absl::Status skip_parameters(const std::vector<rt::TensorHandle>& params);
-  void clear_skipped() { std::fill(skip_.begin(), skip_.end(), false); }
+  void clear_skipped() {
+    std::fill(skip_.begin(), skip_.end(), false);
+    for (Slot& s : slots_) s.given_grad = nullptr;
+  }
+
+  // Note [Gradients given at each step]. Where the gradient of `param` (one listed without a
+  // registered gradient) is for the step about to run, or for its layer's step_layer: `data` on
+  // the GPU (host memory on the simulated device), `type` the parameter's or float32, contiguous,
+  // as many elements as the parameter, alive and unchanged until the step's kernels have run (on
+  // the compute stream's order). Kept until the step completes, as skip_parameters' list.
+  // kNotFound for a handle that is not a parameter; kFailedPrecondition for one whose gradient is
+  // registered; kInvalidArgument for a null pointer or another low-precision type.
+  [[nodiscard]] absl::Status set_gradient(rt::TensorHandle param, const void* data, ElemType type);
   bool skipped_this_step(rt::TensorHandle param) const;
 
   [[nodiscard]] absl::Status set_lr(std::size_t group, double lr);
@@ -195,6 +216,8 @@ class Adam {
     std::string param_name, grad_name;  // for messages: handles outlive their tensors
     // Steps queued for this parameter, skipped ones included (Note [Per-parameter steps]).
     std::int64_t steps = 0;
+    // Note [Gradients given at each step]: this step's gradient, when grad is not registered.
+    const void* given_grad = nullptr;
     // The optimizer's state tensors of this parameter, valid or not, in checkpoint order.
     std::array<rt::TensorHandle, 4> states() const {
       return {exp_avg, exp_avg_sq, max_exp_avg_sq, master};
@@ -224,6 +247,11 @@ class Adam {
   static absl::Status check_hyper(const AdamHyper& h, std::size_t group);
   // The checks step() makes before it changes anything.
   absl::Status check_can_step();
+  // Every parameter of `slots` that takes part in the step has its gradient (registered or
+  // given); the error names the first that has none.
+  absl::Status check_gradients_given(const std::vector<std::size_t>& slots) const;
+  // The lists kept for one step (skipped parameters, given gradients), forgotten once it completes.
+  void end_step_lists() { clear_skipped(); }
   // The layer loop of step(): what it holds when it fails and the layer it was on (Note [A failed
   // step] in adam.cpp); the parameters it stepped go to last_step_.
   absl::Status step_layers(const float* grad_scale, const float* found_inf,

@@ -51,6 +51,7 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   // Acquiring a tensor that rests on the host would move it into the GPU's main pool for good:
   // such a layer is stepped after backward, where the policy streams it.
   if (!layer_on_gpu(layer)) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(check_gradients_given(it->second));
   // Note [Resting layers], below. Without undo_on_gpu such a layer's undo could only cross the
   // link, so it waits for finish_step without being acquired.
   rt.staged_tensors(layer, arrived_);
@@ -94,6 +95,8 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
       if (kept.code() == absl::StatusCode::kResourceExhausted) return give_back(absl::OkStatus());
       if (!kept.ok()) return give_back(kept);
     }
+    // See Note [Gradients given at each step] in adam.h.
+    if (!hs[1].valid()) ptrs[1] = const_cast<void*>(s.given_grad);
     per_group[s.group].push_back(kernel_tensor(index, ptrs));
     slots_of_group[s.group].push_back(index);
   }
@@ -196,7 +199,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
                                                rest.message()));
     }
     overlap_open_ = false;
-    std::fill(skip_.begin(), skip_.end(), false);  // Note [Per-parameter steps]
+    end_step_lists();  // Note [Per-parameter steps]
     return StepOutcome::kSpeculation;
   }
   absl::Status back = roll_back();
@@ -210,7 +213,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   // Rolled back: as if step_layer had never run, and step() takes the step (a failure there
   // leaves it untaken, to be retried with step()).
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  std::fill(skip_.begin(), skip_.end(), false);  // Note [Per-parameter steps]
+  end_step_lists();  // Note [Per-parameter steps]
   return StepOutcome::kRedone;
 }
 

@@ -236,7 +236,9 @@ optim::AdamHyper hyper_of(const py::dict& h) {
 // optim::Adam over bound parameters and gradients; keeps its runtime alive.
 class Adam {
  public:
-  using Group = std::pair<std::vector<std::pair<torch::Tensor, torch::Tensor>>, py::dict>;
+  // A gradient of None: given at each step (Note [Gradients given at each step] in optim/adam.h).
+  using Group =
+      std::pair<std::vector<std::pair<torch::Tensor, std::optional<torch::Tensor>>>, py::dict>;
 
   Adam(std::shared_ptr<Runtime> runtime, const std::vector<Group>& groups, int cpu_threads)
       : runtime_(std::move(runtime)) {
@@ -246,7 +248,9 @@ class Adam {
       optim::ParamGroup g;
       g.hyper = hyper_of(hyper);
       for (const auto& [p, grad] : params) {
-        g.params.push_back({runtime_->binding().handle(p), runtime_->binding().handle(grad)});
+        const rt::TensorHandle gh = grad ? runtime_->binding().handle(*grad) : rt::TensorHandle();
+        o.gradients_given = o.gradients_given || !grad;
+        g.params.push_back({runtime_->binding().handle(p), gh});
       }
       o.groups.push_back(std::move(g));
     }
@@ -288,6 +292,25 @@ class Adam {
     bridge::check(adam_->skip_parameters(handles));
   }
   void clear_skipped() { adam_->clear_skipped(); }
+  // Note [Gradients given at each step]: (bound parameter, its gradient as autograd made it).
+  void set_gradients(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& grads) {
+    for (const auto& [p, g] : grads) {
+      if (!g.is_contiguous() || g.numel() != p.numel() || g.device() != p.device()) {
+        bridge::check(absl::InvalidArgumentError(
+            "a gradient given to the step must be contiguous, on its parameter's device, with "
+            "as many elements"));
+      }
+      optim::ElemType type = optim::ElemType::kF32;
+      if (g.scalar_type() == torch::kBFloat16) {
+        type = optim::ElemType::kBF16;
+      } else if (g.scalar_type() == torch::kHalf) {
+        type = optim::ElemType::kF16;
+      } else if (g.scalar_type() != torch::kFloat) {
+        bridge::check(absl::InvalidArgumentError("a gradient is float32, bfloat16 or float16"));
+      }
+      bridge::check(adam_->set_gradient(runtime_->binding().handle(p), g.data_ptr(), type));
+    }
+  }
   std::int64_t step_count_of(const torch::Tensor& param) const {
     return bridge::unwrap(adam_->step_count_of(runtime_->binding().handle(param)));
   }
@@ -555,6 +578,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("set_step_count_of", &Adam::set_step_count_of)
       .def("skip_parameters", &Adam::skip_parameters)
       .def("clear_skipped", &Adam::clear_skipped)
+      .def("set_gradients", &Adam::set_gradients)
       .def("set_speculative_scale", &Adam::set_speculative_scale)
       .def("read_state", &Adam::read_state)
       .def("write_state", &Adam::write_state)

@@ -239,6 +239,9 @@ class Adam(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 param_t, grad_t = runtime.bound_tensors(p)
+                if grad_t is None and id(p) in runtime._given:
+                    pairs.append((param_t, None))  # Note [Gradients given at each step]
+                    continue
                 if grad_t is None:
                     raise ValueError(
                         f"strata.optim.{self._name}: {self._param_name[id(p)]} requires grad "
@@ -311,6 +314,7 @@ class Adam(torch.optim.Optimizer):
                 skipped.append(self._runtime.bound_tensors(p)[0])
         if skipped:
             self._adam.skip_parameters(skipped)
+        self._give_gradients(self._runtime._layer_users[layer])
 
     # Each group's hyperparameters as they are now (an LR scheduler's changes included); whether
     # any changed. A step taken in backward read them when it began: one that changed since is
@@ -364,6 +368,22 @@ class Adam(torch.optim.Optimizer):
                         "but it has a gradient now; make the optimizer after unfreezing it, or "
                         "set its .grad to None"
                     )
+
+    # Note [Gradients given at each step] in optim/adam.h: the gradients strata does not bind are
+    # read where autograd put them; each step is told where. They stay alive until the kernels
+    # have run: they are p.grad until the loop's zero_grad, which comes after step(), and torch
+    # reuses their memory only on its stream, where strata's kernels run (or join) first.
+    def _give_gradients(self, params) -> None:
+        given = self._runtime._given
+        pairs = []
+        for p in params:
+            if id(p) not in given or id(p) not in self._trainable_ids or p.grad is None:
+                continue
+            g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            self._keep_alive += (g,)
+            pairs.append((self._runtime.bound_tensors(p)[0], g))
+        if pairs:
+            self._adam.set_gradients(pairs)
 
     @contextlib.contextmanager
     def accumulate(self):
@@ -553,13 +573,18 @@ class Adam(torch.optim.Optimizer):
         return sum(state_bytes(p, amsgrad) for _, p in layer)
 
     # Prefetch depth from the budget: 3 without one; with one, as many slots of the largest
-    # layer's states as fit beside the parameters and gradients strata keeps on the GPU, less one,
-    # between 1 and 3.
+    # layer's states as fit beside the parameters (and FSDP2's gradients) strata keeps on the GPU,
+    # less one, between 1 and 3. Other gradients stay torch's (Note [Gradients given at each
+    # step]).
     def _auto_depth(self, plan: list, budget: Optional[int]) -> int:
         if budget is None or not plan:
             return 3
         slot = max(self._layer_state_bytes(layer) for layer in plan)
-        resident = sum(2 * local(p).numel() * local(p).element_size() for l in plan for _, p in l)
+        resident = sum(
+            (2 if is_dtensor(p) else 1) * local(p).numel() * local(p).element_size()
+            for layer in plan
+            for _, p in layer
+        )
         return max(1, min(3, (budget - resident) // max(slot, 1) - 1))
 
     def _log_choice(self, plan: list, how: str, policy, budget, depth_from: str) -> None:
@@ -648,6 +673,7 @@ class Adam(torch.optim.Optimizer):
         skipped = self._take_gradients()
         if skipped:
             self._adam.skip_parameters(skipped)
+        self._give_gradients(self._trainable)
         rt.finish_backward()
         taken_back = False
         if changed:
@@ -660,12 +686,13 @@ class Adam(torch.optim.Optimizer):
             if clip_scale is not None:
                 scale = clip_scale if grad_scale is None else (grad_scale * clip_scale).reshape(())
         # What the kernels read stays alive until they have run (the next step).
-        self._keep_alive = (grad_scale, found_inf, scale)
+        self._keep_alive += (grad_scale, found_inf, scale)
         self.last_step_outcome = self._adam.finish_step(scale, found_inf)
         if taken_back:
             self.last_step_outcome = "redone"
         self.steps_redone += self.last_step_outcome == "redone"
         rt.end_step()
+        self._keep_alive = (grad_scale, found_inf, scale)
         self._versions = {}
         if self._grad_hooks:
             self._layer_seen = {}

@@ -136,6 +136,8 @@ class Runtime:
         self._grad_obj: dict = {}
         # id(DTensor parameter) -> its gradient's version when zero_grad zeroed it in place
         self._zeroed: dict = {}
+        # id(parameter) of those whose gradient is not bound: Note [Gradients given at each step]
+        self._given: set = set()
         # Called with a layer's index just before the runtime's after_backward of it (the
         # optimizer's check of that layer's gradients).
         self._before_layer_done = None
@@ -187,8 +189,10 @@ class Runtime:
     def add_layer(self, named_params: Sequence) -> int:
         """Binds (name, parameter) pairs as one new layer, with their gradients (made zero where
         a parameter has none); returns the layer's index. Parameters already bound are skipped; a
-        frozen parameter (requires_grad=False) is bound without a gradient. A DTensor parameter
-        (FSDP2) binds this rank's shard (Note [Binding an FSDP2 shard] in
+        frozen parameter (requires_grad=False) is bound without a gradient, and so is any
+        parameter when the policy does not move gradients: the optimizer then reads each step's
+        gradient where autograd put it (Note [Gradients given at each step] in optim/adam.h). A
+        DTensor parameter (FSDP2) binds this rank's shard (Note [Binding an FSDP2 shard] in
         strata/distributed.py)."""
         self._check_open()
         layer = len(self._layer_grads)
@@ -196,7 +200,10 @@ class Runtime:
         for name, p in named_params:
             if self.is_bound(p):
                 continue
-            if not p.requires_grad:
+            given = p.requires_grad and not is_dtensor(p) and not self._streams_gradients
+            if given:
+                self._given.add(id(p))
+            if not p.requires_grad or given:
                 param_t = whole_storage(local(p)) if is_dtensor(p) else p
                 self._rt.register(
                     param_t, self._unique(name), layer, "parameter", self._home(param_t)
@@ -204,6 +211,8 @@ class Runtime:
                 self._bound.append(param_t)
                 self._layer_of[id(p)] = layer
                 params.append(param_t)
+                if given:
+                    users.append(p)
                 continue
             if is_dtensor(p):
                 check_shardable(p, name)
@@ -254,8 +263,10 @@ class Runtime:
             return whole_storage(local(p)), None if g is None else whole_storage(local(g))
         return p, g
 
-    # Note [Gradients the loop replaced]: strata binds each trainable parameter's gradient once,
-    # and its kernels read that memory. A training loop may drop it (model.zero_grad() and
+    # Note [Gradients the loop replaced]: where the policy streams gradients (roles="all") or
+    # FSDP2 shards them, strata binds each trainable parameter's gradient once, and its kernels read
+    # that memory (elsewhere the gradient stays torch's and the optimizer is told where it is at
+    # each step: Note [Gradients given at each step] in optim/adam.h). A training loop may drop it (model.zero_grad() and
     # torch's zero_grad() set .grad to None: Hugging Face's Trainer does every step) or replace it
     # (p.grad = ..., DDP's gradient_as_bucket_view, FSDP2's new sharded gradients). So:
     #   - a hook on each parameter, run by autograd just before it accumulates the parameter's
@@ -291,6 +302,8 @@ class Runtime:
         """Note [Gradients the loop replaced]: makes the gradient strata binds for `p` hold what
         p.grad holds; False when p has no gradient this step."""
         g = p.grad
+        if id(p) in self._given:  # Note [Gradients given at each step]: read where it is
+            return g is not None
         bound = self._grad_obj[id(p)]
         if g is None:
             return False

@@ -671,6 +671,53 @@ TEST_P(PerParameterStepsTest, SkippedParametersAreUntouchedAndKeepTheirOwnCounts
   EXPECT_EQ(*loaded->step_count_of(mc.params[0]), 4);
 }
 
+// Note [Gradients given at each step]: gradients in the caller's memory, given at each step, step
+// the parameters bitwise as registered gradients with the same values do, under every policy;
+// a step without one for a parameter that takes part is refused before anything changes.
+TEST_P(PerParameterStepsTest, GradientsGivenAtEachStepStepAsRegisteredOnes) {
+  const auto init = initial_values();
+  auto [a, a_dev] = make_runtime(GetParam(), {.prefetch_depth = 1});
+  Model ma = register_model(*a, init);
+  auto adam_a = *Adam::create(*a, options_for(ma, true, false));
+  run_steps(*a, *adam_a, ma, 3);
+
+  auto [b, b_dev] = make_runtime(GetParam(), {.prefetch_depth = 1});
+  Model mb = register_model(*b, init);
+  AdamOptions given = options_for(mb, true, false);
+  given.gradients_given = true;
+  for (ParamGroup& g : given.groups) {
+    for (auto& pair : g.params) pair.second = TensorHandle();
+  }
+  auto adam_b = *Adam::create(*b, given);
+  EXPECT_EQ(adam_b->step().code(), absl::StatusCode::kFailedPrecondition)
+      << "a step without the gradients must be refused";
+  EXPECT_EQ(*adam_b->step_count_of(mb.params[0]), 0);
+  EXPECT_EQ(adam_b->set_gradient(mb.params[0], nullptr, ElemType::kF32).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(adam_b->set_gradient(mb.grads[0], nullptr, ElemType::kF32).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(adam_a->set_gradient(ma.params[0], init[0].data(), ElemType::kF32).code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "a parameter with a registered gradient";
+  for (int step = 1; step <= 3; ++step) {
+    // The caller's memory: on the simulated device, host memory the kernel reads.
+    std::vector<std::vector<float>> grads;
+    for (int l = 0; l < kLayers; ++l) grads.push_back(gradient(l, step));
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(adam_b->set_gradient(mb.params[l], grads[l].data(), ElemType::kF32).ok());
+    }
+    ASSERT_TRUE(b->begin_step().ok());
+    ASSERT_TRUE(adam_b->step().ok());
+    ASSERT_TRUE(b->end_step().ok());
+    ASSERT_TRUE(b->wait_all().ok());  // the kernels read `grads`
+  }
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(read_all(*b, mb.params[l]), read_all(*a, ma.params[l])) << "layer " << l;
+  }
+  // The gradients given are forgotten once their step completed.
+  EXPECT_EQ(adam_b->step().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, PerParameterStepsTest,
                          ::testing::Values("keep_on_gpu", "bulk", "layer_prefetch"));
 
