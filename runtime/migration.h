@@ -3,11 +3,11 @@
 // memory, copy timing, and the on_moved callbacks; it moves entries between tiers and completes
 // their moves.
 //
-// Note [Stream ordering] (docs/design.md, section 6) as the engine keeps it: a copy waits on the GPU for every
-// earlier use of its source; the source stays the tensor's until the copy's event completed; memory
-// a queued copy may still touch goes back to its pool only through free_after(), which makes the
-// pool wait for the copy stream before the memory is reused. The runtime calls the engine with its
-// mutex held.
+// Note [Stream ordering] (docs/design.md, section 6) as the engine keeps it: a copy waits on the
+// GPU for every earlier use of its source; the source stays the tensor's until the copy's event
+// completed; memory a queued copy may still touch goes back to its pool only through free_after(),
+// which makes the pool wait for the copy stream before the memory is reused. The runtime calls the
+// engine with its mutex held.
 //
 // Example (inside the runtime, lock held):
 //   STRATA_RETURN_IF_ERROR(engine.migrate(e, Tier::kPinnedHost));   // queued, returns at once
