@@ -10,9 +10,16 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   AdamW, gradients copied to the host during backward (its default keeps the GPU
                   gradients too; its step does not see clip_grad_norm_, which acts on the GPU's)
   strata          strata.optim.AdamW(model.parameters()): the README's one line, defaults only
+  strata_auto     strata.optim.AdamW(model.parameters(), gpu_budget="auto"): after the first
+                  step, the layers whose states fit what the GPU has free stay there
   strata_tuned    strata.optim.AdamW(model.parameters(), model=model, prefetch_depth=3,
                   overlap="backward", max_grad_norm=1.0): the step inside backward, clipping
                   in the optimizer
+  deepspeed       DeepSpeed ZeRO-Offload as its users configure it: ZeRO stage 2 with
+                  offload_optimizer to pinned CPU memory (its CPU Adam), bf16 (bfloat16
+                  parameters and gradients on the GPU, float32 masters and moments on the host),
+                  gradient_clipping 1.0, overlap_comm; one rank. Needs deepspeed importable
+                  (tools/gpu/run_users_script.sh installs it from .deps/wheels into DS_PKGS)
   fsdp2           FSDP2 on one GPU (fully_shard per block, bfloat16 MixedPrecisionPolicy),
                   torch.optim.AdamW(fused=True), every state on the GPU
   fsdp2_offload   the same with CPUOffloadPolicy(pin_memory=True): fused CPU AdamW
@@ -43,7 +50,9 @@ APPROACHES = [
     "resident",
     "torchao",
     "strata",
+    "strata_auto",
     "strata_tuned",
+    "deepspeed",
     "fsdp2",
     "fsdp2_offload",
     "fsdp2_strata",
@@ -112,6 +121,9 @@ def one_run(args):
     base = torch.cuda.mem_get_info()
     base_used = base[1] - base[0]
     fsdp = args.one.startswith("fsdp2")
+    if args.one == "deepspeed":
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if fsdp:
         import torch.distributed as dist
 
@@ -121,7 +133,8 @@ def one_run(args):
     with Poller(torch) as poll:
         model = build_model(args, torch)
         clip_in_loop = True
-        autocast = not fsdp
+        autocast = not fsdp and args.one != "deepspeed"
+        engine = None
         if fsdp:
             from torch.distributed.fsdp import (
                 CPUOffloadPolicy,
@@ -146,6 +159,30 @@ def one_run(args):
             import strata
 
             opt = strata.optim.AdamW(model.parameters(), lr=1e-4)
+        elif args.one == "strata_auto":
+            import strata
+
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, gpu_budget="auto")
+        elif args.one == "deepspeed":
+            import deepspeed
+
+            config = {
+                "train_micro_batch_size_per_gpu": args.batch,
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": 1.0,
+                "bf16": {"enabled": True},
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                    "overlap_comm": True,
+                    "contiguous_gradients": True,
+                },
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+            }
+            engine, opt, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=config
+            )
+            clip_in_loop = False
         elif args.one == "strata_tuned":
             import strata
 
@@ -165,6 +202,11 @@ def one_run(args):
         y = torch.randn(args.batch, args.seq, args.d_model, device="cuda", generator=g)
 
         def step():
+            if engine is not None:  # DeepSpeed's loop: the engine backward()s and step()s
+                loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+                engine.backward(loss)
+                engine.step()
+                return loss.detach()
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 out = model(x)
             loss = torch.nn.functional.mse_loss(out.float(), y)
@@ -202,11 +244,14 @@ def one_run(args):
     if args.one.startswith("strata") or args.one == "fsdp2_strata":
         stats = opt.runtime.memory_stats()
         out["strata_gpu_reserved_peak_gib"] = stats.get("gpu.reserved_bytes.peak", 0) / 2**30
+        budget = opt.runtime.stats()["gpu_budget_bytes"]
+        out["strata_gpu_budget_gib"] = None if budget is None else budget / 2**30
+        out["strata_steps_redone"] = getattr(opt, "steps_redone", None)
         out["strata_layers"] = opt.runtime.num_layers
         out["prefetch_depth"] = opt.runtime.prefetch_depth
         opt.close()
     print("RESULT " + json.dumps(out), flush=True)
-    if fsdp:
+    if fsdp or engine is not None:
         torch.distributed.destroy_process_group()
 
 
@@ -220,7 +265,18 @@ def driver(args):
                 cmd += ["--seq", str(args.seq), "--steps", str(args.steps)]
                 cmd += ["--warmup", str(args.warmup)]
                 t0 = time.time()
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                env = dict(os.environ)
+                if approach == "deepspeed" and os.environ.get("DS_PKGS"):
+                    env["PYTHONPATH"] = os.environ["DS_PKGS"] + ":" + env.get("PYTHONPATH", "")
+                    env["PATH"] = os.environ["DS_PKGS"] + "/bin:" + env.get("PATH", "")
+                try:
+                    p = subprocess.run(
+                        cmd, capture_output=True, text=True, timeout=args.timeout, env=env
+                    )
+                except subprocess.TimeoutExpired:
+                    print(f"round {r} b{batch} {approach}: TIMED OUT", flush=True)
+                    results.append({"approach": approach, "batch": batch, "error": ["timeout"]})
+                    continue
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 if p.returncode != 0 or not line:
                     err = (p.stderr or p.stdout).strip().splitlines()[-3:]

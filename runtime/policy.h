@@ -161,6 +161,11 @@ class ResidencyPolicy {
   [[nodiscard]] virtual absl::Status on_undo_rolled_back(PolicyContext& rt) {
     return absl::OkStatus();
   }
+  // Runtime::set_gpu_budget changed the budget, between steps: lay out again what the policy
+  // keeps on the GPU (as on_prepare does), so that a budget too small fails here.
+  [[nodiscard]] virtual absl::Status on_budget_changed(PolicyContext& rt) {
+    return absl::OkStatus();
+  }
   [[nodiscard]] virtual absl::Status on_offload_all(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_reload_all(PolicyContext& rt) { return absl::OkStatus(); }
   // The order in which the optimizer walks layers; default ascending.

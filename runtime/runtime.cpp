@@ -7,6 +7,7 @@
 
 #include "base/status.h"
 #include "base/strings.h"
+#include "base/units.h"
 #include "runtime/runtime_impl.h"
 
 namespace strata::rt {
@@ -183,6 +184,32 @@ std::size_t Runtime::Impl::gpu_budget_locked() const {
 std::size_t Runtime::gpu_budget() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->gpu_budget_locked();
+}
+
+absl::Status Runtime::set_gpu_budget(std::size_t budget) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  if (im.step.in_step || im.step.in_optimizer_step || im.step.offloaded) {
+    return absl::FailedPreconditionError(
+        "set_gpu_budget: a step is under way or the tensors are offloaded; call it between "
+        "steps");
+  }
+  STRATA_RETURN_IF_ERROR(im.check_no_undo("set_gpu_budget"));
+  alloc::Budget& gpu = *im.allocator->budget(Tier::kGpu);
+  if (budget == 0 || (budget != alloc::kNoBudget && budget < gpu.reserved())) {
+    return absl::InvalidArgumentError(str_cat("set_gpu_budget: ", format_bytes(budget),
+                                              " is below the ", format_bytes(gpu.reserved()),
+                                              " strata holds on the GPU now"));
+  }
+  const std::size_t before = gpu.limit();
+  gpu.set_limit(budget);
+  PolicyContext ctx(*this);
+  absl::Status s = im.policy->on_budget_changed(ctx);
+  if (!s.ok()) {
+    gpu.set_limit(before);
+    (void)im.policy->on_budget_changed(ctx);
+  }
+  return s;
 }
 
 alloc::TieredAllocator& Runtime::allocator() { return *impl_->allocator; }

@@ -294,6 +294,13 @@ class Runtime {
   // The GPU memory strata may reserve, the GPU tier's pool and the staging ring together (they draw
   // on one alloc::Budget); alloc::kNoBudget for none.
   std::size_t gpu_budget() const;
+  // Sets the GPU budget (alloc::kNoBudget: none) between steps, with nothing kept for a redo and
+  // nothing offloaded; a budget below what strata holds on the GPU now is refused. The policy lays
+  // out again what it keeps on the GPU (layer_prefetch: its ring and resident layers, Note
+  // [Resident layers]); if that fails the old budget is back. strata.optim's gpu_budget="auto"
+  // sets it once the first step measured torch's peak.
+  //   STRATA_RETURN_IF_ERROR(rt.set_gpu_budget(24 * kGiB));
+  [[nodiscard]] absl::Status set_gpu_budget(std::size_t budget);
   alloc::TieredAllocator& allocator();
   Device& device();
   const ResidencyPolicy& policy() const;

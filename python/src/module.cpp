@@ -538,6 +538,19 @@ PYBIND11_MODULE(_strata, m) {
            })
       .def("offloaded", [](Runtime& r) { return r.rt().offloaded(); })
       .def("stats", &Runtime::stats)
+      // The GPU budget in bytes, None for none; set between steps (Runtime::set_gpu_budget).
+      .def("gpu_budget",
+           [](Runtime& r) -> std::optional<std::int64_t> {
+             const std::size_t b = r.rt().gpu_budget();
+             if (b == strata::alloc::kNoBudget) return std::nullopt;
+             return static_cast<std::int64_t>(b);
+           })
+      .def("set_gpu_budget",
+           [](Runtime& r, const std::optional<std::int64_t>& budget) {
+             py::gil_scoped_release release;
+             strata::bridge::check(r.rt().set_gpu_budget(budget ? static_cast<std::size_t>(*budget)
+                                                                : strata::alloc::kNoBudget));
+           })
       .def("memory_stats", &Runtime::memory_stats)
       .def("memory_summary", [](Runtime& r) { return r.rt().allocator().format_stats(); })
       // Every registered tensor: name, layer, role, bytes, the tier its data is in, whether it is

@@ -78,6 +78,7 @@ from .distributed import (
     local,
     sharded_like,
 )
+from . import budget as _budget
 from .layers import plan_layers, state_bytes
 from .runtime import Runtime
 from .scalars import read_scalars
@@ -139,7 +140,7 @@ class Adam(torch.optim.Optimizer):
         runtime: Optional[Runtime] = None,
         overlap: Optional[str] = None,
         max_grad_norm: Optional[float] = None,
-        undo_on_gpu: bool = False,
+        undo_on_gpu: Optional[bool] = None,
         device: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
     ):
@@ -209,7 +210,11 @@ class Adam(torch.optim.Optimizer):
                     f"found {first.device} and {p.device}"
                 )
         self._owns_runtime = runtime is None
-        budget = parse_bytes(gpu_budget, "gpu_budget")
+        # Note [The automatic budget] in strata/budget.py: none until the first step has run.
+        self._auto_budget = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
+        budget = None if self._auto_budget else parse_bytes(gpu_budget, "gpu_budget")
+        if undo_on_gpu is None:  # on the GPU when a budget says how much room there is
+            undo_on_gpu = budget is not None
         unbound = [p for p in self._trainable if runtime is None or not runtime.is_bound(p)]
         plan, how = self._plan(unbound, parse_bytes(layer_bytes, "layer_bytes"), model, budget)
         if runtime is None:
@@ -230,6 +235,12 @@ class Adam(torch.optim.Optimizer):
                 "the runtime with the depth wanted"
             )
         self._runtime = runtime
+        if self._auto_budget:
+            try:
+                _budget.device_memory(runtime)
+            except RuntimeError as e:
+                raise ValueError(f"strata.optim.{self._name}: {e}") from None
+            runtime.budget_from = "auto"
         for layer in plan:
             runtime.add_layer(layer)
         groups = []
@@ -253,7 +264,9 @@ class Adam(torch.optim.Optimizer):
         self._adam = _strata.Adam(runtime._rt, groups, 0)
         runtime._before_layer_done = self._prepare_layer
         if self._owns_runtime:
-            self._log_choice(plan, how, policy, budget, depth_from)
+            self._log_choice(
+                plan, how, policy, gpu_budget if self._auto_budget else budget, depth_from
+            )
         self._versions: dict = {}  # Note [Gradients changed after their layer stepped]
         self._accumulating = False
         self._spec_scale: Optional[torch.Tensor] = None
@@ -267,6 +280,8 @@ class Adam(torch.optim.Optimizer):
         self._closed = False
         self._speculating = False  # Note [When to step in backward]
         self._spec_wait, self._spec_backoff = 0, 0
+        self._coef_host: Optional[torch.Tensor] = None  # Note [When to step in backward]
+        self._coef_ready = None
         if runtime.overlap == "backward":
             self._set_speculating(True)
             if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
@@ -419,11 +434,18 @@ class Adam(torch.optim.Optimizer):
     # tight max_grad_norm, clipping fires at every step, and stepping in backward would make
     # every step slower. So after a step is redone, the next steps are taken after backward (1,
     # then 2, 4, ... up to 64 after redone tries in a row), then stepping in backward is tried
-    # again; a try that holds resets the wait. last_step_outcome says what each step was.
+    # again; a try that holds resets the wait. With max_grad_norm, the try waits further while
+    # the last step's clipping fired, or while that is not known yet: its coefficient is copied
+    # to the host without a wait (_note_clip) and read once the copy is done, so a run in which
+    # clipping fires at every step steps after backward at every step but the first, with no
+    # host wait added. last_step_outcome says what each step was.
     def _adapt_speculation(self) -> None:
         if self._spec_wait > 0:  # this step was taken after backward by choice
             self._spec_wait -= 1
             if self._spec_wait == 0:
+                if self._max_grad_norm is not None and self._clipping_fired_last() is not False:
+                    self._spec_wait = 1  # ask again after the next step
+                    return
                 self._set_speculating(True)
             return
         if self.last_step_outcome == "redone":
@@ -439,6 +461,25 @@ class Adam(torch.optim.Optimizer):
             self._set_speculating(False)
         elif self.last_step_outcome == "speculation":
             self._spec_backoff = 0
+
+    # Note [When to step in backward]: the last clip coefficient, on its way to the host.
+    def _note_clip(self, coef: torch.Tensor) -> None:
+        if self._runtime.overlap != "backward":
+            return
+        if coef.device.type != "cuda":
+            self._coef_host, self._coef_ready = coef.detach().clone(), None
+            return
+        if self._coef_host is None or self._coef_host.dtype != coef.dtype:
+            self._coef_host = torch.empty((), dtype=coef.dtype, pin_memory=True)
+        self._coef_host.copy_(coef.reshape(()), non_blocking=True)
+        self._coef_ready = torch.cuda.Event()
+        self._coef_ready.record()
+
+    # Whether the last step's clipping fired: None while its coefficient is not on the host yet.
+    def _clipping_fired_last(self) -> Optional[bool]:
+        if self._coef_host is None or (self._coef_ready and not self._coef_ready.query()):
+            return None
+        return float(self._coef_host) < 1.0
 
     # Note [Stepping in backward under FSDP2]: a layer is done once every parameter of it has had
     # its post-accumulate-grad hook this step.
@@ -520,6 +561,7 @@ class Adam(torch.optim.Optimizer):
                 total = total / grad_scale.to(total.device).reshape(())
             self.last_grad_norm = total
             coef = clip_coef(total, self._max_grad_norm)
+            self._note_clip(coef)
             taken_back = self._adam.overlapped_step_open()
             if taken_back:
                 # Not .item(): that copy would queue behind the write-backs of the layers
@@ -534,6 +576,7 @@ class Adam(torch.optim.Optimizer):
             total = total / grad_scale.to(total.device).reshape(())
         self.last_grad_norm = total
         coef = clip_coef(total, self._max_grad_norm)
+        self._note_clip(coef)
         return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False
 
     # Note [Layers without being told] in strata/layers.py: the layers of the parameters not bound
@@ -567,6 +610,22 @@ class Adam(torch.optim.Optimizer):
             plan += more
             how.append(found)
         return plan, " and ".join(how)
+
+    # Note [The automatic budget] in strata/budget.py, after the first step.
+    def _set_auto_budget(self) -> None:
+        rt = self._runtime
+        mem = _budget.device_memory(rt)
+        budget, headroom = _budget.auto_budget(mem, rt.stats()["gpu_reserved_bytes"])
+        rt._rt.set_gpu_budget(budget)
+        layers = {}
+        for t in rt._rt.tensors():
+            if t["role"] not in ("parameter", "gradient") and t["bytes"]:
+                layers[t["layer"]] = layers.get(t["layer"], True) and t["tier"] == "gpu"
+        _log.info(
+            "strata.optim.%s: gpu_budget auto: %s",
+            self._name,
+            _budget.describe(mem, budget, headroom, sum(layers.values()), len(layers)),
+        )
 
     def _layer_state_bytes(self, layer: list) -> int:
         amsgrad = any(g["amsgrad"] for g in self.param_groups)
@@ -612,7 +671,11 @@ class Adam(torch.optim.Optimizer):
             total / 2**20,
             rt.prefetch_depth,
             depth_from,
-            "none" if budget is None else f"{budget / 2**30:.2f} GiB",
+            "none"
+            if budget is None
+            else budget
+            if isinstance(budget, str)
+            else f"{budget / 2**30:.2f} GiB",
             rt.overlap,
         )
         if len(plan) and largest > total / 4 and total > (64 << 20):
@@ -692,6 +755,9 @@ class Adam(torch.optim.Optimizer):
             self.last_step_outcome = "redone"
         self.steps_redone += self.last_step_outcome == "redone"
         rt.end_step()
+        if self._auto_budget:
+            self._auto_budget = False
+            self._set_auto_budget()
         self._keep_alive = (grad_scale, found_inf, scale)
         self._versions = {}
         if self._grad_hooks:
@@ -873,7 +939,10 @@ class AdamW(Adam):
         found_inf straight to the kernel.
     Args (strata's):
         policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None: STRATA_POLICY, else the default.
-        gpu_budget: bytes or a size such as "8GiB" that strata may take on the GPU.
+        gpu_budget: bytes or a size such as "8GiB" that strata may take on the GPU; "auto": set
+            after the first step to what the GPU has free less torch's headroom, so that as many
+            layers' states as fit stay on the GPU (Note [The automatic budget] in
+            strata/budget.py); None (default): no budget, every layer's states stream.
         prefetch_depth: layers layer_prefetch brings ahead of use; None: from the budget (3
             without one, else as many as fit, 1 to 3).
         layer_bytes: None (default): strata finds its layers (Note [Layers without being told]
@@ -890,8 +959,9 @@ class AdamW(Adam):
             inside the step, as clip_grad_norm_ would before it; the norm is in last_grad_norm.
             None: no clipping. Needed for clipping with overlap="backward".
         undo_on_gpu: with overlap, keep the bytes a redo needs of tensors resting on the GPU
-            (FSDP2's float32 shards) on the GPU while the budget has room, instead of copying
-            them to pinned host memory over the link.
+            (parameters, FSDP2's float32 shards) on the GPU while the budget has room, instead
+            of copying them to pinned host memory over the link. None (default): on when a
+            gpu_budget in bytes is given (without one nothing bounds the copies).
         device: None (default): the parameters' GPU; CPU parameters on a machine with a GPU
             raise ValueError (move the model first); "simulated" (or the environment variable
             STRATA_DEVICE=simulated) steps CPU parameters in host memory standing in for the GPU.

@@ -125,6 +125,9 @@ class Runtime:
         # Whether the policy streams gradients (Note [Clipping in the step] in strata/optim.py).
         self._streams_gradients = bool(roles_moved & {"all", "gradient"})
         self.prefetch_depth = prefetch_depth
+        # Where the GPU budget came from: "argument", "none", or "auto" (strata.optim's gpu_budget
+        # "auto", Note [The automatic budget] in strata/budget.py).
+        self.budget_from = "none" if gpu_budget is None else "argument"
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
         self._layer_grads: list = []  # per layer, the bound gradients
@@ -438,8 +441,13 @@ class Runtime:
         return self._rt.leak_report()
 
     def stats(self) -> dict:
-        """Bytes moved each way, link GB/s, prefetch hits, waits and stalls, GPU bytes reserved."""
-        return self._rt.stats()
+        """Bytes moved each way, link GB/s, prefetch hits, waits and stalls, GPU bytes reserved,
+        and the GPU budget: gpu_budget_bytes (None: none) and gpu_budget_from ("argument",
+        "auto" or "none")."""
+        out = self._rt.stats()
+        out["gpu_budget_bytes"] = self._rt.gpu_budget()
+        out["gpu_budget_from"] = self.budget_from
+        return out
 
     # --- the end ---
     def close(self) -> list:

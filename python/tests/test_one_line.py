@@ -126,3 +126,69 @@ def test_a_layer_with_most_of_the_states_is_warned_about():
     with pytest.warns(UserWarning, match="one layer holds"):
         opt = strata.optim.AdamW(big, layer_bytes=1 << 30)
     opt.close()
+
+
+# Note [The automatic budget] in strata/budget.py. The simulated device has no driver to ask, so
+# the memory after the first step comes from a stand-in for device_memory.
+@pytest.mark.parametrize("free_layers", [100, 3, 0])
+def test_an_automatic_budget_keeps_what_fits_on_the_gpu_after_the_first_step(
+    free_layers, monkeypatch, caplog
+):
+    from strata import budget as strata_budget
+
+    model = Blocks()
+    per_layer = 2 * 4 * (512 * 512 + 3 * 512)  # a block's moments
+    margin = 1 << 30
+    torch_growth = 5 << 20
+    mem = strata_budget.DeviceMemory(
+        free=margin + torch_growth + free_layers * per_layer + (1 << 16),
+        total=20 << 30,
+        torch_reserved=10 << 20,
+        torch_peak=(10 << 20) + torch_growth,
+    )
+    asked = []
+
+    def device_memory(rt):
+        asked.append(rt)
+        return mem
+
+    monkeypatch.setattr(strata_budget, "device_memory", device_memory)
+    with caplog.at_level(logging.INFO, logger="strata"):
+        opt = strata.optim.AdamW(model.parameters(), lr=1e-3, model=model, gpu_budget="auto")
+        assert opt.runtime.stats()["gpu_budget_bytes"] is None  # nothing resident in step 1
+        x, y = data(0)
+        F.mse_loss(model(x), y).backward()
+        held = opt.runtime.stats()["gpu_reserved_bytes"]
+        opt.step()
+        opt.zero_grad()
+    stats = opt.runtime.stats()
+    assert stats["gpu_budget_from"] == "auto"
+    assert stats["gpu_budget_bytes"] == held + mem.free - margin - torch_growth
+    on_gpu: dict = {}  # layer -> whether all its states are on the GPU
+    for t in opt.runtime._rt.tensors():
+        if t["role"] in ("exp_avg", "exp_avg_sq"):
+            on_gpu[t["layer"]] = on_gpu.get(t["layer"], True) and t["tier"] == "gpu"
+    resident = {layer for layer, yes in on_gpu.items() if yes}
+    line = [r.getMessage() for r in caplog.records if "gpu_budget auto" in r.getMessage()]
+    assert len(line) == 1, caplog.text
+    assert f"{len(resident)} of {opt.runtime.num_layers} layers' states" in line[0]
+    if free_layers == 100:
+        assert len(resident) == opt.runtime.num_layers
+    elif free_layers == 3:  # three blocks, the small input and output layers beside them
+        assert {1, 2, 3} <= resident and not resident & set(range(4, 13)), resident
+    else:  # no block; the small output layer may fit what the margin leaves
+        assert not resident & set(range(1, 13)), resident
+    # Steps 2 to 4 with those layers resident: still torch's numbers.
+    for step in range(1, 4):
+        x, y = data(step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_close(params_of(model), reference(), rel=1e-5)
+    assert len(asked) == 2  # checked at construction, measured once after the first step
+    assert opt.close() == []
+
+
+def test_an_automatic_budget_on_the_simulated_device_names_the_fix():
+    with pytest.raises(ValueError, match="give a budget in bytes"):
+        strata.optim.AdamW(Blocks().parameters(), gpu_budget="auto")

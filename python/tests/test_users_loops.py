@@ -291,6 +291,35 @@ def test_the_loops_own_clipping_under_overlap_is_seen_and_the_step_redone(policy
     assert opt.close() == []
 
 
+def test_with_max_grad_norm_the_step_stays_after_backward_while_clipping_fires():
+    # Note [When to step in backward]: the gradients are large for four steps (clipping fires)
+    # and then small (it does not). One try in backward is redone; then the steps run after
+    # backward while the last step's clipping fired, and in backward again once it did not.
+    def loop(model, opt, steps, clip_in_loop):
+        outcomes = []
+        for step in range(steps):
+            x, y = batch(step)
+            loss = F.mse_loss(model(x), y) * (100.0 if step < 4 else 1e-4)
+            loss.backward()
+            if clip_in_loop:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            outcomes.append(getattr(opt, "last_step_outcome", None))
+        return outcomes
+
+    torch_model = Mlp()
+    loop(torch_model, torch_opt(torch_model), 8, True)
+    model = Mlp()
+    opt = strata_opt("layer_prefetch", overlap="backward", max_grad_norm=1.0, layer_bytes="1KiB")(
+        model
+    )
+    outcomes = loop(model, opt, 8, False)
+    assert outcomes == ["redone"] + ["sequential"] * 4 + ["speculation"] * 3, outcomes
+    assert_close(params_of(model), params_of(torch_model), rel=1e-5)
+    assert opt.close() == []
+
+
 def test_an_lr_schedule_under_overlap_steps_with_the_rate_of_each_step():
     # The scheduler changes the rate after step(); layers stepped in the next backward use the new
     # one (and a rate changed after backward redoes the step).

@@ -142,6 +142,19 @@ void register_trainable(Runtime& rt, int layers, std::size_t n) {
   }
 }
 
+// where() of register_trainable's model with its first `resident` layers on the GPU (G) and the
+// others in pinned memory (P).
+std::string first_layers_on_gpu(int layers, int resident) {
+  std::string out;
+  for (int l = 0; l < layers; ++l) {
+    for (int role = 0; role < 4; ++role) {
+      if (!out.empty()) out += ' ';
+      out += l < resident ? "G" : "P";
+    }
+  }
+  return out;
+}
+
 TEST(ParameterStreamingTest, AModelLargerThanTheGpuBudgetTrainsLikeKeepOnGpu) {
   constexpr int kLayers = 16;
   // Floats per tensor: a layer is 2 MiB of all four roles, one GPU segment (the budget counts
@@ -273,13 +286,7 @@ TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
     for (const auto& [name, bytes] : want) {
       EXPECT_EQ(got.at(name), bytes) << name << " with " << resident_layers << " resident layers";
     }
-    std::string expected;
-    for (int l = 0; l < kLayers; ++l) {
-      for (int role = 0; role < 4; ++role) {
-        if (!expected.empty()) expected += ' ';
-        expected += l < static_cast<int>(resident_layers) ? "G" : "P";
-      }
-    }
+    const std::string expected = first_layers_on_gpu(kLayers, static_cast<int>(resident_layers));
     EXPECT_EQ(where(*rt), expected) << resident_layers;
     const RuntimeStats st = rt->stats();
     EXPECT_LE(st.gpu_reserved_peak_bytes, static_cast<std::int64_t>(budget));
@@ -308,6 +315,46 @@ TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
   EXPECT_GT(bulk->stats().staged_peak_bytes, 0) << "bulk did not stream";
   EXPECT_EQ(bulk->allocator().stats(Tier::kGpu).allocated_bytes.peak, 0)
       << "bulk's streaming step kept layers in the main pool";
+}
+
+// Runtime::set_gpu_budget between steps (strata.optim's gpu_budget="auto"): a budget raised from
+// the ring alone to the ring and two layers makes the first two layers resident at once (Note
+// [Resident layers]); the numbers stay keep_on_gpu's. It is refused during a step, below what
+// strata holds, and at 0.
+TEST(ParameterStreamingTest, ABudgetSetBetweenStepsMakesLayersResident) {
+  constexpr int kLayers = 8;
+  constexpr std::size_t kN = 256 * 1024;
+  constexpr std::size_t kLayerBytes = 4 * kN * 4;
+  auto [ref_rt, ref_dev] = make_runtime("keep_on_gpu");
+  register_trainable(*ref_rt, kLayers, kN);
+  const auto want = train(*ref_rt, *ref_dev, kLayers, kN, 3, nullptr);
+
+  std::mt19937 rng(31);
+  auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::all()},
+                                /*deferred=*/true, 2 * kLayerBytes);
+  register_trainable(*rt, kLayers, kN);
+  ASSERT_TRUE(rt->prepare().ok());
+  const std::string streamed = where(*rt);
+  EXPECT_EQ(streamed.find('G'), std::string::npos) << streamed;
+
+  ASSERT_TRUE(rt->begin_step().ok());
+  EXPECT_EQ(rt->set_gpu_budget(4 * kLayerBytes).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(rt->end_step().ok());
+  EXPECT_EQ(rt->gpu_budget(), 2 * kLayerBytes);
+  EXPECT_EQ(rt->set_gpu_budget(0).code(), absl::StatusCode::kInvalidArgument);
+
+  ASSERT_TRUE(rt->set_gpu_budget(4 * kLayerBytes).ok());
+  const std::string expected = first_layers_on_gpu(kLayers, 2);
+  EXPECT_EQ(where(*rt), expected);
+  const absl::Status below = rt->set_gpu_budget(kLayerBytes);
+  EXPECT_EQ(below.code(), absl::StatusCode::kInvalidArgument) << below;
+  EXPECT_EQ(rt->gpu_budget(), 4 * kLayerBytes);
+
+  const auto got = train(*rt, *dev, kLayers, kN, 3, &rng);
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, bytes] : want) EXPECT_EQ(got.at(name), bytes) << name;
+  EXPECT_EQ(where(*rt), expected);
+  EXPECT_LE(rt->stats().gpu_reserved_peak_bytes, static_cast<std::int64_t>(4 * kLayerBytes));
 }
 
 // Note [Ring under a budget]: a role registered after a first step (gradients, in a training loop

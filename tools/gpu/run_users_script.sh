@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/users_script.py on the GPU (issue 37): a user's script with strata's one line beside
-# torch resident, torchao's CPUOffloadOptimizer and FSDP2 (resident, CPUOffloadPolicy, strata),
-# each run a process of its own with the device's memory polled, interleaved in rounds.
+# torch resident, torchao's CPUOffloadOptimizer, DeepSpeed ZeRO-Offload and FSDP2 (resident,
+# CPUOffloadPolicy, strata), each run a process of its own with the device's memory polled,
+# interleaved in rounds.
 #   tools/gpu/run_users_script.sh OUT_DIR [users_script.py arguments, e.g. --batches 8 --rounds 2]
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_users_script.sh OUT_DIR [args]}
@@ -14,6 +15,13 @@ python3 -c "import torchao" 2>/dev/null ||
   python3 -m pip install -q --no-deps --no-index --find-links .deps/wheels torchao 2>/dev/null ||
   python3 -m pip install -q --break-system-packages --no-deps --no-index --find-links .deps/wheels \
     torchao
+# DeepSpeed (the deepspeed approach) and its dependencies into DS_PKGS, beside the machine's torch,
+# as tools/gpu/run_deepspeed.sh does; its cpu_adam op builds on first use (about 50 s, not timed).
+export DS_PKGS=/tmp/ds-pkgs CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+python3 -m pip install -q --no-index --no-deps --target "$DS_PKGS" .deps/wheels/deepspeed-*.whl \
+  .deps/wheels/{einops,hjson,msgpack,ninja,psutil,py_cpuinfo,pydantic,pydantic_core}-*.whl \
+  .deps/wheels/{annotated_types,typing_extensions,typing_inspection}-*.whl >"$OUT/pip.log" 2>&1 ||
+  echo "deepspeed not installed (see pip.log): its runs will fail and say why"
 nproc >"$OUT/cpus.txt"
 free -g | head -2 >>"$OUT/cpus.txt"
 PYTHONUNBUFFERED=1 python3 bench/users_script.py --json "$OUT/users_script.json" "$@" 2>&1 |

@@ -1,0 +1,69 @@
+"""gpu_budget="auto": the GPU budget strata.optim sets itself once the first step has run.
+
+    opt = strata.optim.AdamW(model.parameters(), gpu_budget="auto")
+    # step 1 streams every layer's states; after it, the budget is what the GPU has free less
+    # torch's headroom, and the layers that fit stay on the GPU from step 2 on
+    opt.runtime.stats()["gpu_budget_bytes"]
+
+Note [The automatic budget]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A budget given by hand is a guess about torch's activations. Measured instead: the first step runs
+with every layer's states streamed (no layer resident, the staging ring only), so it shows the most
+torch needs beside strata. After it, torch's caching allocator holds `reserved` bytes and peaked at
+`peak` reserved bytes during the step; the next steps need the same again, so torch may grow by
+`peak - reserved` beyond what it holds (its cache keeps the rest). The budget is what strata holds
+now plus the driver's free memory less that growth and a margin (a twentieth of the GPU, 1 GiB at
+least) for what the first step did not show: a longer batch, fragmentation, another library. Then
+layer_prefetch keeps as many whole layers resident as fit (Note [Resident layers] in
+policies/layer_prefetch.cpp): they never cross the link again. The budget is set once, logged in
+one line, and reported in Runtime.stats() as gpu_budget_bytes with gpu_budget_from "auto". On the
+simulated device there is no driver to ask: the memory comes from device_memory, which tests
+replace.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_GIB = 2**30
+
+
+class DeviceMemory(NamedTuple):
+    free: int  # the driver's free bytes
+    total: int  # the device's bytes
+    torch_reserved: int  # what torch's caching allocator holds now
+    torch_peak: int  # the most it held since the process began (or its peaks were reset)
+
+
+def device_memory(runtime) -> DeviceMemory:
+    """The GPU's memory as the driver and torch see it now (Note [The automatic budget])."""
+    if runtime.simulated or not torch.cuda.is_available():
+        raise RuntimeError(
+            "gpu_budget='auto' measures the GPU's free memory, and the simulated device has "
+            "none; give a budget in bytes"
+        )
+    dev = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(dev)
+    return DeviceMemory(
+        free, total, torch.cuda.memory_reserved(dev), torch.cuda.max_memory_reserved(dev)
+    )
+
+
+def auto_budget(mem: DeviceMemory, strata_now: int) -> tuple:
+    """(budget in bytes, headroom in bytes) from the memory after the first step (Note [The
+    automatic budget]); the budget is never below what strata holds now."""
+    margin = max(_GIB, mem.total // 20)
+    headroom = max(0, mem.torch_peak - mem.torch_reserved) + margin
+    return strata_now + max(0, mem.free - headroom), headroom
+
+
+def describe(mem: DeviceMemory, budget: int, headroom: int, resident: int, layers: int) -> str:
+    """The log line's figures."""
+    return (
+        f"after the first step the GPU had {mem.free / _GIB:.2f} GiB free of "
+        f"{mem.total / _GIB:.1f}, torch held {mem.torch_reserved / _GIB:.2f} GiB and peaked at "
+        f"{mem.torch_peak / _GIB:.2f}; leaving {headroom / _GIB:.2f} GiB for torch, the budget is "
+        f"{budget / _GIB:.2f} GiB: {resident} of {layers} layers' states now stay on the GPU"
+    )
