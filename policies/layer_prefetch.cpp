@@ -218,13 +218,15 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return reset(rt);
   }
 
-  // Phase switches (Note [Phase switches] in runtime/phase.cpp): nothing staged or held while the
-  // runtime moves tensors; then the ring comes back as it was (the resident layers are back in the
-  // main pool by then), or as settle finds room for it.
+  // Runtime::set_gpu_budget: the ring and the resident layers laid out again under the new budget.
   absl::Status on_budget_changed(rt::PolicyContext& rt) override {
     settled_ = false;
     return settle(rt);
   }
+
+  // Phase switches (Note [Phase switches] in runtime/phase.cpp): nothing staged or held while the
+  // runtime moves tensors; then the ring comes back as it was (the resident layers are back in the
+  // main pool by then), or as settle finds room for it.
   absl::Status on_offload_all(rt::PolicyContext& rt) override { return reset(rt); }
   absl::Status on_reload_all(rt::PolicyContext& rt) override {
     absl::Status s = configure(rt);

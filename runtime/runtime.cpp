@@ -201,9 +201,14 @@ absl::Status Runtime::set_gpu_budget(std::size_t budget) {
                                               " is below the ", format_bytes(gpu.reserved()),
                                               " strata holds on the GPU now"));
   }
+  // What the last step left moving (write-backs of staged layers) lands first: a tensor still on
+  // its way home cannot move again. One host wait, between steps.
+  STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
+  PolicyContext ctx(*this);
+  STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
+  STRATA_RETURN_IF_ERROR(im.engine.wait_all());
   const std::size_t before = gpu.limit();
   gpu.set_limit(budget);
-  PolicyContext ctx(*this);
   absl::Status s = im.policy->on_budget_changed(ctx);
   if (!s.ok()) {
     gpu.set_limit(before);
