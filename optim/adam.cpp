@@ -404,15 +404,17 @@ absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamS
   rt::Runtime& rt = runtime_;
   const rt::StreamHandle stream = rt.compute_stream();
   if (rt.device().is_simulated()) {
-    const int threads = options_.cpu_threads;
-    return rt.device().enqueue_host(stream, [list, s = scalars, threads, grad_scale, found_inf] {
-      if (found_inf != nullptr && *found_inf != 0.0f) {
-        adam_count_skipped_cpu(list.data(), list.size());  // Note [Skipped steps]
-        return;
-      }
-      const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
-      adam_step_cpu(list.data(), list.size(), s, inv, threads);
-    });
+    // The host function holds the pool too: it may run after the optimizer is gone.
+    if (cpu_pool_ == nullptr) cpu_pool_ = std::make_shared<ThreadPool>(options_.cpu_threads);
+    return rt.device().enqueue_host(
+        stream, [list, s = scalars, pool = cpu_pool_, grad_scale, found_inf] {
+          if (found_inf != nullptr && *found_inf != 0.0f) {
+            adam_count_skipped_cpu(list.data(), list.size());  // Note [Skipped steps]
+            return;
+          }
+          const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
+          adam_step_cpu(list.data(), list.size(), s, inv, pool.get());
+        });
   }
 #ifdef STRATA_HAS_CUDA
   const cudaError_t err = adam_step_cuda(list.data(), list.size(), scalars, grad_scale, found_inf,

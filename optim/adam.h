@@ -56,6 +56,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/thread_pool.h"
 #include "optim/adam_math.h"
 #include "runtime/runtime.h"
 
@@ -81,7 +82,8 @@ struct AdamOptions {
   // The kernel then reads the gradient where autograd put it. Off: every parameter needs a
   // registered gradient.
   bool gradients_given = false;
-  // Host threads of the CPU kernel (simulated device).
+  // Host threads of the CPU kernel (simulated device), started once, at the first host step (See
+  // Note [Persistent host threads] in base/thread_pool.h).
   int cpu_threads = 8;
 };
 
@@ -272,6 +274,8 @@ class Adam {
 
   rt::Runtime& runtime_;
   AdamOptions options_;
+  // The host kernel's threads (simulated device), made at its first step.
+  std::shared_ptr<ThreadPool> cpu_pool_;
   std::vector<ParamGroup>& groups_ = options_.groups;
   std::vector<Slot> slots_;
   // Per slot: the parameter sits out the step (Note [Per-parameter steps]).

@@ -1,6 +1,4 @@
 #include <algorithm>
-#include <thread>
-#include <vector>
 
 #include "optim/adam_kernels.h"
 
@@ -25,26 +23,23 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
 }  // namespace
 
 void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& scalars,
-                   float inv_grad_scale, int threads) {
+                   float inv_grad_scale, ThreadPool* pool) {
   const AdamScalars& s = scalars;
   std::int64_t total = 0;
   for (std::size_t t = 0; t < count; ++t) total += tensors[t].numel;
-  // Threads only pay off on large lists; below ~1M elements one thread is faster than spawning.
-  const std::int64_t kMinPerThread = std::int64_t{1} << 18;
-  const int n =
-      static_cast<int>(std::clamp<std::int64_t>(total / kMinPerThread, 1, std::max(threads, 1)));
+  // A part of fewer than 2^18 elements costs less than handing it to another thread.
+  const std::int64_t kMinPerPart = std::int64_t{1} << 18;
+  const int threads = pool != nullptr ? pool->size() : 1;
+  const int n = static_cast<int>(std::clamp<std::int64_t>(total / kMinPerPart, 1, threads));
   if (n == 1) {
     run_range(tensors, count, s, inv_grad_scale, 0, total);
     return;
   }
-  std::vector<std::thread> pool;
   const std::int64_t per = (total + n - 1) / n;
-  for (int i = 0; i < n; ++i) {
-    const std::int64_t begin = per * i;
-    const std::int64_t end = std::min(total, begin + per);
-    pool.emplace_back([=] { run_range(tensors, count, s, inv_grad_scale, begin, end); });
-  }
-  for (std::thread& th : pool) th.join();
+  pool->parallel_for(n, [&](int part) {
+    const std::int64_t begin = per * part;
+    run_range(tensors, count, s, inv_grad_scale, begin, std::min(total, begin + per));
+  });
 }
 
 void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count) {

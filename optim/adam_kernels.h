@@ -13,7 +13,7 @@
 //   AdamTensor t{p, g, m, v, nullptr, numel};
 //   t.step = step;  // the parameter's own step count (Note [Per-parameter steps] in adam.h)
 //   AdamScalars s = adam_scalars(hyper, step);
-//   adam_step_cpu(&t, 1, s, /*inv_grad_scale=*/1.0f, /*threads=*/8);
+//   adam_step_cpu(&t, 1, s, /*inv_grad_scale=*/1.0f, &pool);   // a strata::ThreadPool
 //   cudaError_t err = adam_step_cuda(&t, 1, s, grad_scale_dev, found_inf_dev, stream);
 #pragma once
 
@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "base/thread_pool.h"
 #include "optim/adam_math.h"
 
 #ifdef STRATA_HAS_CUDA
@@ -65,11 +66,12 @@ STRATA_HD void adam_tensor_element(const AdamTensor& x, std::int64_t i, const Ad
   store_elem(x.param, x.param_type, i, p);
 }
 
-// Splits the elements of all tensors over `threads` host threads (1: the calling thread only).
-// Deterministic: every element is computed the same way whatever the split. `s` gives the
-// hyperparameters; each tensor's bias corrections come from its own step (settled_step).
+// Splits the elements of all tensors over the pool's threads (nullptr: the calling thread only;
+// See Note [Persistent host threads] in base/thread_pool.h). Deterministic: every element is
+// computed the same way whatever the split. `s` gives the hyperparameters; each tensor's bias
+// corrections come from its own step (settled_step).
 void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
-                   float inv_grad_scale, int threads);
+                   float inv_grad_scale, ThreadPool* pool);
 // A step that found_inf skipped: adds 1 to each tensor's skipped count (Note [Skipped steps]).
 void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count);
 

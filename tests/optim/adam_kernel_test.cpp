@@ -87,7 +87,7 @@ TEST(AdamCpuKernelTest, MatchesAFloat64ReferenceOverManySteps) {
                      h.amsgrad ? b.vmax.data() : nullptr,
                      static_cast<std::int64_t>(n)};
         t.step = step;  // each tensor's bias corrections follow its own step
-        adam_step_cpu(&t, 1, adam_scalars(h, step), 1.0f, 1);
+        adam_step_cpu(&t, 1, adam_scalars(h, step), 1.0f, nullptr);
         for (std::size_t i = 0; i < n; ++i) {
           reference(rp[i], b.g[i], rm[i], rv[i], rvmax[i], h, step);
           // The criterion: |diff| <= atol 1e-6 + rtol 1e-5 * |reference|.
@@ -108,8 +108,9 @@ TEST(AdamCpuKernelTest, ThreadSplitsGiveBitwiseEqualResults) {
                 b.v.data(), nullptr,    static_cast<std::int64_t>(n)};
   AdamScalars s = adam_scalars({.weight_decay = 0.01f}, 3);
   ta.step = tb.step = 3;
-  adam_step_cpu(&ta, 1, s, 1.0f, 1);
-  adam_step_cpu(&tb, 1, s, 1.0f, 7);
+  ThreadPool seven(7);
+  adam_step_cpu(&ta, 1, s, 1.0f, nullptr);
+  adam_step_cpu(&tb, 1, s, 1.0f, &seven);
   EXPECT_EQ(a.p, b.p);
   EXPECT_EQ(a.m, b.m);
   EXPECT_EQ(a.v, b.v);
@@ -121,8 +122,8 @@ TEST(AdamCpuKernelTest, GradScaleDividesGradients) {
   AdamScalars s = adam_scalars({}, 1);
   AdamTensor ta{a.p.data(), a.g.data(), a.m.data(), a.v.data(), nullptr, 100};
   AdamTensor tb{b.p.data(), b.g.data(), b.m.data(), b.v.data(), nullptr, 100};
-  adam_step_cpu(&ta, 1, s, 1.0f, 1);
-  adam_step_cpu(&tb, 1, s, 1.0f / 1024.0f, 1);
+  adam_step_cpu(&ta, 1, s, 1.0f, nullptr);
+  adam_step_cpu(&tb, 1, s, 1.0f / 1024.0f, nullptr);
   EXPECT_EQ(a.p, b.p);  // scaling by a power of two is exact
 }
 
@@ -151,6 +152,7 @@ class GpuAdamKernelTest : public ::testing::Test {
 };
 
 TEST_F(GpuAdamKernelTest, GpuMatchesTheCpuKernelOnManyTensorsAndTails) {
+  ThreadPool pool(4);
   // 100 tensors (more than one launch holds), sizes with tails, one of several chunks.
   for (const AdamHyper& h : hypers()) {
     std::vector<Buffers> host;
@@ -176,7 +178,7 @@ TEST_F(GpuAdamKernelTest, GpuMatchesTheCpuKernelOnManyTensorsAndTails) {
       const AdamScalars s = adam_scalars(h, step);
       for (AdamTensor& t : cpu) t.step = step;
       for (AdamTensor& t : gpu) t.step = step;
-      adam_step_cpu(cpu.data(), cpu.size(), s, 1.0f, 4);
+      adam_step_cpu(cpu.data(), cpu.size(), s, 1.0f, &pool);
       ASSERT_EQ(adam_step_cuda(gpu.data(), gpu.size(), s, nullptr, nullptr, nullptr), cudaSuccess);
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -209,7 +211,7 @@ TEST_F(GpuAdamKernelTest, GpuFoundInfSkipsTheStepAndGradScaleDivides) {
   Buffers c = b;
   for (float& x : c.g) x *= 0.5f;
   AdamTensor tc{c.p.data(), c.g.data(), c.m.data(), c.v.data(), nullptr, 1000};
-  adam_step_cpu(&tc, 1, s, 1.0f, 1);
+  adam_step_cpu(&tc, 1, s, 1.0f, nullptr);
   std::vector<float> got = download(p, 1000);
   for (int i = 0; i < 1000; ++i) EXPECT_NEAR(got[i], c.p[i], 1e-6f * (std::abs(c.p[i]) + 1e-3f));
   for (float* d : {p, g, m, v, flags}) cudaFree(d);

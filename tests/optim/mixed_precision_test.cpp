@@ -142,6 +142,7 @@ struct Mixed {
 };
 
 TEST(MixedPrecisionTest, EveryDtypePairStepsTheMasterInFloat32NearAFloat64Reference) {
+  ThreadPool pool(2);
   const AdamHyper h{.lr = 1e-2f, .weight_decay = 0.01f, .decoupled = true};
   std::mt19937_64 rng(20261124);
   for (const Case& c : kCases) {
@@ -172,7 +173,7 @@ TEST(MixedPrecisionTest, EveryDtypePairStepsTheMasterInFloat32NearAFloat64Refere
       }
       AdamTensor t = x.tensor();
       t.step = step;
-      adam_step_cpu(&t, 1, s, 1.0f, 2);
+      adam_step_cpu(&t, 1, s, 1.0f, &pool);
     }
     const bool low = c.param != ElemType::kF32;
     double worst = 0;
@@ -385,6 +386,7 @@ TEST_F(GpuMixedPrecisionTest, GpuAStepFoundInfSkippedChangesNothingAndDoesNotCou
 }
 
 TEST_F(GpuMixedPrecisionTest, GpuAgreesWithTheCpuKernelAndRoundsAlikeForEveryDtypePair) {
+  ThreadPool pool(2);
   const AdamHyper h{.lr = 1e-2f, .weight_decay = 0.01f, .decoupled = true};
   std::mt19937_64 rng(11);
   std::vector<Mixed> cpu;
@@ -423,7 +425,7 @@ TEST_F(GpuMixedPrecisionTest, GpuAgreesWithTheCpuKernelAndRoundsAlikeForEveryDty
     const AdamScalars s = adam_scalars(h, step);
     for (AdamTensor& t : host) t.step = step;
     for (AdamTensor& t : device) t.step = step;
-    adam_step_cpu(host.data(), host.size(), s, 1.0f, 2);
+    adam_step_cpu(host.data(), host.size(), s, 1.0f, &pool);
     ASSERT_EQ(adam_step_cuda(device.data(), device.size(), s, nullptr, nullptr, nullptr),
               cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
