@@ -20,13 +20,35 @@ endforeach()
 install(TARGETS ${strata_installed} EXPORT strataTargets COMPONENT dev
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
-set(strata_header_dirs base allocator runtime policies optim)
+# The public headers: what a user includes (the runtime, the policies, Adam, the allocator, the
+# status macros and, with LibTorch, the bridge) and what they include in turn. The runtime's rooms
+# (runtime_impl.h, registry, migration, staging, entries, copy traces) and the bridge's binding
+# state stay inside. Configuring fails if a public header includes one of strata's headers that is
+# not in the list, so the installed tree always compiles.
+set(strata_public_headers
+    base/status.h base/strings.h base/thread_pool.h base/units.h
+    allocator/block_pool.h allocator/budget.h allocator/stats.h allocator/stream_ops.h
+    allocator/tier.h allocator/tiered_allocator.h allocator/upstream.h
+    runtime/device.h runtime/policy.h runtime/runtime.h runtime/tensor.h
+    policies/builtin.h
+    optim/adam.h optim/adam_kernels.h optim/adam_math.h)
 if(STRATA_WITH_TORCH)
-  list(APPEND strata_header_dirs bridge)
+  list(APPEND strata_public_headers bridge/grad_stats.h bridge/model_hooks.h bridge/scalar_reader.h
+       bridge/status.h bridge/torch_runtime.h)
 endif()
-foreach(dir IN LISTS strata_header_dirs)
-  install(DIRECTORY ${dir} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT dev
-          FILES_MATCHING PATTERN "*.h")
+foreach(header IN LISTS strata_public_headers)
+  file(STRINGS ${CMAKE_CURRENT_SOURCE_DIR}/${header} includes REGEX "^#include \"[^\"]+\"")
+  foreach(line IN LISTS includes)
+    string(REGEX REPLACE "^#include \"([^\"]+)\".*" "\\1" included "${line}")
+    if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/${included} AND NOT included IN_LIST
+                                                           strata_public_headers)
+      message(FATAL_ERROR "${header} is installed but includes ${included}, which is not: add it "
+                          "to strata_public_headers in cmake/install.cmake, or keep it out of "
+                          "${header}")
+    endif()
+  endforeach()
+  get_filename_component(dir ${header} DIRECTORY)
+  install(FILES ${header} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/${dir} COMPONENT dev)
 endforeach()
 install(EXPORT strataTargets NAMESPACE strata:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/strata
         COMPONENT dev)
