@@ -47,8 +47,8 @@ BlockPool::~BlockPool() {
   }
   for (const PendingEvent& p : pending_) stream_ops_->release(p.event);
   for (auto& [base, segment] : segments_) {
-    // Note [Withheld blocks]: a segment with a block some stream may still use stays out of the
-    // upstream's hands for good.
+    // A segment with a block some stream may still use stays out of the upstream's hands for good
+    // (See Note [Withheld blocks] in block_pool.h).
     bool in_use = false;
     for (const Block* b = segment->first; b != nullptr; b = b->next) {
       in_use = in_use || b->pending_events > 0 || b->releasing;
@@ -131,7 +131,8 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
   if (!pending_.empty()) process_ready_events_locked();
   Block* block = take_best_fit_locked(options.stream, small, size);
   if (block == nullptr && unmerged_frees_ > 0) {
-    // Note [Lazy coalescing]: merge what deallocate left unmerged before growing.
+    // Merge what deallocate left unmerged before growing (See Note [Lazy coalescing] in
+    // block_pool.h).
     consolidate_locked();
     block = take_best_fit_locked(options.stream, small, size);
   }
@@ -317,8 +318,8 @@ absl::Status BlockPool::deallocate(void* ptr) {
     free_block_locked(block, /*merge=*/!block->small);
     return absl::OkStatus();
   }
-  // Note [Stream ordering]: other streams may still read or write this block. Hold it back until an
-  // event recorded on each of them now has completed.
+  // Other streams may still read or write this block. Hold it back until an event recorded on each
+  // of them now has completed (See Note [Stream ordering] in block_pool.h).
   block->allocated = false;
   stats_.pending_free_bytes.add(static_cast<std::int64_t>(block->size));
   for (StreamHandle stream : block->extra_streams) {
@@ -328,9 +329,9 @@ absl::Status BlockPool::deallocate(void* ptr) {
       pending_.push_back({*event, block});
       continue;
     }
-    // Note [Withheld blocks]: no event says when the stream is done with the block, so it is not
-    // reused until a later one can be recorded. The free itself succeeded: the caller must not
-    // free again, so this is no error to it.
+    // No event says when the stream is done with the block, so it is not reused until a later one
+    // can be recorded (See Note [Withheld blocks] in block_pool.h). The free itself succeeded: the
+    // caller must not free again, so this is no error to it.
     if (!block->withheld) {
       std::fprintf(stderr,
                    "strata: deallocate in tier %s: could not record an event for %p (%s); the "
@@ -408,8 +409,8 @@ absl::Status BlockPool::bad_free_locked(const void* ptr) const {
 }
 
 void BlockPool::compute_derived_locked(TierStats& s) const {
-  // Note [Lazy coalescing]: adjacent free blocks may not be merged yet, so free space is measured
-  // in runs of free blocks, which is what a merge would make of them.
+  // Adjacent free blocks may not be merged yet, so free space is measured in runs of free blocks,
+  // which is what a merge would make of them (See Note [Lazy coalescing] in block_pool.h).
   std::int64_t total_free = 0, largest = 0, inactive_split = 0;
   for (const auto& entry : segments_) {
     const Segment* segment = entry.second;

@@ -5,14 +5,16 @@
 // (<= kSmallSize) share kSmallSegmentSize segments so they never split the large segments that
 // activations and optimizer states need.
 //
-// Note [Lazy coalescing]: deallocate puts a small block (<= kSmallSize) back into its free set
-// without merging it with free neighbours; a request that finds no fit merges everything first
-// (consolidate) and only then grows, and so does the segment release of trim and of the
-// out-of-memory path. An alloc+free pair of one small size thus costs one free-set erase and one
-// insert instead of the four of split-then-merge (measured: 125 -> 96 ns). Large blocks merge at
-// once: best fit among unmerged large blocks packed the training-step replay worse (reserved / peak
-// allocated 1.005 -> 1.077). Stats measure free space in runs of free blocks, as a merge would make
-// them, so fragmentation is the same figure either way.
+// Note [Lazy coalescing]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// deallocate puts a small block (<= kSmallSize) back into its free set without merging it with free
+// neighbours; a request that finds no fit merges everything first (consolidate) and only then
+// grows, and so does the segment release of trim and of the out-of-memory path. An alloc+free pair
+// of one small size thus costs one free-set erase and one insert instead of the four of
+// split-then-merge (measured: 125 -> 96 ns). Large blocks merge at once: best fit among unmerged
+// large blocks packed the training-step replay worse (reserved / peak allocated 1.005 -> 1.077).
+// Stats measure free space in runs of free blocks, as a merge would make them, so fragmentation is
+// the same figure either way.
 //
 // Rounding (named so tests and docs agree):
 //   every size rounds up to a multiple of kBlockGranularity (512 B), so every block is aligned to
@@ -20,24 +22,31 @@
 //   kMaxAlignment; small segments are kSmallSegmentSize; a large segment is the request rounded up
 //   to kLargeSegmentGranularity.
 //
-// Note [Stream ordering] (docs/design.md, section 6) as the pool implements it:
+// Note [Stream ordering]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Its rules are numbered in docs/design.md, section 6. As the pool implements it:
 //   - a block belongs to the stream it was allocated on, and blocks are reused only by that stream;
 //     work on one stream runs in order, so a block freed there can be handed out again at once;
 //   - record_stream(ptr, s) says another stream s also uses the block; at free, an event is
-//   recorded
-//     on each such stream and the block waits in a pending list until all its events completed;
+//     recorded on each such stream and the block waits in a pending list until all its events
+//     completed;
 //   - before a segment goes back to the upstream, an event recorded on its stream is waited for;
-//   - Note [Withheld blocks]: a freed block whose stream event cannot be recorded, or whose event
-//     cannot be waited on, is withheld (counted in withheld_bytes) rather than reused: the pool
-//     records and waits again at its next chance (a later event on the same stream covers all the
-//     work the missing one would have), so the block comes back once the device answers again; a
-//     pool destroyed while some of its blocks are withheld keeps their segments from the upstream
-//     for good and says so, rather than give back memory a stream may still write;
+//   - a freed block whose stream event cannot be recorded, or whose event cannot be waited on, is
+//     withheld rather than reused (See Note [Withheld blocks], below);
 //   - before reporting out of memory the pool waits for pending events, returns cached (entirely
 //     free) segments to the upstream, and tries once more (num_alloc_retries counts this); a
 //     request whose segment alone is above the budget fails at once and changes nothing;
-//   - the budget is a Budget (budget.h) the pool may share with others: a segment's bytes are
-//     taken from it before the upstream is asked and given back when the segment goes back.
+//   - the budget is a Budget (budget.h) the pool may share with others: a segment's bytes are taken
+//     from it before the upstream is asked and given back when the segment goes back.
+//
+// Note [Withheld blocks]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A freed block whose stream event cannot be recorded, or whose event cannot be waited on, is
+// withheld (counted in withheld_bytes) rather than reused: the pool records and waits again at its
+// next chance (a later event on the same stream covers all the work the missing one would have), so
+// the block comes back once the device answers again; a pool destroyed while some of its blocks are
+// withheld keeps their segments from the upstream for good and says so, rather than give back
+// memory a stream may still write.
 //
 // Errors: size 0, sizes above kMaxAllocationSize (SIZE_MAX among them), sizes whose rounding
 // overflows, and alignment 0, not a power of two or above kMaxAlignment are kInvalidArgument. Out
@@ -46,8 +55,8 @@
 // pointer or an interior pointer is kInvalidArgument; a block already freed is kFailedPrecondition.
 // A failed call changes nothing.
 //
-// Thread-safe: one mutex per pool (Note [Pool mutex]); upstream calls and event waits run with it
-// released.
+// Thread-safe: one mutex per pool (See Note [Pool mutex]); upstream calls and event waits run with
+// it released.
 //
 // Example:
 //   BlockPool pool({.tier = Tier::kGpu, .budget = 8 * kGiB}, std::move(upstream), stream_ops);
@@ -124,8 +133,9 @@ struct PoolConfig {
   std::shared_ptr<Budget> shared_budget;
   // Said after the budget in an out-of-memory message (where a default budget came from).
   std::string budget_note;
-  // Note [Expandable segments]: large blocks come from one address range per stream that grows
-  // and shrinks by mapping memory, where the upstream can (expansion_granularity() > 0).
+  // Large blocks come from one address range per stream that grows and shrinks by mapping memory,
+  // where the upstream can (expansion_granularity() > 0; See Note [Expandable segments] in
+  // block_pool_expand.cpp).
   bool expandable = false;
 };
 
@@ -140,7 +150,7 @@ class BlockPool {
 
   [[nodiscard]] absl::StatusOr<void*> allocate(std::size_t bytes, const AllocOptions& options = {});
   [[nodiscard]] absl::Status deallocate(void* ptr);
-  // Marks a live block as used by `stream` as well (see Note [Stream ordering] above).
+  // Marks a live block as used by `stream` as well (See Note [Stream ordering] above).
   [[nodiscard]] absl::Status record_stream(void* ptr, StreamHandle stream);
   // Waits for every pending event and makes those blocks reusable.
   [[nodiscard]] absl::Status synchronize_pending();
@@ -184,9 +194,9 @@ class BlockPool {
     bool allocated = false;
     bool small = false;
     int pending_events = 0;
-    bool withheld = false;  // Note [Withheld blocks]
-    // Note [Expandable segments]: address space of an expandable segment with no memory behind
-    // it, or free memory on its way out of the pool (its unmapping runs without the lock).
+    bool withheld = false;  // See Note [Withheld blocks]
+    // Address space of an expandable segment with no memory behind it, or free memory on its way
+    // out of the pool (its unmapping runs without the lock; See Note [Expandable segments]).
     bool unmapped = false;
     bool releasing = false;
     std::uint64_t sequence = 0;
@@ -199,18 +209,19 @@ class BlockPool {
     StreamHandle stream = nullptr;
     bool small = false;
     Block* first = nullptr;
-    // Note [Expandable segments]: the reserved range (its blocks cover all of it, unmapped ones
-    // included) and what is mapped where: offset -> bytes of each map_range call.
+    // The reserved range (its blocks cover all of it, unmapped ones included) and what is mapped
+    // where: offset -> bytes of each map_range call (See Note [Expandable segments]).
     bool expandable = false;
     std::size_t range = 0;
     absl::btree_map<std::size_t, std::size_t> extents;
     std::size_t span() const { return expandable ? range : size; }
   };
-  // Note [Inline free keys]: the free sets hold each block's sort key by value, so a best-fit
-  // search compares keys inside the btree's nodes instead of following a pointer to every block it
-  // passes; with 10^6 blocks those pointer reads were most of an allocate+deallocate
-  // (bench/allocator_scaling_bench.cpp). A block's stream, size and address do not change while it
-  // is in a set: it is taken out first.
+  // Note [Inline free keys]
+  // ~~~~~~~~~~~~~~~~~~~~~~~
+  // The free sets hold each block's sort key by value, so a best-fit search compares keys inside
+  // the btree's nodes instead of following a pointer to every block it passes; with 10^6 blocks
+  // those pointer reads were most of an allocate+deallocate (bench/allocator_scaling_bench.cpp). A
+  // block's stream, size and address do not change while it is in a set: it is taken out first.
   struct FreeKey {
     std::uintptr_t stream = 0;
     std::size_t size = 0;
@@ -233,7 +244,7 @@ class BlockPool {
     EventHandle event;
     Block* block;
   };
-  // A stream of a freed block on which no event could be recorded yet (Note [Withheld blocks]).
+  // A stream of a freed block on which no event could be recorded yet (See Note [Withheld blocks]).
   struct Unrecorded {
     StreamHandle stream;
     Block* block;
@@ -270,7 +281,7 @@ class BlockPool {
   void event_done_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status wait_all_pending_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::size_t release_cached_segments_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Note [Expandable segments] (block_pool_expand.cpp).
+  // See Note [Expandable segments] in block_pool_expand.cpp.
   absl::StatusOr<Block*> grow_expandable_locked(std::size_t size, StreamHandle stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Segment*> new_expandable_segment_locked(std::size_t size, StreamHandle stream)
@@ -296,9 +307,11 @@ class BlockPool {
   const std::unique_ptr<Upstream> upstream_;
   const std::shared_ptr<StreamOps> stream_ops_;
 
-  // Note [Pool mutex]: std::mutex, not absl::Mutex: Debian's Abseil build runs deadlock detection
-  // (a cycle-graph lookup and a thread-local read) on every Lock/Unlock, which was half of the
-  // instructions of a pooled alloc+free pair (callgrind: ~1500 per pair before, see PERF notes).
+  // Note [Pool mutex]
+  // ~~~~~~~~~~~~~~~~~
+  // std::mutex, not absl::Mutex: Debian's Abseil build runs deadlock detection (a cycle-graph
+  // lookup and a thread-local read) on every Lock/Unlock, which was half of the instructions of a
+  // pooled alloc+free pair (callgrind: ~1500 per pair before, see PERF notes).
   mutable std::mutex mu_;
   // Taken before each upstream call, so segments on their way count too.
   const std::shared_ptr<Budget> budget_;
@@ -313,8 +326,8 @@ class BlockPool {
   std::uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   std::vector<std::unique_ptr<Block>> block_storage_ ABSL_GUARDED_BY(mu_);
   std::vector<Block*> spare_blocks_ ABSL_GUARDED_BY(mu_);
-  // Note [Expandable segments]: whether large blocks use them, the unit mapped, and each stream's
-  // expandable segments in the order they were made.
+  // Whether large blocks use expandable segments, the unit mapped, and each stream's expandable
+  // segments in the order they were made (See Note [Expandable segments]).
   const bool expandable_;
   const std::size_t chunk_;
   absl::flat_hash_map<StreamHandle, std::vector<Segment*>> expandable_segments_

@@ -1,12 +1,14 @@
 // allocator/block_pool_expand.cpp: the BlockPool member functions of expandable segments, kept
 // apart from the fixed-segment paths of block_pool.cpp and block_pool_release.cpp.
 //
-// Note [Expandable segments]: with fixed segments a pool that frees a 1 GiB activation and then
-// asks for 1.5 GiB cannot use the free gigabyte; it takes a new segment, and under shapes that
-// change from step to step (variable sequence lengths) it ends up holding 2.16 x what it ever had
-// live (bench/replay_trace.h's variable trace; 1.005 x with expandable segments). An expandable
-// segment is one address range per stream, reserved once (as large as the device's memory or the
-// budget, whichever is less) with memory mapped into it only where blocks need it:
+// Note [Expandable segments]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With fixed segments a pool that frees a 1 GiB activation and then asks for 1.5 GiB cannot use the
+// free gigabyte; it takes a new segment, and under shapes that change from step to step (variable
+// sequence lengths) it ends up holding 2.16 x what it ever had live (bench/replay_trace.h's
+// variable trace; 1.005 x with expandable segments). An expandable segment is one address range per
+// stream, reserved once (as large as the device's memory or the budget, whichever is less) with
+// memory mapped into it only where blocks need it:
 //   - its blocks cover the whole range; those with no memory behind them are `unmapped` and sit in
 //     no free set. Memory is mapped in extents (one map_range call each, at most kMaxExtent and a
 //     multiple of the upstream's granularity), recorded in Segment::extents;
@@ -16,9 +18,9 @@
 //     maps what is missing and merges the run into one block. Only when no range has room does it
 //     reserve another;
 //   - shrinking (trim, the out-of-memory fallback, a phase switch): every extent lying wholly
-//     inside a free block is unmapped, after an event on the segment's stream completed (Note
-//     [Stream ordering]); the block becomes unmapped address space. A range with nothing mapped is
-//     given back;
+//     inside a free block is unmapped, after an event on the segment's stream completed
+//     (See Note [Stream ordering]); the block becomes unmapped address space. A range with nothing
+//     mapped is given back;
 //   - reserved_bytes, the budget and stats count mapped bytes; segments counts ranges; num_maps,
 //     num_unmaps, upstream_alloc_ns and upstream_free_ns say what mapping cost.
 // Small blocks keep their fixed 2 MiB segments: every small segment fits every small request, so
@@ -252,8 +254,9 @@ std::size_t BlockPool::release_expandable_locked() {
   }
 
   mu_.unlock();
-  // Note [Stream ordering]: work queued on a segment's stream before its blocks were freed may
-  // still touch them. Fail closed: a stream that cannot be waited on keeps its memory mapped.
+  // Work queued on a segment's stream before its blocks were freed may still touch them
+  // (See Note [Stream ordering] in block_pool.h). Fail closed: a stream that cannot be waited on
+  // keeps its memory mapped.
   std::vector<StreamHandle> unsafe;
   if (stream_ops_ != nullptr) {
     for (StreamHandle stream : streams) {

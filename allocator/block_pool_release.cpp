@@ -1,8 +1,9 @@
 // allocator/block_pool_release.cpp: the BlockPool member functions that decide when freed memory
-// may be reused or leave the pool: blocks waiting behind stream events (Note [Stream ordering],
-// Note [Withheld blocks] in block_pool.h), the merge of lazily freed blocks (Note [Lazy
-// coalescing]) and the return of entirely free segments to the upstream (trim and the
-// out-of-memory fallback). Kept apart from block_pool.cpp so each file stays readable.
+// may be reused or leave the pool: blocks waiting behind stream events (See Note [Stream ordering];
+// See Note [Withheld blocks], both in block_pool.h), the merge of lazily freed blocks
+// (See Note [Lazy coalescing] in block_pool.h) and the return of entirely free segments to the
+// upstream (trim and the out-of-memory fallback). Kept apart from block_pool.cpp so each file stays
+// readable.
 #include "allocator/block_pool.h"
 
 #include <chrono>
@@ -70,8 +71,8 @@ absl::Status BlockPool::wait_all_pending_locked() {
         str_cat(unrecorded_.size(), " freed block(s) of tier ", tier_name(config_.tier),
                 " are withheld: no event can be recorded on their streams"));
   }
-  // The events to wait for now; a wait that fails keeps its event for the next try (Note
-  // [Withheld blocks]).
+  // The events to wait for now; a wait that fails keeps its event for the next try
+  // (See Note [Withheld blocks]).
   std::deque<PendingEvent> waits;
   waits.swap(pending_);
   while (!waits.empty()) {
@@ -135,11 +136,11 @@ std::size_t BlockPool::release_cached_segments_locked() {
   std::size_t released = release_expandable_locked();
   for (Segment* segment : victims) {
     mu_.unlock();
-    // Note [Stream ordering]: work queued on the segment's stream before its last free may still
-    // touch it; wait for that stream before the memory leaves the pool. Work on other streams is
-    // covered by the blocks' own events (record_stream), and must be: a virtual-memory segment
-    // is unmapped at once, with no device-wide wait as cudaFree's to hide a missing one. Fail
-    // closed: a segment whose stream cannot be waited on stays in the pool.
+    // Work queued on the segment's stream before its last free may still touch it; wait for that
+    // stream before the memory leaves the pool (See Note [Stream ordering] in block_pool.h). Work
+    // on other streams is covered by the blocks' own events (record_stream), and must be: a
+    // virtual-memory segment is unmapped at once, with no device-wide wait as cudaFree's to hide a
+    // missing one. Fail closed: a segment whose stream cannot be waited on stays in the pool.
     absl::Status s;
     if (stream_ops_ != nullptr) {
       absl::StatusOr<EventHandle> event = stream_ops_->record(segment->stream);

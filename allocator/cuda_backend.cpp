@@ -54,8 +54,8 @@ class DeviceGuard {
   bool restore_ = false;
 };
 
-// Note [Pool visibility for memory checkers] (upstream.h): each segment is an NVTX sub-allocator
-// heap, so memcheck treats it as inaccessible except for the regions registered as live blocks.
+// Each segment is an NVTX sub-allocator heap, so memcheck treats it as inaccessible except for the
+// regions registered as live blocks (See Note [Pool visibility for memory checkers] in upstream.h).
 // NVTX calls are no-ops unless a tool is attached.
 nvtxDomainHandle_t nvtx_domain() {
   static nvtxDomainHandle_t domain = nvtxDomainCreateA("strata");
@@ -133,7 +133,7 @@ class CudaDeviceUpstream : public Upstream {
     DeviceGuard guard(device_);
     nvtxMemHeapUnregister(nvtx_domain(), reinterpret_cast<nvtxMemHeapHandle_t>(ptr));
     const cudaError_t err = cudaFree(ptr);
-    // Note [Stream ordering] rule 5: at exit the runtime may already be unloading.
+    // See Note [Stream ordering], rule 5: at exit the runtime may already be unloading.
     if (err != cudaSuccess && err != cudaErrorCudartUnloading) {
       return absl::InternalError(str_cat("cudaFree(", ptr, ") failed: ", cuda_error_text(err)));
     }
@@ -147,15 +147,17 @@ class CudaDeviceUpstream : public Upstream {
   const int device_;
 };
 
-// Note [Device memory method]: cudaFree waits until the whole device is idle, copies of other
-// memory included, while cuMemUnmap and cuMemRelease of CUDA's virtual memory management do not.
-// tools/gpu/probes/free_overlap.cu on an H200: freeing 1 GiB while a 4 GiB device-to-host copy
-// streamed took the copy's whole 78 ms with cudaFree, 0.4-0.7 ms unmapped (and the copy ran at
-// full speed). A phase switch (runtime/phase.cpp) frees each segment as soon as its copies have
-// landed; on virtual memory those frees overlap the copies still streaming. Each segment is an
-// address range of its own with one physical allocation mapped into it, so the pool above sees the
-// same segments as with cudaMalloc. The driver's entry points are looked up through the runtime,
-// so strata links no libcuda and loads on machines without a driver.
+// Note [Device memory method]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// cudaFree waits until the whole device is idle, copies of other memory included, while cuMemUnmap
+// and cuMemRelease of CUDA's virtual memory management do not: a cudaFree beside a streaming copy
+// waits for the whole copy, an unmap does not and the copy keeps its speed
+// (tools/gpu/probes/free_overlap.cu; the figures are in bench/results). A phase switch
+// (runtime/phase.cpp) frees each segment as soon as its copies have landed; on virtual memory those
+// frees overlap the copies still streaming. Each segment is an address range of its own with one
+// physical allocation mapped into it, so the pool above sees the same segments as with cudaMalloc.
+// The driver's entry points are looked up through the runtime, so strata links no libcuda and loads
+// on machines without a driver.
 struct VmmApi {
   PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
   PFN_cuMemAddressReserve_v10020 reserve = nullptr;
@@ -232,10 +234,11 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
   CudaVmmDeviceUpstream(int device, std::size_t granularity)
       : CudaDeviceUpstream(device), granularity_(granularity) {}
   std::string_view name() const override { return "cuda_device(virtual memory)"; }
-  // Note [Pool visibility for memory checkers]: compute-sanitizer refuses NVTX heaps on mapped
-  // address ranges ("one or more of the parameters is invalid", one warning per call, each
-  // counted as an error), so these segments are not registered: a checker sees each whole
-  // segment, not its blocks. STRATA_GPU_MEMORY=cudamalloc gives block bounds back.
+  // compute-sanitizer refuses NVTX heaps on mapped address ranges ("one or more of the parameters
+  // is invalid", one warning per call, each counted as an error), so these segments are not
+  // registered: a checker sees each whole segment, not its blocks
+  // (See Note [Pool visibility for memory checkers] in upstream.h). STRATA_GPU_MEMORY=cudamalloc
+  // gives block bounds back.
   void on_block_live(const void*, const void*, std::size_t) override {}
   void on_block_dead(const void*, const void*) override {}
 
@@ -262,8 +265,8 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
     return absl::OkStatus();
   }
 
-  // Note [Expandable segments]: a range is reserved address space; each map_range call is one
-  // physical allocation mapped into it, taken back whole by unmap_range.
+  // A range is reserved address space; each map_range call is one physical allocation mapped into
+  // it, taken back whole by unmap_range (See Note [Expandable segments] in block_pool_expand.cpp).
   std::size_t expansion_granularity() const override { return granularity_; }
   std::size_t max_range_bytes() const override {
     DeviceGuard guard(device());
@@ -385,11 +388,13 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
   absl::flat_hash_map<void*, Mapping> mapped_ ABSL_GUARDED_BY(mu_);
 };
 
-// Note [Pinned upstream]: two ways to get page-locked host memory. cudaHostAlloc asks the driver
-// for it in one call; mmap + cudaHostRegister maps ordinary pages first and pins them after. Both
-// make memory that copies at full link speed; they differ in how long pinning takes, which matters
-// for the first cycle only because the pool keeps pinned segments forever. bench/allocator_bench
-// measures both (BM_PinnedUpstream) and the default in AllocatorOptions follows the numbers.
+// Note [Pinned upstream]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Two ways to get page-locked host memory. cudaHostAlloc asks the driver for it in one call; mmap +
+// cudaHostRegister maps ordinary pages first and pins them after. Both make memory that copies at
+// full link speed; they differ in how long pinning takes, which matters for the first cycle only
+// because the pool keeps pinned segments forever. bench/allocator_bench measures both
+// (BM_PinnedUpstream) and the default in AllocatorOptions follows the numbers.
 class PinnedHostUpstream final : public Upstream {
  public:
   explicit PinnedHostUpstream(PinnedMethod method) : method_(method) {
@@ -455,7 +460,7 @@ class PinnedHostUpstream final : public Upstream {
 class CudaStreamOps final : public StreamOps {
  public:
   ~CudaStreamOps() override {
-    // Note [Stream ordering] rule 5: tolerate a runtime that is unloading at exit.
+    // See Note [Stream ordering], rule 5: tolerate a runtime that is unloading at exit.
     for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);
   }
 

@@ -1,10 +1,11 @@
 // allocator/stream_ops.h: the events the pool uses to know when a stream is done with a block.
 //
-// Note [Stream ordering] (docs/design.md, section 6): a block freed while a stream other than its
-// allocation stream may still use it (the caller said so with record_stream) becomes reusable only
-// after an event recorded on each such stream at free time has completed. StreamOps is the seam
-// between that rule and CUDA: CudaStreamOps records real cudaEvents; SimulatedStreamOps stands in
-// on machines without a GPU and lets tests hold events incomplete on purpose.
+// A block freed while a stream other than its allocation stream may still use it (the caller said
+// so with record_stream) becomes reusable only after an event recorded on each such stream at free
+// time has completed (See Note [Stream ordering] in block_pool.h; its rules are numbered in
+// docs/design.md, section 6). StreamOps is the seam between that rule and CUDA: CudaStreamOps
+// records real cudaEvents; SimulatedStreamOps stands in on machines without a GPU and lets tests
+// hold events incomplete on purpose.
 //
 // Example:
 //   SimulatedStreamOps ops;

@@ -80,8 +80,8 @@ std::optional<HostMemory> read_host_memory() {
   return m;
 }
 
-// Note [Host budgets]: the default budget of a host tier, and what an out-of-memory message says
-// of it.
+// The default budget of a host tier, and what an out-of-memory message says of it
+// (See Note [Host budgets] in tiered_allocator.h).
 std::pair<std::size_t, std::string> machine_budget(Tier tier) {
   const std::optional<HostMemory> m = read_host_memory();
   if (!m.has_value()) return {kNoBudget, ""};

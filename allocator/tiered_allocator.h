@@ -42,16 +42,18 @@ enum class DeviceBackend {
 
 std::string_view device_backend_name(DeviceBackend backend);
 
-// Note [Host budgets]: host memory that runs out does not fail an allocation, it brings the
-// kernel's out-of-memory killer (or, pinned, stalls the machine), so the host tiers have budgets by
-// default, read from /proc/meminfo when the allocator is made: pinned host memory at most half of
-// the machine's memory and no more than is available then; pageable memory no more than is
-// available then. A request above one is an out-of-memory error naming the default and how to set
-// another. Where the machine's memory cannot be read, or a tier has an upstream of the caller's,
-// there is no default budget.
+// Note [Host budgets]
+// ~~~~~~~~~~~~~~~~~~~
+// Host memory that runs out does not fail an allocation, it brings the kernel's out-of-memory
+// killer (or, pinned, stalls the machine), so the host tiers have budgets by default, read from
+// /proc/meminfo when the allocator is made: pinned host memory at most half of the machine's memory
+// and no more than is available then; pageable memory no more than is available then. A request
+// above one is an out-of-memory error naming the default and how to set another. Where the
+// machine's memory cannot be read, or a tier has an upstream of the caller's, there is no default
+// budget.
 inline constexpr std::size_t kMachineBudget = kNoBudget - 1;
 
-// How the GPU tier lays out large blocks (Note [Expandable segments] in block_pool_expand.cpp):
+// How the GPU tier lays out large blocks (See Note [Expandable segments] in block_pool_expand.cpp):
 // in ranges that grow and shrink by mapping memory (kExpandable), or in segments of fixed size,
 // one upstream allocation each (kFixed). kAuto: expandable where the upstream can map (the CUDA
 // virtual-memory upstream and the simulated device), unless the environment variable
@@ -67,16 +69,15 @@ struct AllocatorOptions {
   int cuda_device = 0;
   // Used when the GPU tier is simulated.
   SimulatedDeviceOptions simulated_device = {};
-  // See Note [Pinned upstream] in cuda_backend.cpp: mmap + cudaHostRegister pinned faster than
-  // cudaHostAlloc on an H200 (3.1-3.3 vs 2.5-2.8 GB/s, unpinning twice as fast) with the same copy
-  // bandwidth (55.2 GB/s each way); bench/results has the run.
+  // See Note [Pinned upstream] in cuda_backend.cpp: mmap + cudaHostRegister pins and unpins
+  // faster than cudaHostAlloc, with the same copy bandwidth; bench/results has the run.
   PinnedMethod pinned_method = PinnedMethod::kMmapRegister;
-  // How the GPU tier gets its segments (Note [Device memory method] in cuda_backend.cpp): by
+  // How the GPU tier gets its segments (See Note [Device memory method] in cuda_backend.cpp): by
   // default virtual memory where supported, so a phase switch's frees overlap its copies.
   DeviceMethod device_method = DeviceMethod::kAuto;
   GpuSegments gpu_segments = GpuSegments::kAuto;
   // Cap on each tier's reserved bytes: kNoBudget for none, kMachineBudget (the host tiers'
-  // default) for one derived from the machine's memory (Note [Host budgets]).
+  // default) for one derived from the machine's memory (See Note [Host budgets]).
   std::array<std::size_t, kNumTiers> budgets = {kNoBudget, kMachineBudget, kMachineBudget};
   // Bytes reserved in each tier at creation (one segment each), e.g. to pin host memory once up
   // front. Must not exceed the tier's budget.

@@ -34,11 +34,12 @@ absl::Status unmap(void* ptr, std::size_t bytes, std::string_view who) {
   return absl::OkStatus();
 }
 
-// Note [Expandable segments] on the simulated device: a range is address space mapped PROT_NONE;
-// "mapping" part of it makes those pages readable and writable (kMemory) or only counts them
-// (kAddressOnly, which never touches memory), and unmapping drops the pages and makes them
-// inaccessible again, so a test that uses memory the pool gave back faults as it would on a GPU.
-// Mapped bytes and whole segments share the one capacity, as a GPU's memory does.
+// Expandable segments on the simulated device (See Note [Expandable segments] in
+// block_pool_expand.cpp): a range is address space mapped PROT_NONE; "mapping" part of it makes
+// those pages readable and writable (kMemory) or only counts them (kAddressOnly, which never
+// touches memory), and unmapping drops the pages and makes them inaccessible again, so a test that
+// uses memory the pool gave back faults as it would on a GPU. Mapped bytes and whole segments share
+// the one capacity, as a GPU's memory does.
 class SimulatedRanges {
  public:
   static constexpr std::size_t kGranularity = std::size_t{2} << 20;

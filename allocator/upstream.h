@@ -50,18 +50,19 @@ class Upstream {
   [[nodiscard]] virtual absl::Status deallocate(void* ptr, std::size_t bytes) = 0;
   // True when the memory is real GPU memory (not host-readable).
   virtual bool is_device_memory() const { return false; }
-  // Note [Pool visibility for memory checkers]: the pool reports each block it hands out (with
-  // the bytes asked, not the rounded size) and each block that returns to its free set, so a
-  // checker such as compute-sanitizer sees an access outside every live block even where it falls
-  // inside a segment. The CUDA device upstream over cudaMalloc forwards these to the NVTX memory
-  // API (compute-sanitizer refuses NVTX heaps on virtual-memory mappings). Called with
-  // the pool's lock held; must be cheap. Default: nothing.
+  // Note [Pool visibility for memory checkers]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // The pool reports each block it hands out (with the bytes asked, not the rounded size) and each
+  // block that returns to its free set, so a checker such as compute-sanitizer sees an access
+  // outside every live block even where it falls inside a segment. The CUDA device upstream over
+  // cudaMalloc forwards these to the NVTX memory API (compute-sanitizer refuses NVTX heaps on
+  // virtual-memory mappings). Called with the pool's lock held; must be cheap. Default: nothing.
   virtual void on_block_live(const void* segment, const void* ptr, std::size_t bytes) {}
   virtual void on_block_dead(const void* segment, const void* ptr) {}
 
-  // Note [Expandable segments] (block_pool_expand.cpp): an upstream that can reserve address space
-  // and put physical memory behind parts of it lets a pool grow a segment in place. These five
-  // calls are that ability; an upstream without it returns 0 from expansion_granularity() and
+  // An upstream that can reserve address space and put physical memory behind parts of it lets a
+  // pool grow a segment in place (See Note [Expandable segments] in block_pool_expand.cpp). These
+  // five calls are that ability; an upstream without it returns 0 from expansion_granularity() and
   // kUnimplemented from the rest.
   //
   // The unit of map_range and unmap_range (a power of two), or 0: no expandable segments.
@@ -99,17 +100,17 @@ std::unique_ptr<Upstream> make_pageable_host_upstream();
 std::unique_ptr<Upstream> make_simulated_pinned_upstream();
 
 // How pinned host memory is obtained. Both are pinned once per segment and pooled by the pool
-// above; which is the default was chosen by measurement (bench/results, and Note [Pinned upstream]
+// above; which is the default was chosen by measurement (bench/results; See Note [Pinned upstream]
 // in cuda_backend.cpp).
 enum class PinnedMethod { kCudaHostAlloc, kMmapRegister };
 std::string_view pinned_method_name(PinnedMethod method);
 
-// How GPU memory is obtained (Note [Device memory method] in cuda_backend.cpp): by CUDA's virtual
-// memory management, whose frees do not wait for the device's other work, or by cudaMalloc, whose
-// cudaFree waits until the whole device is idle. kAuto: virtual memory where the device and driver
-// support it, cudaMalloc otherwise; the environment variable STRATA_GPU_MEMORY=virtual|cudamalloc
-// decides kAuto instead (a memory checker's run wants cudaMalloc: block bounds are reported to it
-// only on cudaMalloc'd segments).
+// How GPU memory is obtained (See Note [Device memory method] in cuda_backend.cpp): by CUDA's
+// virtual memory management, whose frees do not wait for the device's other work, or by cudaMalloc,
+// whose cudaFree waits until the whole device is idle. kAuto: virtual memory where the device and
+// driver support it, cudaMalloc otherwise; the environment variable
+// STRATA_GPU_MEMORY=virtual|cudamalloc decides kAuto instead (a memory checker's run wants
+// cudaMalloc: block bounds are reported to it only on cudaMalloc'd segments).
 enum class DeviceMethod { kAuto, kVirtualMemory, kCudaMalloc };
 std::string_view device_method_name(DeviceMethod method);
 // "auto", "virtual" or "cudamalloc" (strata-train's --strata_gpu_memory, STRATA_GPU_MEMORY).

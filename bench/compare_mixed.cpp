@@ -6,8 +6,8 @@
 //   - streamed: layer_prefetch K=1 and K=2 streaming masters and moments (12 bytes a parameter
 //     each way) against PyTorch's per-layer pipeline with pinned states at the same number of GPU
 //     slots (2 and 3). Before each step two floors are taken: a pass over the step's own pinned
-//     buffers (Note [Own-memory floor] in bench/mixed_rig.h) and the link rig's passes right
-//     before the step (Note [Adjacent floor] in bench/link_rig.h).
+//     buffers (See Note [Own-memory floor] in bench/mixed_rig.h) and the link rig's passes right
+//     before the step (See Note [Adjacent floor] in bench/link_rig.h).
 // Every approach's masters are checked against float32 AdamW on the host after its rounds, and
 // every strata sample against the bytes its floor counts.
 #include <functional>

@@ -154,11 +154,13 @@ inline absl::StatusOr<LinkTiming> run_link(LinkRig& rig, bool h2d, bool d2h) {
   return t;
 }
 
-// Note [Adjacent floor]: raw passes taken next to the runs a benchmark times, one before each run
-// and outside its clock, so that a ratio to the link compares a run with the link as it was then.
-// The PCIe link of some hosts drifts by 10% within minutes (an H100 host, 2026-11-23: 41.6 GB/s
-// per direction both at once at the start of a run, 37.8 GB/s two minutes later), and a figure
-// taken once per process misjudges every run timed after it.
+// Note [Adjacent floor]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Raw passes taken next to the runs a benchmark times, one before each run and outside its clock,
+// so that a ratio to the link compares a run with the link as it was then. The PCIe link of some
+// hosts drifts by 10% within minutes (an H100 host, 2026-11-23: 41.6 GB/s per direction both at
+// once at the start of a run, 37.8 GB/s two minutes later), and a figure taken once per process
+// misjudges every run timed after it.
 //
 //   AdjacentLink both(rig, /*h2d=*/true, /*d2h=*/true);
 //   for (auto _ : state) { STRATA_RETURN_IF_ERROR(both.sample()); ...timed run... }

@@ -10,9 +10,9 @@
 //                                moments (optimizer_states) from pinned memory; parameters and
 //                                gradients on the GPU. floor = 12 B/param each way over the raw
 //                                pinned bandwidth per direction with both directions running,
-//                                from link passes right before each step (Note [Adjacent floor]
+//                                from link passes right before each step (See Note [Adjacent floor]
 //                                in link_rig.h). Target: <= 1.03 x floor. Also the own-memory
-//                                floor (Note [Own-memory floor]).
+//                                floor (See Note [Own-memory floor]).
 //   BM_MixedTorchPipeline        PyTorch's best way to stream the same state: masters and moments
 //                                in pinned CPU tensors, a per-layer pipeline with one stream per
 //                                direction and two GPU slots, the gradients cast to float32, the

@@ -56,15 +56,17 @@ inline double mixed_state_bytes() { return kMixedStateBytesPerParam * mixed_para
 // Pinned host buffers (pointer, bytes) a floor pass covers.
 using HostBuffers = std::vector<std::pair<void*, std::size_t>>;
 
-// Note [Own-memory floor]: a rig's link passes read the link through the rig's own pinned
-// buffers, and on some hosts a streamed step moves its bytes faster than they do (an H200,
-// 2026-11-24: the step at 46.4 GB/s per direction, the rig at 45.6), so the rig's floor under-reads
-// the link the step sees. This floor is taken over the step's own memory: right before each step,
-// one pass copies every pinned state buffer to a GPU scratch buffer while, at the same time on a
-// second stream, a GPU mirror of the same bytes is copied back into those buffers, tensor by
-// tensor as the step copies them. The mirror is refreshed from the buffers just before (untimed),
-// so what is written back is what is there. The floor is the pass's span: the bytes each way over
-// both directions at once, with no compute and no dependency between them.
+// Note [Own-memory floor]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A rig's link passes read the link through the rig's own pinned buffers, and on some hosts a
+// streamed step moves its bytes faster than they do (an H200, 2026-11-24: the step at 46.4 GB/s per
+// direction, the rig at 45.6), so the rig's floor under-reads the link the step sees. This floor is
+// taken over the step's own memory: right before each step, one pass copies every pinned state
+// buffer to a GPU scratch buffer while, at the same time on a second stream, a GPU mirror of the
+// same bytes is copied back into those buffers, tensor by tensor as the step copies them. The
+// mirror is refreshed from the buffers just before (untimed), so what is written back is what is
+// there. The floor is the pass's span: the bytes each way over both directions at once, with no
+// compute and no dependency between them.
 class OwnMemoryFloor {
  public:
   OwnMemoryFloor() = default;

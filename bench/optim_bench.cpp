@@ -41,7 +41,7 @@
 //                              the one benchmark that runs without a GPU.
 // Floors of the offloaded approaches: the raw pinned bandwidth comes from passes of the link rig
 // (16 x 256 MiB each way) right before each step, outside its clock, warm-up steps included, so
-// each step is judged against the link as it was then (Note [Adjacent floor] in link_rig.h);
+// each step is judged against the link as it was then (See Note [Adjacent floor] in link_rig.h);
 // main's start-of-run figures stay in the JSON context for reference.
 // Timing: the resident approaches with CUDA events around the step on the stream that computes;
 // the offloaded ones with host wall time from an idle device to cudaDeviceSynchronize() after the

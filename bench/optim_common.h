@@ -220,9 +220,9 @@ absl::StatusOr<Bandwidths> measure_bandwidths();
 absl::StatusOr<double> sample_hbm();
 
 // An offloaded approach's floor from raw passes right before each of its steps, outside the
-// step's clock (Note [Adjacent floor] in bench/link_rig.h). kConcurrent: both directions at once,
-// as layer_prefetch and the per-layer pipeline move their bytes (floor = bytes each way over the
-// span); kSequential: each direction alone, as bulk moves everything in and then everything out
+// step's clock (See Note [Adjacent floor] in bench/link_rig.h). kConcurrent: both directions at
+// once, as layer_prefetch and the per-layer pipeline move their bytes (floor = bytes each way over
+// the span); kSequential: each direction alone, as bulk moves everything in and then everything out
 // (floor = bytes over the H2D rate + bytes over the D2H rate). Needs g_link.
 class LinkFloor {
  public:

@@ -2,7 +2,7 @@
 // grows. Where strata_optim_bench runs one approach after another (Google Benchmark), this runs
 // the approaches of each comparison in rounds, A B A B ... (the order reversed every other round),
 // each step with its own reference sampled right before it: raw pinned link passes for offloaded
-// steps (Note [Adjacent floor] in bench/link_rig.h), a 2 GiB device-to-device copy for resident
+// steps (See Note [Adjacent floor] in bench/link_rig.h), a 2 GiB device-to-device copy for resident
 // ones. tools/gpu/summarize_compare.py turns the samples into median, min and max, a verdict per
 // comparison (PASS / FAIL / WITHIN NOISE: only a difference larger than the spread of the rounds
 // is a verdict), fits and SVG plots.

@@ -280,7 +280,8 @@ struct ReplayMemory {
   std::int64_t reserved_peak_bytes = 0;
   std::int64_t peak_allocated_bytes = 0;  // after the allocator's rounding
   std::int64_t upstream_allocs = 0;       // cudaMalloc (or simulated) calls
-  // Note [Expandable segments]: what mapping cost (strata's only; -1 where not known).
+  // What mapping cost (strata's only; -1 where not known; See Note [Expandable segments] in
+  // allocator/block_pool_expand.cpp).
   std::int64_t maps = -1;
   double upstream_alloc_ms = -1;
   double upstream_free_ms = -1;

@@ -13,7 +13,7 @@
 //                                      end-to-end figure). both: 32 tensors, 16 going each way at
 //                                      once, so each direction moves 4 GiB as in the raw run.
 //                                      Before each timed cycle, outside its clock, one raw pass
-//                                      of the same direction (Note [Adjacent floor] in
+//                                      of the same direction (See Note [Adjacent floor] in
 //                                      link_rig.h). Target: ratio_to_raw (gbps over those passes'
 //                                      raw_gbps) >= 0.95.
 //   BM_OffloadReload/12GB_cached       offload_all(keep_cached) + reload_all() of 12e9 bytes (48
@@ -449,7 +449,7 @@ void BM_RuntimeMigrate(benchmark::State& state, Direction direction) {
     return skip(state, "warm-up cycle", warm.status());
   }
 #ifdef STRATA_HAS_CUDA
-  // The raw copies of the same direction right before each timed cycle (Note [Adjacent floor]).
+  // The raw copies of the same direction right before each timed cycle (See Note [Adjacent floor]).
   absl::StatusOr<LinkRig*> raw = raw_rig();
   if (!raw.ok()) return skip(state, "raw copy buffers", raw.status());
   AdjacentLink link(**raw, direction != Direction::kD2H, direction != Direction::kH2D);
@@ -583,8 +583,8 @@ void run_offload_reload(benchmark::State& state, std::size_t total_bytes, int co
   const Clock::time_point w2 = Clock::now();
 
 #ifdef STRATA_HAS_CUDA
-  // The floor's bandwidths: raw passes, each direction alone, right before each timed cycle (Note
-  // [Adjacent floor]).
+  // The floor's bandwidths: raw passes, each direction alone, right before each timed cycle
+  // (See Note [Adjacent floor]).
   std::optional<AdjacentLink> raw_h2d;
   std::optional<AdjacentLink> raw_d2h;
   if (cuda) {

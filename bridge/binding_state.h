@@ -45,7 +45,7 @@ struct TorchBinding::State {
     std::uint64_t moves = 0;
   };
 
-  // A parameter whose gradient register_gradients bound (Note [Gradients the model replaced] in
+  // A parameter whose gradient register_gradients bound (See Note [Gradients the model replaced] in
   // gradients.cpp).
   struct Gradient {
     std::string parameter;  // its name

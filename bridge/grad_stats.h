@@ -4,20 +4,21 @@
 // A streamed gradient leaves the GPU right after its layer's backward (the runtime's
 // after_backward), so anything computed over every gradient must take its part of each layer
 // before that: add_layer() queues the layer's sum of squares on torch's current stream, and its
-// inf/NaN check only when set_check_non_finite(true) asked for it (Note [Opt-in inf check]).
+// inf/NaN check only when set_check_non_finite(true) asked for it (See Note [Opt-in inf check]).
 // After backward, grad_scale() gives Adam the one device scalar its kernel divides gradients by
 // (the loss scale, and the clip coefficient of torch.nn.utils.clip_grad_norm_), and found_inf()
-// the flag a step is skipped by (Note [Skipped steps] in optim/adam_kernels.h). Misuse (a layer
+// the flag a step is skipped by (See Note [Skipped steps] in optim/adam_kernels.h). Misuse (a layer
 // added twice in a step, totals with no layer added, found_inf without the check) throws
 // kFailedPrecondition. Partial sums are added in layer order, so the result does not depend on
 // where the policy keeps the gradients.
 //
-// Note [Opt-in inf check]: the check reads every gradient element once more each step, and only
-// loss scaling uses it, so it is off unless the owner scales its loss. It cannot be derived from
-// the norm: a finite gradient whose square overflows float32 makes the norm inf, yet GradScaler
-// (and so found_inf) counts only inf and NaN elements. The norms are always taken: every owner
-// reads total_norm (strata-train reports it each step), and a streamed gradient is gone by the
-// time one could ask for it.
+// Note [Opt-in inf check]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// The check reads every gradient element once more each step, and only loss scaling uses it, so it
+// is off unless the owner scales its loss. It cannot be derived from the norm: a finite gradient
+// whose square overflows float32 makes the norm inf, yet GradScaler (and so found_inf) counts only
+// inf and NaN elements. The norms are always taken: every owner reads total_norm (strata-train
+// reports it each step), and a streamed gradient is gone by the time one could ask for it.
 //
 // Example (each step):
 //   GradientStats stats;
@@ -47,7 +48,7 @@ class GradientStats {
   void add_layer(int layer, const std::vector<at::Tensor>& grads);
   // Forgets the step's parts; the setting of set_check_non_finite stays.
   void reset();
-  // Whether add_layer also takes the inf/NaN check found_inf() reads (Note [Opt-in inf check]);
+  // Whether add_layer also takes the inf/NaN check found_inf() reads (See Note [Opt-in inf check]);
   // off by default. Set it before a step's first add_layer.
   void set_check_non_finite(bool on) { check_non_finite_ = on; }
 

@@ -1,9 +1,11 @@
 // bridge/gradients.cpp: a module's gradients bound to the runtime, and the check before each
 // optimizer step that they, and their parameters, are still the tensors strata holds.
 //
-// Note [Gradients the model replaced]: strata's optimizer steps the gradients and parameters it
-// holds, so a model that stops using them would silently stop learning. Before every optimizer step
-// (Runtime::add_before_optimizer_step) the binding looks at each parameter whose gradient it bound:
+// Note [Gradients the model replaced]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// strata's optimizer steps the gradients and parameters it holds, so a model that stops using them
+// would silently stop learning. Before every optimizer step (Runtime::add_before_optimizer_step)
+// the binding looks at each parameter whose gradient it bound:
 //   - the parameter's gradient is a new tensor: zero_grad(set_to_none=true) dropped the bound one
 //     (LibTorch's default) and backward made another. Its values go into the gradient strata holds,
 //     which becomes the parameter's gradient again, so the next backward accumulates into it:

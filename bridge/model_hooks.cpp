@@ -8,24 +8,28 @@
 
 namespace strata::bridge {
 
-// Note [Zeroing streamed gradients]: backward accumulates into the bound gradients, so they must
-// be zero before a layer's backward starts. Zeroing them after the step would write them where
-// they rest, which for streamed gradients is pinned host memory, through unified addressing (about
-// 100 ms a step for 5 GB on an H200, on the compute stream). Instead each layer's gradients are
-// zeroed just before its backward: the policy has brought them to the GPU for it by then (held
-// from forward for the last layer, or fetched at the next layer's after_backward).
+// Note [Zeroing streamed gradients]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Backward accumulates into the bound gradients, so they must be zero before a layer's backward
+// starts. Zeroing them after the step would write them where they rest, which for streamed
+// gradients is pinned host memory, through unified addressing, at the link's speed and on the
+// compute stream. Instead each layer's gradients are zeroed just before its backward:
+// the policy has brought them to the GPU for it by then (held from forward for the last layer, or
+// fetched at the next layer's after_backward).
 
-// Note [The step stream]: an optimizer stepping each layer in backward (set_after_layer) waits on
-// the GPU for the link to bring the layer's states. Queued on the stream backward computes on, that
-// wait holds up every later layer's backward, so the link's time is added to backward's instead
-// of hidden under it. FSDP2 is worse: its hooks run on the reduce-scatter stream, which the next
-// units' compute waits for. So, with kOwnStream, the function runs on a stream of its own: it
-// waits for the work queued so far on the compute stream and on torch's current stream (the
-// layer's gradients are final there), and the runtime computes on it for the call, so the copies
-// it starts (states in, write-backs out, undo copies) are fenced behind the step, not behind
-// backward. What backward needs next stays on the compute stream: the runtime's own
-// after_backward runs there before, and its holds make backward's kernels wait for their layers.
-// finish_backward joins the two streams before anything reads what the step wrote.
+// Note [The step stream]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// An optimizer stepping each layer in backward (set_after_layer) waits on the GPU for the link to
+// bring the layer's states. Queued on the stream backward computes on, that wait holds up every
+// later layer's backward, so the link's time is added to backward's instead of hidden under it.
+// FSDP2 is worse: its hooks run on the reduce-scatter stream, which the next units' compute waits
+// for. So, with kOwnStream, the function runs on a stream of its own: it waits for the work queued
+// so far on the compute stream and on torch's current stream (the layer's gradients are final
+// there), and the runtime computes on it for the call, so the copies it starts (states in,
+// write-backs out, undo copies) are fenced behind the step, not behind backward. What backward
+// needs next stays on the compute stream: the runtime's own after_backward runs there before, and
+// its holds make backward's kernels wait for their layers. finish_backward joins the two streams
+// before anything reads what the step wrote.
 
 ModelHooks::ModelHooks(rt::Runtime& runtime, bool zero_before_backward)
     : runtime_(runtime), zero_before_backward_(zero_before_backward) {}

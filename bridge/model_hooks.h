@@ -4,7 +4,7 @@
 // each layer's part of the gradient norm and of loss scaling's inf check (GradientStats), taken
 // right after its backward, before the policy sends its gradients away; and, for loops that never
 // zero their gradients themselves, each layer's gradients zeroed just before its backward
-// (Note [Zeroing streamed gradients] in model_hooks.cpp). Throws c10 errors, as bridge/ does.
+// (See Note [Zeroing streamed gradients] in model_hooks.cpp). Throws c10 errors, as bridge/ does.
 //
 // Example (one step; hooks installed on the layers call before_forward and after_backward):
 //   ModelHooks hooks(runtime, /*zero_before_backward=*/true);
@@ -64,16 +64,16 @@ class ModelHooks {
   // Once the gradient of layer `layer`'s output is complete, before anything of its backward runs
   // (a hook on the output): the runtime's before_backward. Optional for a model whose backward
   // runs its layers in the reverse order of forward; needed otherwise (parallel branches, two
-  // embeddings summed; Note [Backward out of order] in policies/layer_prefetch.cpp).
+  // embeddings summed; See Note [Backward out of order] in policies/layer_prefetch.cpp).
   void before_backward(int layer);
   // Once layer `layer`'s backward is done (its gradients accumulated): its part of the statistics,
   // then the runtime's after_backward; with zero_before_backward, then zeroes the gradients of the
   // layer forwarded before it, whose backward comes next. Once per layer per step.
   void after_backward(int layer);
   // Called with the layer in after_backward, right after the runtime's after_backward: where an
-  // optimizer steps each layer during backward (Adam::step_layer; Note [Overlapped step] in
+  // optimizer steps each layer during backward (Adam::step_layer; See Note [Overlapped step] in
   // optim/adam.h). Empty: nothing. kOwnStream runs it, on a GPU, on a stream of its own with the
-  // runtime computing there (Note [The step stream] in model_hooks.cpp); kComputeStream on the
+  // runtime computing there (See Note [The step stream] in model_hooks.cpp); kComputeStream on the
   // compute stream as the hook found it.
   enum class AfterLayerStream { kComputeStream, kOwnStream };
   void set_after_layer(std::function<void(int)> fn,

@@ -3,10 +3,10 @@
 //
 // .item() on a CUDA tensor is a 4-byte copy to the host, and copies queue on the GPU's copy
 // engines: behind the write-backs a strata step leaves running (an overlapped step's last layers,
-// layer_prefetch's staging ring), such a copy waits for all of them, 20-30 ms on an H200 at 16 GB
-// of states a step, although the value was ready long before. A ScalarReader instead has a kernel
-// on torch's current stream write the values into pinned host memory (mapped into the GPU's
-// address space), and waits for that stream only (Note [Reading the step's scalars] in
+// layer_prefetch's staging ring), such a copy waits for all of them (tens of milliseconds; the
+// README has the figures), although the value was ready long before. A ScalarReader instead has a
+// kernel on torch's current stream write the values into pinned host memory (mapped into the GPU's
+// address space), and waits for that stream only (See Note [Reading the step's scalars] in
 // optim/adam_overlap.cpp does the same inside Adam). CPU tensors are read with .item().
 //
 // Example:

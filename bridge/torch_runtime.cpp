@@ -31,7 +31,7 @@ c10::DataPtr runtime_data_ptr(void* data, c10::Device device) {
 
 // Leaves a storage with no data, for good: any later access to it (a torch op, data_ptr()) throws
 // `why` instead of dereferencing a stale or null pointer. LibTorch cannot undo this, which is why
-// a tensor that is only away for now (Note [Where a bound tensor's data pointer points]) gets a
+// a tensor that is only away for now (See Note [Where a bound tensor's data pointer points]) gets a
 // plain null pointer instead.
 void detach_for_good(c10::StorageImpl& storage, c10::Device device, std::string why) {
   storage.set_data_ptr_noswap(c10::DataPtr(nullptr, device));
@@ -217,8 +217,8 @@ TorchBinding::TorchBinding(rt::Runtime& runtime)
   callback_id_ = runtime_.add_on_moved(
       [this](rt::TensorHandle h, rt::Tier tier, void* data) { on_moved(h, tier, data); });
   before_step_id_ = runtime_.add_before_optimizer_step([this] { return check_gradients(); });
-  // Torch computes on its current stream; the runtime's hooks fence copies behind it (Note
-  // [Compute fence] in runtime/migration.cpp).
+  // Torch computes on its current stream; the runtime's hooks fence copies behind it
+  // (See Note [Compute fence] in runtime/migration.cpp).
   if (!gpu_is_simulated_) {
     runtime_.set_compute_stream(current_stream(c10::Device(c10::kCUDA, 0)));
   }

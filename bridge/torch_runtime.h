@@ -7,10 +7,11 @@
 // binding points the storage at the new address: the user's tensor objects, and every view or
 // alias sharing their storage (a module's parameter, its .detach(), its .data), stay valid.
 //
-// Note [Where a bound tensor's data pointer points]: LibTorch cannot change a tensor's device
-// (set_ refuses another device and the dispatch keys are fixed at creation), so a bound tensor
-// keeps its device and its data pointer follows the runtime's authoritative copy whenever that copy
-// is addressable from the tensor's device:
+// Note [Where a bound tensor's data pointer points]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// LibTorch cannot change a tensor's device (set_ refuses another device and the dispatch keys are
+// fixed at creation), so a bound tensor keeps its device and its data pointer follows the runtime's
+// authoritative copy whenever that copy is addressable from the tensor's device:
 //   - a CUDA tensor: the GPU tier, and pinned host memory (device-accessible through unified
 //     addressing, at the same address as on the host);
 //   - a CPU tensor: pinned and pageable host memory, and the GPU tier when the runtime's GPU is
@@ -74,8 +75,8 @@ namespace strata::bridge {
 absl::StatusOr<rt::DType> dtype_from_torch(c10::ScalarType type);
 c10::ScalarType dtype_to_torch(rt::DType dtype);
 
-// Whether a tensor on `device` can address memory of `tier` (Note [Where a bound tensor's data
-// pointer points]).
+// Whether a tensor on `device` can address memory of `tier`
+// (See Note [Where a bound tensor's data pointer points]).
 bool is_addressable(c10::Device device, rt::Tier tier, bool gpu_is_simulated);
 
 // torch's current stream on a CUDA `device` as a runtime StreamHandle (a cudaStream_t), so that a
@@ -127,9 +128,10 @@ class TorchBinding {
   // anything is registered). All or nothing, like register_module. Autograd then accumulates into
   // the bound gradients in place. Zero them in place (zero_grad(false)): with
   // zero_grad(/*set_to_none=*/true), LibTorch's default, backward makes new gradients, which the
-  // binding copies into the bound ones before each optimizer step (Note [Gradients the model
-  // replaced] in gradients.cpp); a parameter left with no gradient, or given new storage (set_data,
-  // module->to()), fails the step with an error naming it. `home` as in register_module.
+  // binding copies into the bound ones before each optimizer step
+  // (See Note [Gradients the model replaced] in gradients.cpp); a parameter left with no gradient,
+  // or given new storage (set_data, module->to()), fails the step with an error naming it. `home`
+  // as in register_module.
   std::vector<rt::TensorHandle> register_gradients(torch::nn::Module& m,
                                                    std::optional<rt::Tier> home = {});
 
@@ -145,8 +147,9 @@ class TorchBinding {
   rt::TensorHandle handle(const torch::Tensor& t) const;
   // The same without throwing: nullopt for a tensor not bound here (or undefined).
   std::optional<rt::TensorHandle> find(const torch::Tensor& t) const;
-  // Whether t's data pointer currently addresses the runtime's copy (Note [Where a bound tensor's
-  // data pointer points]); false for a tensor not bound by this binding.
+  // Whether t's data pointer currently addresses the runtime's copy
+  // (See Note [Where a bound tensor's data pointer points]); false for a tensor not bound by this
+  // binding.
   bool is_accessible(const torch::Tensor& t) const;
   // Throws a c10::Error naming the tensor, the tier its data is in and how to bring it back when
   // t is bound and not accessible: what a torch op on it would otherwise do with a null pointer.

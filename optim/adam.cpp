@@ -89,8 +89,10 @@ Adam::~Adam() {
     }
     (void)runtime_.allocator().deallocate(rt::Tier::kPinnedHost, skipped_);
   }
-  // Note [Adam owns its states]: what create registered goes with the optimizer, so a new one over
-  // the same parameters can register them again; a state the user unregistered already is fine.
+  // Note [Adam owns its states]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // What create registered goes with the optimizer, so a new one over the same parameters can
+  // register them again; a state the user unregistered already is fine.
   for (rt::TensorHandle h : owned_) {
     absl::Status s = runtime_.unregister(h);
     if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
@@ -127,7 +129,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
             str_cat("Adam: parameter '", p.spec.name, "' has no gradient"));
       }
       STRATA_RETURN_IF_ERROR(check_tensor(p, rt::Role::kParameter, "parameter"));
-      // Note [Gradients given at each step]: the gradient is memory the caller owns.
+      // The gradient is memory the caller owns (See Note [Gradients given at each step] in adam.h).
       rt::TensorInfo d = p;
       d.bytes = 0;
       d.spec.role = rt::Role::kGradient;
@@ -159,7 +161,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   }
   STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime, adam->step_bytes_));
   // All or nothing: a registration that fails (a name taken, no room) returns with `adam`, whose
-  // destructor unregisters the states registered before it (Note [Adam owns its states]).
+  // destructor unregisters the states registered before it (See Note [Adam owns its states]).
   for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
     for (auto [param, grad] : adam->groups_[g].params) {
       rt::TensorInfo p = *runtime.info(param);
@@ -292,7 +294,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   }
   overlapped_.clear();
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  end_step_lists();  // Note [Per-parameter steps]
+  end_step_lists();  // See Note [Per-parameter steps]
   return absl::OkStatus();
 }
 
@@ -318,14 +320,16 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
                                               begin.message()));
   }
   if (found_inf != nullptr) skips_possible_ = true;
-  // Note [A failed step]: parameters are stepped one launch after another, so a step that fails
-  // part way has stepped those launched before the failure (last_step_parameters() lists them).
-  // What it guarantees: no tensor is left held, the policy's end of step runs (staged states go
-  // home), every byte is intact (each tensor is either stepped or as it was), and the runtime
-  // takes the next step. If no kernel was queued yet, the step counters go back too, so a retry
-  // is exact; otherwise the error says which layers were stepped (restore a checkpoint to redo the
-  // step). Each parameter's step count moves when its kernel is queued (Note [Per-parameter
-  // steps]), so the counts always say which parameters took the step.
+  // Note [A failed step]
+  // ~~~~~~~~~~~~~~~~~~~~
+  // Parameters are stepped one launch after another, so a step that fails part way has stepped
+  // those launched before the failure (last_step_parameters() lists them). What it guarantees: no
+  // tensor is left held, the policy's end of step runs (staged states go home), every byte is
+  // intact (each tensor is either stepped or as it was), and the runtime takes the next step. If no
+  // kernel was queued yet, the step counters go back too, so a retry is exact; otherwise the error
+  // says which layers were stepped (restore a checkpoint to redo the step). Each parameter's step
+  // count moves when its kernel is queued (See Note [Per-parameter steps]), so the counts always
+  // say which parameters took the step.
   std::vector<rt::TensorHandle> held;
   int failed_layer = -1;
   absl::Status status = step_layers(grad_scale, found_inf, held, failed_layer);
@@ -409,7 +413,7 @@ absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamS
     return rt.device().enqueue_host(
         stream, [list, s = scalars, pool = cpu_pool_, grad_scale, found_inf] {
           if (found_inf != nullptr && *found_inf != 0.0f) {
-            adam_count_skipped_cpu(list.data(), list.size());  // Note [Skipped steps]
+            adam_count_skipped_cpu(list.data(), list.size());  // See Note [Skipped steps]
             return;
           }
           const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
@@ -434,15 +438,17 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
   const rt::StreamHandle stream = rt.compute_stream();
 
   for (int layer : rt.optimizer_layer_order()) {
-    // Note [Overlapped step]: stepped during backward already.
+    // Stepped during backward already (See Note [Overlapped step] in adam.h).
     if (std::find(overlapped_.begin(), overlapped_.end(), layer) != overlapped_.end()) continue;
     auto it = by_layer_.find(layer);
-    // Note [Per-parameter pipelining]: a staged layer arrives tensor by tensor, so its parameters
-    // are stepped one at a time in the order their moments arrive (Note [Staging order] in
-    // runtime.h), each released right after its kernel: the first kernel starts when the first
-    // parameter's moments are in, and each write-back can start while the rest of the layer is
-    // still arriving. That shortens the time only one copy direction is busy at the start and end
-    // of the step. A resident layer gets one multi-tensor launch per group instead.
+    // Note [Per-parameter pipelining]
+    // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    // A staged layer arrives tensor by tensor, so its parameters are stepped one at a time in the
+    // order their moments arrive (See Note [Staging order] in runtime.h), each released right after
+    // its kernel: the first kernel starts when the first parameter's moments are in, and each
+    // write-back can start while the rest of the layer is still arriving. That shortens the time
+    // only one copy direction is busy at the start and end of the step. A resident layer gets one
+    // multi-tensor launch per group instead.
     failed_layer = layer;
     const std::vector<std::size_t>& arrived = arrival_order(layer);
     const bool pipelined = !arrived.empty();
@@ -450,7 +456,7 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
     if (it != by_layer_.end()) {
       for (std::size_t index : pipelined ? arrived : it->second) {
-        if (skip_[index]) continue;  // Note [Per-parameter steps]
+        if (skip_[index]) continue;  // See Note [Per-parameter steps]
         const Slot* s = &slots_[index];
         std::array<void*, 6> ptrs = {};
         const std::array<rt::TensorHandle, 6> hs = s->kernel_tensors();

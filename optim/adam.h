@@ -3,30 +3,32 @@
 // Adam registers each parameter's moments with the runtime (roles exp_avg, exp_avg_sq, and
 // max_exp_avg_sq as role other with amsgrad), and for a bfloat16 or float16 parameter its float32
 // master copy (role master_param, initialized from the parameter), so the policy decides where they
-// live (Note [Mixed precision] in adam_math.h). step() walks
+// live (See Note [Mixed precision] in adam_math.h). step() walks
 // the layers in the policy's order, acquires each layer's tensors on the GPU for the compute
 // stream, queues the fused kernel there (the CPU kernel, as a host function, on the simulated
 // device) and releases them, which lets the policy write the layer back and prefetch the next one.
 // Hyperparameters are per parameter group and the learning rate may change between steps; step
 // counters are int64 on the host.
 //
-// Note [Overlapped step]: with overlap, the step is taken layer by layer during backward, each
-// layer as soon as its gradients are final (step_layer), while its parameters and gradients are
-// still on the GPU and the policy streams its states around backward's compute; finish_step then
-// validates it. Clipping and loss scaling's inf check depend on every gradient, which backward has
-// not all produced when the first layer steps, so the layers are stepped speculatively: dividing by
-// the loss scale alone, as if clipping did not trigger and no gradient were inf or NaN, with the
-// bytes they overwrite kept (Runtime::keep_for_undo; Note [Undo log] in runtime/undo.cpp).
-// finish_step reads the true grad_scale and found_inf (one host wait of a few bytes) and compares:
+// Note [Overlapped step]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// With overlap, the step is taken layer by layer during backward, each layer as soon as its
+// gradients are final (step_layer), while its parameters and gradients are still on the GPU and the
+// policy streams its states around backward's compute; finish_step then validates it. Clipping and
+// loss scaling's inf check depend on every gradient, which backward has not all produced when the
+// first layer steps, so the layers are stepped speculatively: dividing by the loss scale alone, as
+// if clipping did not trigger and no gradient were inf or NaN, with the bytes they overwrite kept
+// (Runtime::keep_for_undo; See Note [Undo log] in runtime/undo.cpp). finish_step reads the true
+// grad_scale and found_inf (one host wait of a few bytes) and compares:
 //   - equal, bit for bit, and no inf: the speculation was the step; what was kept is dropped, and
 //     any layer backward could not step (not on the GPU then, no host memory for its undo, or
-//     resting wholly on the GPU with no room there for its undo: Note [Resting layers] in
+//     resting wholly on the GPU with no room there for its undo: See Note [Resting layers] in
 //     adam_overlap.cpp) is stepped now, as step() would;
 //   - otherwise (clipping triggered, or inf found): every kept byte goes back (a host wait for
 //     every stream, and a copy back for what was copied off the GPU), and step() runs with the true
-//     values. That costs one sequential step more, on the steps where it happens (clipping that
-//     fires on 0.12% of steps in BLOOM-176B's training, far more in a short fine-tune with a tight
-//     threshold).
+//     values. That costs one sequential step more, on the steps where it happens: rarely in a
+//     long pretraining run, far more often in a short fine-tune with a tight threshold (for when
+//     strata stops trying, See Note [When to step in backward] in strata/optim.py).
 // Either way the result is bitwise the sequential step's: each element's update depends only on
 // its own values and the step's scalars, never on the order in which layers step. What is kept:
 // the parameters and every state the kernel writes (14 bytes a bfloat16 parameter with its float32
@@ -73,17 +75,18 @@ struct ParamGroup {
 
 struct AdamOptions {
   std::vector<ParamGroup> groups;
-  // Note [Gradients given at each step]: with this on, a parameter listed with an invalid
-  // gradient handle takes its gradient from set_gradient at each step (memory the caller owns)
-  // instead of a registered tensor. Gradients that no policy moves need not live in strata's pool:
-  // torch frees them at zero_grad() and makes the next ones during backward in memory the
-  // activations leave, while a gradient bound in strata's pool holds its bytes for the whole run
-  // and cannot share them (bench/results/2026-11-25-H100-users-script traces what that costs).
-  // The kernel then reads the gradient where autograd put it. Off: every parameter needs a
-  // registered gradient.
+  // Note [Gradients given at each step]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // With this on, a parameter listed with an invalid gradient handle takes its gradient from
+  // set_gradient at each step (memory the caller owns) instead of a registered tensor. Gradients
+  // that no policy moves need not live in strata's pool: torch frees them at zero_grad() and makes
+  // the next ones during backward in memory the activations leave, while a gradient bound in
+  // strata's pool holds its bytes for the whole run and cannot share them
+  // (bench/results/2026-11-25-H100-users-script traces what that costs). The kernel then reads the
+  // gradient where autograd put it. Off: every parameter needs a registered gradient.
   bool gradients_given = false;
-  // Host threads of the CPU kernel (simulated device), started once, at the first host step (See
-  // Note [Persistent host threads] in base/thread_pool.h).
+  // Host threads of the CPU kernel (simulated device), started once, at the first host step
+  // (See Note [Persistent host threads] in base/thread_pool.h).
   int cpu_threads = 8;
 };
 
@@ -99,8 +102,9 @@ class Adam {
   // registers the states, all or nothing: if one cannot be registered (a name taken, no room),
   // those registered before it are unregistered again. Finally the runtime's policy lays the
   // states out under the GPU budget (Runtime::prepare), so a budget too small is an error here
-  // (kResourceExhausted naming what does not fit), not at the first step. Note [Adam owns its
-  // states]: the Adam unregisters them when it is destroyed, so the runtime must outlive it.
+  // (kResourceExhausted naming what does not fit), not at the first step. The Adam unregisters them
+  // when it is destroyed, so the runtime must outlive it (See Note [Adam owns its states] in
+  // adam.cpp).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Adam>> create(rt::Runtime& runtime,
                                                                     AdamOptions options);
   // Unregisters the states this optimizer registered (the runtime must outlive it).
@@ -111,20 +115,20 @@ class Adam {
   // Before any launch (and before the step counters move) it checks that every tensor is still
   // registered and that every layer still fits the GPU budget (which may have been lowered since
   // create), so those failures leave every parameter and moment as it was.
-  // A step that fails part way leaves nothing held and the runtime ready for the next step; see
-  // Note [A failed step] in adam.cpp for what it changed.
+  // A step that fails part way leaves nothing held and the runtime ready for the next step.
+  // See Note [A failed step] in adam.cpp for what it changed.
   [[nodiscard]] absl::Status step(const float* grad_scale = nullptr,
                                   const float* found_inf = nullptr);
 
-  // Note [Overlapped step]. Steps `layer` now, during backward, once its gradients are final (after
-  // the runtime's after_backward(layer)), dividing its gradients by `grad_scale` (the loss scale,
-  // a device scalar that stays alive until finish_step; null: 1) and keeping what a redo needs.
-  // The step's first call begins it (the step counters move); every call of a step passes the same
-  // grad_scale. A layer with a tensor not on the GPU (a policy that keeps it on the host during
-  // backward), whose undo does not fit the host, or that rests wholly on the GPU without room
-  // there for its undo (Note [Resting layers] in adam_overlap.cpp), is left for finish_step, not
-  // an error. A failure leaves the layer unstepped and nothing held; finish_step still completes
-  // the step.
+  // See Note [Overlapped step]. Steps `layer` now, during backward, once its gradients are final
+  // (after the runtime's after_backward(layer)), dividing its gradients by `grad_scale` (the loss
+  // scale, a device scalar that stays alive until finish_step; null: 1) and keeping what a redo
+  // needs. The step's first call begins it (the step counters move); every call of a step passes
+  // the same grad_scale. A layer with a tensor not on the GPU (a policy that keeps it on the host
+  // during backward), whose undo does not fit the host, or that rests wholly on the GPU without
+  // room there for its undo (See Note [Resting layers] in adam_overlap.cpp), is left for
+  // finish_step, not an error. A failure leaves the layer unstepped and nothing held; finish_step
+  // still completes the step.
   [[nodiscard]] absl::Status step_layer(int layer, const float* grad_scale = nullptr);
   enum class StepOutcome {
     kSequential,   // no layer was stepped during backward: step() ran
@@ -147,32 +151,34 @@ class Adam {
 
   // The parameters the last step() stepped, in the order their kernels were queued: all of them
   // after a step that succeeded, none after one that failed before any kernel ran, and those before
-  // the failure otherwise (Note [A failed step] in adam.cpp); and their layers, each once.
+  // the failure otherwise (See Note [A failed step] in adam.cpp); and their layers, each once.
   const std::vector<rt::TensorHandle>& last_step_parameters() const { return last_step_; }
   std::vector<int> last_step_layers() const;
 
-  // Note [Per-parameter steps]: torch steps a parameter only when it has a gradient, so each
-  // parameter keeps its own step count (its bias corrections follow it), and a parameter without
-  // a gradient in a step (frozen for a while, an unused head, an MoE expert not routed) is left as
-  // it is: no decay, no moment update, its count unchanged. skip_parameters names such parameters
-  // for the step about to run (or the one step_layer began: a layer already stepped in backward
-  // stays stepped, so name them before their layer's step_layer); the list is kept until a step
-  // completes (step, finish_step), so a failed step retried, or one taken back (cancel_step) and
-  // redone, skips the same ones; clear_skipped forgets it (a step abandoned). kNotFound, and
-  // nothing changes, for a handle that is not one of the optimizer's parameters.
+  // Note [Per-parameter steps]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // torch steps a parameter only when it has a gradient, so each parameter keeps its own step count
+  // (its bias corrections follow it), and a parameter without a gradient in a step (frozen for a
+  // while, an unused head, an MoE expert not routed) is left as it is: no decay, no moment update,
+  // its count unchanged. skip_parameters names such parameters for the step about to run (or the
+  // one step_layer began: a layer already stepped in backward stays stepped, so name them before
+  // their layer's step_layer); the list is kept until a step completes (step, finish_step), so a
+  // failed step retried, or one taken back (cancel_step) and redone, skips the same ones;
+  // clear_skipped forgets it (a step abandoned). kNotFound, and nothing changes, for a handle that
+  // is not one of the optimizer's parameters.
   [[nodiscard]] absl::Status skip_parameters(const std::vector<rt::TensorHandle>& params);
   void clear_skipped() {
     std::fill(skip_.begin(), skip_.end(), false);
     for (Slot& s : slots_) s.given_grad = nullptr;
   }
 
-  // Note [Gradients given at each step]. Where the gradient of `param` (one listed without a
-  // registered gradient) is for the step about to run, or for its layer's step_layer: `data` on
-  // the GPU (host memory on the simulated device), `type` the parameter's or float32, contiguous,
-  // as many elements as the parameter, alive and unchanged until the step's kernels have run (on
-  // the compute stream's order). Kept until the step completes, as skip_parameters' list.
-  // kNotFound for a handle that is not a parameter; kFailedPrecondition for one whose gradient is
-  // registered; kInvalidArgument for a null pointer or another low-precision type.
+  // See Note [Gradients given at each step]. Where the gradient of `param` (one listed without a
+  // registered gradient) is for the step about to run, or for its layer's step_layer: `data` on the
+  // GPU (host memory on the simulated device), `type` the parameter's or float32, contiguous, as
+  // many elements as the parameter, alive and unchanged until the step's kernels have run (on the
+  // compute stream's order). Kept until the step completes, as skip_parameters' list. kNotFound for
+  // a handle that is not a parameter; kFailedPrecondition for one whose gradient is registered;
+  // kInvalidArgument for a null pointer or another low-precision type.
   [[nodiscard]] absl::Status set_gradient(rt::TensorHandle param, const void* data, ElemType type);
   bool skipped_this_step(rt::TensorHandle param) const;
 
@@ -180,9 +186,9 @@ class Adam {
   // Every hyperparameter of a group at once, as torch reads its param_groups at each step (an LR
   // schedule, a weight-decay change). amsgrad cannot change: its states exist or do not.
   [[nodiscard]] absl::Status set_hyper(std::size_t group, const AdamHyper& hyper);
-  // Steps taken: a step that a found_inf flag skipped does not count (Note [Skipped steps] in
+  // Steps taken: a step that a found_inf flag skipped does not count (See Note [Skipped steps] in
   // adam_kernels.h). Once a step was given a flag, these wait for the compute stream. A group's
-  // count is the most any of its parameters took (Note [Per-parameter steps]).
+  // count is the most any of its parameters took (See Note [Per-parameter steps]).
   std::int64_t step_count(std::size_t group) const;
   [[nodiscard]] absl::StatusOr<std::int64_t> step_count_of(rt::TensorHandle param) const;
   // Sets the step count of every parameter of a group, or of one parameter, as loading a torch
@@ -200,8 +206,8 @@ class Adam {
   // checksum. A checkpoint holds optimizer state only: save the model's parameters with it.
   // load() expects an Adam made over the same parameters (names and sizes), whose policy has
   // already placed the states; it writes them where they are. It trusts nothing in the file
-  // (Note [Untrusted checkpoints] in adam_checkpoint.cpp): kInvalidArgument when the checkpoint is
-  // for other parameters or holds hyperparameters torch would refuse; kDataLoss when it is
+  // (See Note [Untrusted checkpoints] in adam_checkpoint.cpp): kInvalidArgument when the checkpoint
+  // is for other parameters or holds hyperparameters torch would refuse; kDataLoss when it is
   // truncated or corrupt. A failed load changes nothing. It reads one checkpoint and leaves the
   // stream after it.
   [[nodiscard]] absl::Status save(std::ostream& out);
@@ -216,9 +222,9 @@ class Adam {
     ElemType param_type = ElemType::kF32;
     ElemType grad_type = ElemType::kF32;
     std::string param_name, grad_name;  // for messages: handles outlive their tensors
-    // Steps queued for this parameter, skipped ones included (Note [Per-parameter steps]).
+    // Steps queued for this parameter, skipped ones included (See Note [Per-parameter steps]).
     std::int64_t steps = 0;
-    // Note [Gradients given at each step]: this step's gradient, when grad is not registered.
+    // This step's gradient, when grad is not registered (See Note [Gradients given at each step]).
     const void* given_grad = nullptr;
     // The optimizer's state tensors of this parameter, valid or not, in checkpoint order.
     std::array<rt::TensorHandle, 4> states() const {
@@ -254,8 +260,8 @@ class Adam {
   absl::Status check_gradients_given(const std::vector<std::size_t>& slots) const;
   // The lists kept for one step (skipped parameters, given gradients), forgotten once it completes.
   void end_step_lists() { clear_skipped(); }
-  // The layer loop of step(): what it holds when it fails and the layer it was on (Note [A failed
-  // step] in adam.cpp); the parameters it stepped go to last_step_.
+  // The layer loop of step(): what it holds when it fails and the layer it was on
+  // (See Note [A failed step] in adam.cpp); the parameters it stepped go to last_step_.
   absl::Status step_layers(const float* grad_scale, const float* found_inf,
                            std::vector<rt::TensorHandle>& held, int& failed_layer);
   // step()'s body; with new_step false, part of the step was taken in backward (finish_step).
@@ -278,7 +284,7 @@ class Adam {
   std::shared_ptr<ThreadPool> cpu_pool_;
   std::vector<ParamGroup>& groups_ = options_.groups;
   std::vector<Slot> slots_;
-  // Per slot: the parameter sits out the step (Note [Per-parameter steps]).
+  // Per slot: the parameter sits out the step (See Note [Per-parameter steps]).
   std::vector<bool> skip_;
   // Indices into slots_ by layer, built once: step() runs every iteration.
   std::map<int, std::vector<std::size_t>> by_layer_;
@@ -293,9 +299,9 @@ class Adam {
   std::vector<std::size_t> arrival_order_;
   // Bytes each layer needs on the GPU during its step: parameters, gradients and moments.
   std::map<int, std::size_t> step_bytes_;
-  // Note [Skipped steps]: per slot, the steps a found_inf flag skipped, counted where the kernels
-  // run (pinned host memory the GPU writes through unified addressing, 8 bytes a parameter); read
-  // only once a step was given a flag.
+  // Per slot, the steps a found_inf flag skipped, counted where the kernels run (pinned host memory
+  // the GPU writes through unified addressing, 8 bytes a parameter); read only once a step was
+  // given a flag (See Note [Skipped steps] in adam_kernels.h).
   std::int64_t* skipped_ = nullptr;
   // Where read_scalars' kernel writes, in the same pinned allocation, after skipped_.
   float* read_back_ = nullptr;
@@ -307,7 +313,7 @@ class Adam {
   absl::Status fold_skipped();
   // Runtime::unregistrations() when every handle was last found registered.
   std::uint64_t checked_unregistrations_ = ~std::uint64_t{0};
-  // Note [Overlapped step]: the step step_layer began, its speculative scale and its layers.
+  // The step step_layer began, its speculative scale and its layers (See Note [Overlapped step]).
   bool overlap_open_ = false;
   const float* speculative_scale_ = nullptr;
   std::vector<int> overlapped_;

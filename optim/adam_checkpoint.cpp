@@ -1,12 +1,12 @@
 // optim/adam_checkpoint.cpp: Adam::save and Adam::load.
 //
-// Checkpoints are files users download and share, so load trusts nothing in them (Note
-// [Untrusted checkpoints]).
+// Checkpoints are files users download and share, so load trusts nothing in them
+// (See Note [Untrusted checkpoints]).
 //
 // Format (little-endian, as the machine writes it):
 //   "STRATA-ADAM-4\n", u32 groups, per group {i64 step, f64 lr, beta1, beta2, eps, weight_decay,
 //   u8 decoupled, amsgrad, maximize}, u32 parameters, per parameter in the optimizer's order
-//   {i64 step} (Note [Per-parameter steps] in adam.h; the group's step is the most of its
+//   {i64 step} (See Note [Per-parameter steps] in adam.h; the group's step is the most of its
 //   parameters'), u32 tensors, per tensor {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of
 //   everything before it.
 // Version 3 ("STRATA-ADAM-3\n") had no per-parameter steps: each parameter takes its group's.
@@ -175,8 +175,10 @@ absl::Status Adam::save(std::ostream& out) {
   return absl::OkStatus();
 }
 
-// Note [Untrusted checkpoints]: load reads and checks the whole checkpoint before it changes
-// anything, and then either loads all of it or nothing:
+// Note [Untrusted checkpoints]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// load reads and checks the whole checkpoint before it changes anything, and then either loads all
+// of it or nothing:
 //   - every size and count is checked against this optimizer before anything is allocated for it,
 //     and reads grow their buffers only as bytes arrive, so no allocation is larger than the input
 //     that has been read (plus one piece);

@@ -8,9 +8,9 @@ namespace {
 
 constexpr int kMaxTensors = 24;
 // Enough blocks for several waves on an H100/H200 (132 SMs, 4 blocks of 512 threads each): with
-// 320 a launch filled 60% of the GPU's thread slots and the step reached 88% of a device-to-device
-// copy's bandwidth on an H100, where a kernel with Adam's four reads and three writes and no
-// arithmetic reaches 95-100% (tools/gpu/probes/hbm_mix.cu).
+// fewer (320) a launch left much of the GPU's thread slots empty and the step fell short of what a
+// kernel with Adam's four reads and three writes and no arithmetic reaches
+// (tools/gpu/probes/hbm_mix.cu; the figures are in bench/results).
 constexpr int kMaxBlocks = 2048;
 constexpr std::int64_t kChunk = 65536;  // elements per block; a multiple of 4 keeps float4 aligned
 constexpr int kThreads = 512;
@@ -58,8 +58,8 @@ __device__ __forceinline__ std::uint32_t to_low(float v, ElemType type) {
   return type == ElemType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
 }
 
-// Note [Mixed precision] four elements at a time: 28 bytes a parameter through HBM (master,
-// moments and gradient read; master, moments and parameter written).
+// Mixed precision four elements at a time (See Note [Mixed precision] in adam_math.h): 28 bytes a
+// parameter through HBM (master, moments and gradient read; master, moments and parameter written).
 __device__ __forceinline__ void update_low4(const AdamTensor& x, std::int64_t i,
                                             const AdamScalars& s, float inv) {
   float4 pm = *reinterpret_cast<float4*>(x.master + i);
@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(kThreads)
   const int t = meta.block_tensor[blockIdx.x];
   const AdamTensor& x = meta.t[t];
   if (found_inf != nullptr && *found_inf != 0.0f) {
-    // Note [Skipped steps]: the tensor's first block counts the skip, once per tensor and step.
+    // The tensor's first block counts the skip, once per tensor and step (See Note [Skipped steps]
+    // in adam_kernels.h).
     if (threadIdx.x == 0 && meta.block_chunk[blockIdx.x] == 0 && x.skipped != nullptr) {
       ++*x.skipped;
     }
@@ -92,8 +93,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   {
     // The bias corrections with the device's pow, as torch's fused kernel takes them, so the bits
-    // match its (the host's pow may differ in the last place); Note [Skipped steps]: the skipped
-    // count lives in pinned host memory. One read per block.
+    // match its (the host's pow may differ in the last place); the skipped count lives in pinned
+    // host memory (See Note [Skipped steps] in adam_kernels.h). One read per block.
     __shared__ float step_size, bias_correction2_sqrt;
     if (threadIdx.x == 0) {
       AdamScalars settled = s;
@@ -180,7 +181,7 @@ cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const A
   };
   for (std::size_t t = 0; t < count; ++t) {
     const AdamTensor& x = tensors[t];
-    // An empty tensor gets one block only to count a skipped step (Note [Skipped steps]).
+    // An empty tensor gets one block only to count a skipped step (See Note [Skipped steps]).
     if (x.numel == 0 && x.skipped == nullptr) continue;
     const std::int64_t chunks = x.numel == 0 ? 1 : (x.numel + kChunk - 1) / kChunk;
     for (std::int64_t c = 0; c < chunks; ++c) {

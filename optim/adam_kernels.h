@@ -1,6 +1,6 @@
 // optim/adam_kernels.h: Adam / AdamW over lists of tensors, on the CPU and on the GPU: float32
 // moments, and float32, bfloat16 or float16 parameters (through a float32 master copy) and
-// gradients (Note [Mixed precision] in adam_math.h).
+// gradients (See Note [Mixed precision] in adam_math.h).
 //
 // The tensor-list launcher is kept apart from the per-element math (optim/adam_math.h). The CUDA
 // kernel walks many tensors in one launch (apex's multi_tensor_apply idea: each block takes a chunk
@@ -11,7 +11,7 @@
 //
 // Example:
 //   AdamTensor t{p, g, m, v, nullptr, numel};
-//   t.step = step;  // the parameter's own step count (Note [Per-parameter steps] in adam.h)
+//   t.step = step;  // the parameter's own step count (See Note [Per-parameter steps] in adam.h)
 //   AdamScalars s = adam_scalars(hyper, step);
 //   adam_step_cpu(&t, 1, s, /*inv_grad_scale=*/1.0f, &pool);   // a strata::ThreadPool
 //   cudaError_t err = adam_step_cuda(&t, 1, s, grad_scale_dev, found_inf_dev, stream);
@@ -37,21 +37,24 @@ struct AdamTensor {
   float* exp_avg_sq = nullptr;
   float* max_exp_avg_sq = nullptr;  // amsgrad only
   std::int64_t numel = 0;
-  // A bfloat16 or float16 parameter's float32 master copy, which the step updates and the
-  // parameter is rounded from (Note [Mixed precision] in adam_math.h); null for float32.
+  // A bfloat16 or float16 parameter's float32 master copy, which the step updates and the parameter
+  // is rounded from (See Note [Mixed precision] in adam_math.h); null for float32.
   float* master = nullptr;
   ElemType param_type = ElemType::kF32;
   ElemType grad_type = ElemType::kF32;
-  // Note [Skipped steps]: the parameter's own step count (Note [Per-parameter steps] in adam.h),
-  // this step included. A step that found_inf skipped does not count (torch's fused AdamW takes
-  // it back), but only the device knows which steps were skipped: when `skipped` is set (once a
-  // step was given a found_inf flag), the kernel adds 1 to it on a skipped step and takes its bias
-  // corrections from t = step - *skipped, read where it runs; the host's count is not the truth.
+  // The parameter's own step count (See Note [Per-parameter steps] in adam.h), this step included.
+  //
+  // Note [Skipped steps]
+  // ~~~~~~~~~~~~~~~~~~~~
+  // A step that found_inf skipped does not count (torch's fused AdamW takes it back), but only the
+  // device knows which steps were skipped: when `skipped` is set (once a step was given a found_inf
+  // flag), the kernel adds 1 to it on a skipped step and takes its bias corrections from
+  // t = step - *skipped, read where it runs; the host's count is not the truth.
   std::int64_t step = 1;
   std::int64_t* skipped = nullptr;
 };
 
-// The step t whose bias corrections a tensor's update takes (Note [Skipped steps]).
+// The step t whose bias corrections a tensor's update takes (See Note [Skipped steps]).
 STRATA_HD std::int64_t settled_step(const AdamTensor& x) {
   return x.skipped != nullptr ? x.step - *x.skipped : x.step;
 }
@@ -72,18 +75,19 @@ STRATA_HD void adam_tensor_element(const AdamTensor& x, std::int64_t i, const Ad
 // corrections come from its own step (settled_step).
 void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
                    float inv_grad_scale, ThreadPool* pool);
-// A step that found_inf skipped: adds 1 to each tensor's skipped count (Note [Skipped steps]).
+// A step that found_inf skipped: adds 1 to each tensor's skipped count (See Note [Skipped steps]).
 void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count);
 
 #ifdef STRATA_HAS_CUDA
-// grad_scale and found_inf are device pointers or null: with found_inf != 0 nothing is updated
-// (a mixed-precision step that overflowed) and each tensor's skipped count goes up by 1 (Note
-// [Skipped steps]); gradients are divided by *grad_scale.
+// grad_scale and found_inf are device pointers or null: with found_inf != 0 nothing is updated (a
+// mixed-precision step that overflowed) and each tensor's skipped count goes up by 1
+// (See Note [Skipped steps]); gradients are divided by *grad_scale.
 cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
                            const float* grad_scale, const float* found_inf, cudaStream_t stream);
 // dst[i] = *src[i] for each src[i] that is not null, by a kernel queued on `stream`: no copy engine
-// takes part, so the read does not queue behind write-backs on the link (Note [Reading the step's
-// scalars] in adam_overlap.cpp). `dst` is device-accessible memory (pinned host memory).
+// takes part, so the read does not queue behind write-backs on the link
+// (See Note [Reading the step's scalars] in adam_overlap.cpp). `dst` is device-accessible memory
+// (pinned host memory).
 cudaError_t adam_read_floats_cuda(const std::array<const float*, 3>& src, float* dst,
                                   cudaStream_t stream);
 #endif

@@ -33,11 +33,13 @@
 
 namespace strata::optim {
 
-// Note [Mixed precision]: parameters and gradients may be float32, bfloat16 or float16; the math
-// is float32 always. A bfloat16 or float16 parameter is stepped through its float32 master copy
-// (optimizer state), and the parameter is the master rounded to nearest even. The conversions are
-// written out in integer arithmetic here, so the CPU kernel and the CUDA kernel give the same bits
-// (torch's c10::BFloat16 and c10::Half round the same way; NaN becomes the canonical quiet NaN).
+// Note [Mixed precision]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Parameters and gradients may be float32, bfloat16 or float16; the math is float32 always. A
+// bfloat16 or float16 parameter is stepped through its float32 master copy (optimizer state), and
+// the parameter is the master rounded to nearest even. The conversions are written out in integer
+// arithmetic here, so the CPU kernel and the CUDA kernel give the same bits (torch's c10::BFloat16
+// and c10::Half round the same way; NaN becomes the canonical quiet NaN).
 enum class ElemType : std::uint8_t { kF32, kBF16, kF16 };
 
 STRATA_HD std::uint32_t float_bits(float f) {

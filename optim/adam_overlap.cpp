@@ -1,4 +1,4 @@
-// optim/adam_overlap.cpp: the overlapped step (Note [Overlapped step] in adam.h): step_layer,
+// optim/adam_overlap.cpp: the overlapped step (See Note [Overlapped step] in adam.h): step_layer,
 // finish_step and what they share.
 #include <algorithm>
 #include <array>
@@ -52,7 +52,7 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   // such a layer is stepped after backward, where the policy streams it.
   if (!layer_on_gpu(layer)) return absl::OkStatus();
   STRATA_RETURN_IF_ERROR(check_gradients_given(it->second));
-  // Note [Resting layers], below. Without undo_on_gpu such a layer's undo could only cross the
+  // See Note [Resting layers], below. Without undo_on_gpu such a layer's undo could only cross the
   // link, so it waits for finish_step without being acquired.
   rt.staged_tensors(layer, arrived_);
   const bool over_link = !arrived_.empty();
@@ -69,16 +69,17 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
     held.clear();
     return s;
   };
-  // Note [Resting layers]: a layer with nothing staged rests wholly on the GPU, where its step
-  // after backward costs a pass over GPU memory and no link time. Stepping it during backward hides
-  // that pass, worth it only while its undo stays on the GPU too: copied to the host, the undo
-  // would add 14 bytes a bfloat16 parameter to the link's D2H direction, which the write-backs of
-  // the streamed layers keep busy during backward (on an H200, 3.8 GB a step, 74 ms, in
-  // strata-train's 24-block model with every role in 8 GiB). Such a layer waits for finish_step.
+  // Note [Resting layers]
+  // ~~~~~~~~~~~~~~~~~~~~~
+  // A layer with nothing staged rests wholly on the GPU, where its step after backward costs a pass
+  // over GPU memory and no link time. Stepping it during backward hides that pass, worth it only
+  // while its undo stays on the GPU too: copied to the host, the undo would add 14 bytes a bfloat16
+  // parameter to the link's D2H direction, which the write-backs of the streamed layers keep busy
+  // during backward. Such a layer waits for finish_step.
   std::vector<std::vector<AdamTensor>> per_group(groups_.size());
   std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
   for (std::size_t index : it->second) {
-    if (skip_[index]) continue;  // Note [Per-parameter steps]
+    if (skip_[index]) continue;  // See Note [Per-parameter steps]
     const Slot& s = slots_[index];
     std::array<void*, 6> ptrs = {};
     const std::array<rt::TensorHandle, 6> hs = s.kernel_tensors();
@@ -111,7 +112,7 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
     }
   }
   overlapped_.push_back(layer);
-  // The policy writes the layer back and fetches the next (Note [Overlapped backward] in
+  // The policy writes the layer back and fetches the next (See Note [Overlapped backward] in
   // policies/layer_prefetch.cpp).
   unreleased_layer_ = layer;
   unreleased_held_.insert(unreleased_held_.end(), held.begin(), held.end());
@@ -138,11 +139,12 @@ absl::Status Adam::finish_release() {
   return absl::OkStatus();
 }
 
-// Note [Reading the step's scalars]: finish_step reads three floats on the host. A copy to the
-// host would go to a copy engine, where it queues behind the write-backs the overlapped step left
-// running (the last layers' states, going home while the next step's forward begins): on an H200
-// a 4-byte copy waited 24 ms for them. A one-thread kernel writing into pinned memory waits only
-// for the compute stream.
+// Note [Reading the step's scalars]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// finish_step reads three floats on the host. A copy to the host would go to a copy engine, where
+// it queues behind the write-backs the overlapped step left running (the last layers' states, going
+// home while the next step's forward begins), and waits for all of them. A one-thread kernel
+// writing into pinned memory waits only for the compute stream.
 absl::StatusOr<std::array<float, 3>> Adam::read_scalars(const std::array<const float*, 3>& p,
                                                         const std::array<float, 3>& absent) {
   rt::Runtime& rt = runtime_;
@@ -182,7 +184,8 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   }
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(finish_release());
-  // Note [Overlapped step]: one host wait reads what the speculation assumed and what is true.
+  // One host wait reads what the speculation assumed and what is true (See Note [Overlapped step]
+  // in adam.h).
   STRATA_ASSIGN_OR_RETURN(const auto read,
                           read_scalars({speculative_scale_, grad_scale, found_inf}, {1, 1, 0}));
   const auto [assumed, truth, inf] = read;
@@ -199,7 +202,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
                                                rest.message()));
     }
     overlap_open_ = false;
-    end_step_lists();  // Note [Per-parameter steps]
+    end_step_lists();  // See Note [Per-parameter steps]
     return StepOutcome::kSpeculation;
   }
   absl::Status back = roll_back();
@@ -213,7 +216,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   // Rolled back: as if step_layer had never run, and step() takes the step (a failure there
   // leaves it untaken, to be retried with step()).
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  end_step_lists();  // Note [Per-parameter steps]
+  end_step_lists();  // See Note [Per-parameter steps]
   return StepOutcome::kRedone;
 }
 
@@ -221,7 +224,7 @@ absl::Status Adam::roll_back() {
   STRATA_RETURN_IF_ERROR(runtime_.rollback_undo());
   overlap_open_ = false;
   overlapped_.clear();
-  // The parameters stepped in backward take their step back (Note [Per-parameter steps]).
+  // The parameters stepped in backward take their step back (See Note [Per-parameter steps]).
   for (rt::TensorHandle p : last_step_) --slots_[slot_of_param_.at(p.id)].steps;
   last_step_.clear();
   return absl::OkStatus();

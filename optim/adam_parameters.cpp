@@ -1,6 +1,7 @@
-// optim/adam_parameters.cpp: each parameter's part in a step: its own step count and the steps
-// found_inf skipped (See Note [Per-parameter steps] and Note [Skipped steps]), the parameters that
-// sit a step out, and the gradients given at each step (See Note [Gradients given at each step]).
+// optim/adam_parameters.cpp: each parameter's part in a step: its own step count
+// (See Note [Per-parameter steps] in adam.h) and the steps found_inf skipped
+// (See Note [Skipped steps] in adam_kernels.h), the parameters that sit a step out, and the
+// gradients given at each step (See Note [Gradients given at each step] in adam.h).
 #include <algorithm>
 
 #include "base/status.h"

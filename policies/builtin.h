@@ -6,7 +6,7 @@
 //                   allows and to pageable memory after, reload_all brings them back; with
 //                   PolicyConfig::offload_after_step they rest on the host and come back for
 //                   every step as far as the GPU budget allows, the rest streaming a layer at a
-//                   time (Note [Bulk over budget] in bulk.cpp).
+//                   time (See Note [Bulk over budget] in bulk.cpp).
 //   layer_prefetch  tensors of the configured roles (optimizer states by default) live in pinned
 //                   host memory; during the optimizer step the next K layers are fetched into the
 //                   staging ring while layer i computes, and layer i is written back after;
@@ -33,8 +33,9 @@ const rt::PolicyRegistry& builtin_policies();
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_keep_on_gpu(const rt::PolicyConfig& c);
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_bulk(const rt::PolicyConfig& c);
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(const rt::PolicyConfig& c);
-// layer_prefetch that streams every layer, whatever the budget leaves (no Note [Resident layers]):
-// bulk's streaming step, after which bulk moves everything to the host anyway.
+// layer_prefetch that streams every layer, whatever the budget leaves (no resident layers;
+// See Note [Resident layers] in layer_prefetch.cpp): bulk's streaming step, after which bulk moves
+// everything to the host anyway.
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_streamer(const rt::PolicyConfig& c);
 
 }  // namespace strata::policy

@@ -11,13 +11,15 @@
 namespace strata::policy {
 namespace {
 
-// bulk keeps every tensor at its home tier; its phase switches are the runtime's (Note [Phase
-// switches] in runtime/phase.cpp), every role to host memory and back in bulk.
+// bulk keeps every tensor at its home tier; its phase switches are the runtime's
+// (See Note [Phase switches] in runtime/phase.cpp), every role to host memory and back in bulk.
 //
-// Note [Bulk over budget]: with offload_after_step, the tensors of the configured roles rest in
-// host memory between steps (from registration on) and come back for each step in one of three
-// ways, the first that fits the GPU budget, chosen by trying them in this order once per change in
-// the registry (on_prepare, at setup):
+// Note [Bulk over budget]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// With offload_after_step, the tensors of the configured roles rest in host memory between steps
+// (from registration on) and come back for each step in one of three ways, the first that fits the
+// GPU budget, chosen by trying them in this order once per change in the registry (on_prepare, at
+// setup):
 //   - everything comes back at the start of a step, in bulk, and one host wait puts it in place
 //     (as reload_all does);
 //   - what forward and backward need (parameters, gradients) comes back, and the optimizer states
@@ -51,7 +53,7 @@ class Bulk final : public rt::ResidencyPolicy {
     return choose(rt, Plan::kEverythingBack);
   }
 
-  // Phase switches (Note [Phase switches] in runtime/phase.cpp): a step streaming layers puts
+  // Phase switches (See Note [Phase switches] in runtime/phase.cpp): a step streaming layers puts
   // what it staged home first (staged tensors cannot move), and takes its ring again after.
   absl::Status on_offload_all(rt::PolicyContext& rt) override {
     return layered_ ? layered_->on_offload_all(rt) : absl::OkStatus();
@@ -66,7 +68,7 @@ class Bulk final : public rt::ResidencyPolicy {
     if (plan_ == Plan::kNone) STRATA_RETURN_IF_ERROR(choose(rt, Plan::kEverythingBack));
     absl::Status s = start(rt, plan_);
     if (s.code() == absl::StatusCode::kResourceExhausted && plan_ != Plan::kStreamEverything) {
-      // What came back last step did not fit this time (Note [Bulk over budget]).
+      // What came back last step did not fit this time (See Note [Bulk over budget]).
       STRATA_RETURN_IF_ERROR(to_host_all(rt, config().roles));
       STRATA_RETURN_IF_ERROR(rt.wait_all());
       STRATA_RETURN_IF_ERROR(choose(rt, next(plan_)));
@@ -137,8 +139,8 @@ class Bulk final : public rt::ResidencyPolicy {
     return out;
   }
 
-  // Note [Bulk over budget]: tries the ways from `first` on, and keeps the first that fits. The
-  // data of the way kept stays where it is now (on the GPU), ready for the first step.
+  // Tries the ways from `first` on, and keeps the first that fits (See Note [Bulk over budget]).
+  // The data of the way kept stays where it is now (on the GPU), ready for the first step.
   absl::Status choose(rt::PolicyContext& rt, Plan first) {
     plan_ = Plan::kNone;
     layered_ = nullptr;
@@ -214,7 +216,7 @@ class Bulk final : public rt::ResidencyPolicy {
     return s;
   }
 
-  Plan plan_ = Plan::kNone;  // Note [Bulk over budget]
+  Plan plan_ = Plan::kNone;  // See Note [Bulk over budget]
   // The streamer of the way chosen, made when first needed and kept (its ring stays reserved),
   // and whether this step uses it.
   std::unique_ptr<rt::ResidencyPolicy> streamer_;

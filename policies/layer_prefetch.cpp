@@ -14,7 +14,7 @@ using rt::Role;
 using rt::RoleSet;
 
 // Tensors of the configured roles (optimizer states by default) rest in pinned host memory and go
-// through the staging ring (Note [Staging ring] in runtime.h):
+// through the staging ring (See Note [Staging ring] in runtime.h):
 //   - optimizer step: the first K + 1 layers are staged; each time the optimizer releases a layer
 //     it is written back (gradients, which Adam only reads, are dropped) and the next layer in
 //     order is staged into the slot it frees;
@@ -25,28 +25,34 @@ using rt::RoleSet;
 //     the next backward layer is fetched. A model whose parameters do not fit the GPU thus trains
 //     with K + 1 layers of it on the GPU at a time.
 //
-// Note [Resident layers]: a GPU budget says how much of the GPU strata may use. The ring takes
-// K + 1 layers of it; with what the main pool has left, whole layers move there at the start of a
-// step, in ascending order, as many as fit, and stay: they never stream, which saves their bytes
-// on the link at every step (forward, backward and the optimizer step alike). Without a budget
-// every layer streams: nothing says how much of the GPU strata may take. A layer only partly on
-// the GPU streams the rest (stage_layer copies only what is not there). Tensors registered later
-// compete with the resident layers for the main pool.
+// Note [Resident layers]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A GPU budget says how much of the GPU strata may use. The ring takes K + 1 layers of it; with
+// what the main pool has left, whole layers move there at the start of a step, in ascending order,
+// as many as fit, and stay: they never stream, which saves their bytes on the link at every step
+// (forward, backward and the optimizer step alike). Without a budget every layer streams: nothing
+// says how much of the GPU strata may take. A layer only partly on the GPU streams the rest
+// (stage_layer copies only what is not there). Tensors registered later compete with the resident
+// layers for the main pool.
 //
-// Note [Backward out of order]: a staged layer's tensors report their slot as soon as the fetch is
-// queued, and only a hold makes the compute stream wait for the fetch, so torch must never touch a
-// layer that is staged and not held. after_backward(i) holds the layer forwarded before i, which
-// is right while backward runs in the reverse order of forward. It is not for parallel branches:
-// two embeddings summed into the first block both run their backward right after the block's, and
-// the second one's fetch (prefetched, not held) raced autograd's accumulation into its gradients.
-// So a client that knows when a layer's backward begins calls before_backward, which holds the
-// layer (staging it first when a slot is free); a layer begun with no slot free is held where it
-// is, at home, and torch uses it there. A layer whose backward began or ended is not staged again
-// in the same backward, so nothing moves under autograd.
+// Note [Backward out of order]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A staged layer's tensors report their slot as soon as the fetch is queued, and only a hold makes
+// the compute stream wait for the fetch, so torch must never touch a layer that is staged and not
+// held. after_backward(i) holds the layer forwarded before i, which is right while backward runs in
+// the reverse order of forward. It is not for parallel branches: two embeddings summed into the
+// first block both run their backward right after the block's, and the second one's fetch
+// (prefetched, not held) raced autograd's accumulation into its gradients. So a client that knows
+// when a layer's backward begins calls before_backward, which holds the layer (staging it first
+// when a slot is free); a layer begun with no slot free is held where it is, at home, and torch
+// uses it there. A layer whose backward began or ended is not staged again in the same backward, so
+// nothing moves under autograd.
 //
-// Note [Overlapped backward]: with PolicyConfig::overlap kBackward the optimizer steps each layer
-// right after its backward (Note [Overlapped step] in optim/adam.h), so the layer's optimizer
-// states must be on the GPU by then and go home while backward goes on:
+// Note [Overlapped backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With PolicyConfig::overlap kBackward the optimizer steps each layer right after its backward
+// (See Note [Overlapped step] in optim/adam.h), so the layer's optimizer states must be on the GPU
+// by then and go home while backward goes on:
 //   - with parameters streamed, a layer is staged for backward with every role the policy moves
 //     (parameters, gradients and states in one slot), and a layer that has states stays staged
 //     after its backward until the optimizer released it; that release writes back what the
@@ -93,7 +99,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     stepped_.clear();
     overlapping_ = overlap();
     if (!overlapping_ || streams_parameters()) return absl::OkStatus();
-    // Note [Overlapped backward]: states come in backward order, the first while forward runs.
+    // States come in backward order, the first while forward runs (See Note [Overlapped backward]).
     order_ = streamed_layers(rt, config().roles);
     std::reverse(order_.begin(), order_.end());
     STRATA_RETURN_IF_ERROR(configure(rt));
@@ -132,7 +138,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return hold(rt, layer, forward_roles(j));
   }
 
-  // Note [Backward out of order].
+  // See Note [Backward out of order].
   absl::Status on_before_backward(rt::PolicyContext& rt, int layer) override {
     if (!streams_parameters() || (!in_forward_ && !in_backward_)) return absl::OkStatus();
     enter_backward();
@@ -151,7 +157,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     if (b == backward_.size()) return absl::OkStatus();  // nothing of this layer streams
     STRATA_RETURN_IF_ERROR(release_hold(rt, layer));
     if (overlapping_ && rt.is_staged(layer) && rt.layer_bytes(layer, state_roles()) > 0) {
-      // Note [Overlapped backward]: it stays until the optimizer released it.
+      // It stays until the optimizer released it (See Note [Overlapped backward]).
       if (std::find(awaiting_.begin(), awaiting_.end(), layer) == awaiting_.end()) {
         awaiting_.push_back(layer);
       }
@@ -179,7 +185,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     order_.clear();
     const std::vector<int> streamed = streamed_layers(rt, config().roles);
     for (int layer : rt.optimizer_layer_order()) {
-      // Note [Overlapped backward]: what backward stepped is not fetched again.
+      // What backward stepped is not fetched again (See Note [Overlapped backward]).
       if (std::find(stepped_.begin(), stepped_.end(), layer) != stepped_.end()) continue;
       if (std::binary_search(streamed.begin(), streamed.end(), layer)) order_.push_back(layer);
     }
@@ -193,7 +199,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
       STRATA_RETURN_IF_ERROR(unstage(rt, layer, write_back()));
       return refill_optimizer(rt);
     }
-    // Note [Overlapped backward]: stepped during backward; the gradients go home too, for a redo.
+    // Stepped during backward; the gradients go home too, for a redo
+    // (See Note [Overlapped backward]).
     RoleSet home = write_back();
     if (config().roles.contains(Role::kGradient)) home = home | Role::kGradient;
     STRATA_RETURN_IF_ERROR(unstage(rt, layer, home));
@@ -224,9 +231,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return settle(rt);
   }
 
-  // Phase switches (Note [Phase switches] in runtime/phase.cpp): nothing staged or held while the
-  // runtime moves tensors; then the ring comes back as it was (the resident layers are back in the
-  // main pool by then), or as settle finds room for it.
+  // Phase switches (See Note [Phase switches] in runtime/phase.cpp): nothing staged or held while
+  // the runtime moves tensors; then the ring comes back as it was (the resident layers are back in
+  // the main pool by then), or as settle finds room for it.
   absl::Status on_offload_all(rt::PolicyContext& rt) override { return reset(rt); }
   absl::Status on_reload_all(rt::PolicyContext& rt) override {
     absl::Status s = configure(rt);
@@ -265,7 +272,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return out;
   }
   RoleSet backward_roles() const {
-    if (overlap()) return config().roles;  // Note [Overlapped backward]
+    if (overlap()) return config().roles;  // See Note [Overlapped backward]
     return config().roles.contains(Role::kGradient) ? RoleSet{Role::kParameter, Role::kGradient}
                                                     : RoleSet{Role::kParameter};
   }
@@ -300,17 +307,18 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return out;
   }
 
-  // Note [Ring under a budget]: once per change in the registry, the ring takes as many slots as
-  // fit the GPU budget beside what the main pool holds, K + 1 at most and one at least (fewer
-  // slots prefetch less but stream the same bytes); a budget in which not even one slot fits is
-  // an error here, at setup. Then Note [Resident layers]: whole layers move into what is left, in
-  // ascending order, as many as fit (the allocator refuses what would pass the budget). Nothing
-  // may be staged meanwhile. The ring comes first: when layers made resident by an earlier settle
-  // leave it fewer than K + 1 slots, they go home and the slots are counted again. Otherwise a
-  // role registered after a first step (gradients, in a loop that registers them once backward
-  // made them) would find the main pool full of the layers that settled without it, and the ring
-  // cut down to what is left: fewer layers prefetched, and in an overlapped step each fetch
-  // waiting for a write-back to free its slot.
+  // Note [Ring under a budget]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // Once per change in the registry, the ring takes as many slots as fit the GPU budget beside what
+  // the main pool holds, K + 1 at most and one at least (fewer slots prefetch less but stream the
+  // same bytes); a budget in which not even one slot fits is an error here, at setup. Then whole
+  // layers move into what is left (See Note [Resident layers]), in ascending order, as many as fit
+  // (the allocator refuses what would pass the budget). Nothing may be staged meanwhile. The ring
+  // comes first: when layers made resident by an earlier settle leave it fewer than K + 1 slots,
+  // they go home and the slots are counted again. Otherwise a role registered after a first step
+  // (gradients, in a loop that registers them once backward made them) would find the main pool
+  // full of the layers that settled without it, and the ring cut down to what is left: fewer layers
+  // prefetched, and in an overlapped step each fetch waiting for a write-back to free its slot.
   absl::Status settle(rt::PolicyContext& rt) {
     if (settled_) return absl::OkStatus();
     STRATA_RETURN_IF_ERROR(reset(rt));
@@ -333,7 +341,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
-  // Note [Resident layers], the second part of settle.
+  // The second part of settle (See Note [Resident layers]).
   absl::Status settle_residents(rt::PolicyContext& rt) {
     bool moved = false;
     for (int layer : rt.layers()) {
@@ -401,8 +409,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   // Stages layers of `order` from next_ on while the ring has room: layer k with roles_of(k), its
-  // copies in stage_order(k). In backward, a layer whose backward began is skipped (Note
-  // [Backward out of order]).
+  // copies in stage_order(k). In backward, a layer whose backward began is skipped
+  // (See Note [Backward out of order]).
   template <typename RolesOf, typename StageOrderOf>
   absl::Status refill(rt::PolicyContext& rt, const std::vector<int>& order, RolesOf roles_of,
                       StageOrderOf stage_order) {
@@ -440,9 +448,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
-  // Holds `layer` for its backward (Note [Backward out of order]): in its slot, staged first when
-  // a slot is free, else where it is, at home, waiting for any copy still arriving there. Returns
-  // whether it is held at home.
+  // Holds `layer` for its backward (See Note [Backward out of order]): in its slot, staged first
+  // when a slot is free, else where it is, at home, waiting for any copy still arriving there.
+  // Returns whether it is held at home.
   absl::StatusOr<bool> hold_for_backward(rt::PolicyContext& rt, int layer) {
     if (is_held(layer)) return false;
     if (rt.is_staged(layer)) {
@@ -473,9 +481,10 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   static rt::StageOrder as_registered(std::size_t) { return rt::StageOrder::kRegistered; }
 
-  // The optimizer step streams order_ with the configured roles. Note [Staging order]: the first
-  // layer comes smallest tensor first, so the first kernel starts soonest; the last comes
-  // smallest tensor last, so the last write-back, which nothing overlaps, is the shortest.
+  // The optimizer step streams order_ with the configured roles. The first layer comes smallest
+  // tensor first, so the first kernel starts soonest; the last comes smallest tensor last, so the
+  // last write-back, which nothing overlaps, is the shortest (See Note [Staging order] in
+  // runtime/runtime.h).
   absl::Status refill_optimizer(rt::PolicyContext& rt) {
     const std::size_t last = order_.empty() ? 0 : order_.size() - 1;
     return refill(
@@ -547,8 +556,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Layers with parameters (a layer whose tensors were all unregistered since stays listed;
   // staging and holding it do nothing).
   std::optional<std::vector<int>> parameter_layers_;
-  const bool keep_resident_layers_;  // Note [Resident layers]
-  bool settled_ = false;             // Note [Resident layers] done for the tensors registered now
+  const bool keep_resident_layers_;  // See Note [Resident layers]
+  bool settled_ = false;             // See Note [Resident layers]; done for what is registered now
   std::vector<int> order_;           // optimizer order, layers that stream only
   std::vector<int> forward_;         // forward order, layers whose parameters stream
   std::vector<int> backward_;        // backward order
@@ -569,8 +578,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Layers held for forward (one) or backward (those whose backward may be under way).
   std::vector<Held> held_;
   int last_ = -1;  // the layer held last
-  // Note [Overlapped backward]: between begin_step and the optimizer step under kBackward; layers
-  // staged after their backward until their release; layers released so far.
+  // Between begin_step and the optimizer step under kBackward; layers staged after their backward
+  // until their release; layers released so far (See Note [Overlapped backward]).
   bool overlapping_ = false;
   std::vector<int> awaiting_;
   std::vector<int> stepped_;

@@ -44,7 +44,7 @@ class CudaDevice final : public Device {
       : device_(device), events_(std::move(events)), name_(alloc::cuda_device_name(device)) {}
 
   ~CudaDevice() override {
-    // Note [Stream ordering] rule 5: tolerate a runtime that is unloading at exit.
+    // See Note [Stream ordering], rule 5: tolerate a runtime that is unloading at exit.
     for (cudaEvent_t e : timed_free_) (void)cudaEventDestroy(e);
   }
 

@@ -34,7 +34,7 @@ struct Entry {
   Location dst;
   StreamHandle copy_stream = nullptr;
   EventHandle arrival = nullptr;
-  // The stream an acquire made wait for `arrival` (Note [Covered arrival] in migration.cpp).
+  // The stream an acquire made wait for `arrival` (See Note [Covered arrival] in migration.cpp).
   StreamHandle arrival_waiter = nullptr;
   EventHandle timed_start = nullptr;
   EventHandle timed_end = nullptr;
@@ -45,21 +45,21 @@ struct Entry {
   struct Ready {
     StreamHandle stream;
     EventHandle event;
-    // Recorded on a stream after it waited for the copy in flight (Note [Covered arrival]).
+    // Recorded on a stream after it waited for the copy in flight (See Note [Covered arrival]).
     bool covers_arrival = false;
   };
   std::vector<Ready> ready;
   int holds = 0;
   std::uint64_t version = 0;
-  // While staged: the home block the tensor keeps (Note [Staging ring] in runtime.h); the fetch
+  // While staged: the home block the tensor keeps (See Note [Staging ring] in runtime.h); the fetch
   // reads it, a write-back copies into it, a discard just returns to it.
   Location rest;
   void* reported = nullptr;  // the address on_moved last reported
   bool offloaded = false;    // moved to the host by offload_all, back at reload_all
-  // Note [Undo log] in undo.cpp: the tensor's bytes from before the overlapped step are kept. A
-  // staged one's write-back goes into undo_fresh, a block of its home tier, which becomes its home,
-  // and the old home block (`rest` until then) is the log's; so the staged data must be written
-  // back, never discarded.
+  // The tensor's bytes from before the overlapped step are kept (See Note [Undo log] in undo.cpp).
+  // A staged one's write-back goes into undo_fresh, a block of its home tier, which becomes its
+  // home, and the old home block (`rest` until then) is the log's; so the staged data must be
+  // written back, never discarded.
   bool undo_kept = false;
   void* undo_fresh = nullptr;
 };

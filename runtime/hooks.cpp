@@ -2,24 +2,28 @@
 // step, and the phase switches; the state of the step they move through; and the PolicyContext
 // through which the policy acts from inside them.
 //
-// Note [Hooks hold the runtime's mutex]: a hook takes the runtime's mutex and holds it while the
-// policy runs, and the policy acts only through the PolicyContext, whose calls assume the mutex is
-// held. So every public call of the runtime, hooks included, is one critical section: two threads
-// calling hooks (or a hook and any other call) never interleave inside the policy or the runtime.
-// The on_moved callbacks run under the same mutex and must not call the runtime.
+// Note [Hooks hold the runtime's mutex]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A hook takes the runtime's mutex and holds it while the policy runs, and the policy acts only
+// through the PolicyContext, whose calls assume the mutex is held. So every public call of the
+// runtime, hooks included, is one critical section: two threads calling hooks (or a hook and any
+// other call) never interleave inside the policy or the runtime. The on_moved callbacks run under
+// the same mutex and must not call the runtime.
 //
-// Note [Step states]: begin_step opens a step and end_step closes it; before_forward,
-// before_backward and after_backward belong inside one; an optimizer step (begin_optimizer_step ..
-// end_optimizer_step) may run inside a step or on its own (Adam::step makes both calls), but not
-// inside another. A hook called out of that order is kFailedPrecondition saying what was expected,
-// and changes nothing. A hook that fails leaves the state as it was, so it can be called again: a
-// failed begin_* has not begun (the policy's work so far is put back), a failed end_step has not
-// ended. end_step also fails, naming them, while tensors are still held once the policy's end of
-// step is done: an acquire with no release would otherwise surface only later, as a tensor that
-// cannot move. One exception keeps a failed optimizer step from blocking every later hook:
-// end_optimizer_step ends the optimizer step even when the policy cannot finish its end of it
-// (writing staged states home, under a device error); that work is then finished first by the next
-// hook, or by calling end_optimizer_step again, and that hook fails while it cannot be.
+// Note [Step states]
+// ~~~~~~~~~~~~~~~~~~
+// begin_step opens a step and end_step closes it; before_forward, before_backward and
+// after_backward belong inside one; an optimizer step (begin_optimizer_step .. end_optimizer_step)
+// may run inside a step or on its own (Adam::step makes both calls), but not inside another. A hook
+// called out of that order is kFailedPrecondition saying what was expected, and changes nothing. A
+// hook that fails leaves the state as it was, so it can be called again: a failed begin_* has not
+// begun (the policy's work so far is put back), a failed end_step has not ended. end_step also
+// fails, naming them, while tensors are still held once the policy's end of step is done: an
+// acquire with no release would otherwise surface only later, as a tensor that cannot move. One
+// exception keeps a failed optimizer step from blocking every later hook: end_optimizer_step ends
+// the optimizer step even when the policy cannot finish its end of it (writing staged states home,
+// under a device error); that work is then finished first by the next hook, or by calling
+// end_optimizer_step again, and that hook fails while it cannot be.
 #include <algorithm>
 
 #include "base/status.h"
@@ -170,8 +174,8 @@ absl::Status Runtime::begin_optimizer_step() {
   PolicyContext ctx(*this);
   STRATA_RETURN_IF_ERROR(im.finish_optimizer_step(ctx));
   // The policy's first fetches go out before the host collects what finished since the last hook:
-  // after a step with no hook in between, that is every copy of it (about 1.5 ms of bookkeeping
-  // for 512 copies, measured on an H200), and the link would idle meanwhile.
+  // after a step with no hook in between, that is every copy of it (milliseconds of bookkeeping
+  // for hundreds of copies), and the link would idle meanwhile.
   absl::Status s = im.policy->on_begin_optimizer_step(ctx);
   if (s.ok()) s = im.engine.poll();
   if (!s.ok()) {

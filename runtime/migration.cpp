@@ -16,7 +16,7 @@ namespace {
 
 bool is_gpu(Tier t) { return t == Tier::kGpu; }
 
-// Note [Timed copies]: the smallest copy whose time goes into the engine rates.
+// The smallest copy whose time goes into the engine rates (See Note [Timed copies]).
 constexpr std::size_t kTimedCopyMinBytes = std::size_t{1} << 20;
 
 }  // namespace
@@ -199,9 +199,11 @@ absl::Status MigrationEngine::migrate(Entry& e, Tier dst_tier, void* dst_ptr, in
   StreamHandle stream = to_gpu ? h2d_ : d2h_;
   const bool allocated = dst.ptr == nullptr;
   if (allocated) {
-    // Note [Runtime blocks are stream-agnostic]: the runtime frees a block only after the copies
-    // and compute that used it are known complete (finish) or hands it back with record_stream, so
-    // its blocks need no per-stream pool: one pool per tier, reused by any copy.
+    // Note [Runtime blocks are stream-agnostic]
+    // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    // The runtime frees a block only after the copies and compute that used it are known complete
+    // (finish) or hands it back with record_stream, so its blocks need no per-stream pool: one pool
+    // per tier, reused by any copy.
     absl::StatusOr<void*> block =
         allocator_.allocate(dst_tier, e.bytes, {.stream = nullptr, .owner = e.spec.name});
     if (!block.ok()) {
@@ -250,8 +252,8 @@ absl::Status MigrationEngine::migrate(Entry& e, Tier dst_tier, void* dst_ptr, in
     return absl::OkStatus();
   }
 
-  // Note [Stream ordering] rule 2: the copy waits for every prior use of the data on the GPU, and
-  // the source stays the tensor's until the copy's event completes (finish).
+  // See Note [Stream ordering], rule 2: the copy waits for every prior use of the data on the GPU,
+  // and the source stays the tensor's until the copy's event completes (finish).
   for (const Entry::Ready& r : e.ready) {
     absl::Status s = device_->stream_wait(stream, r.event);
     if (!s.ok()) return undo(s, false);
@@ -260,11 +262,13 @@ absl::Status MigrationEngine::migrate(Entry& e, Tier dst_tier, void* dst_ptr, in
     absl::Status s = device_->stream_wait(stream, w);
     if (!s.ok()) return undo(s, false);
   }
-  // Note [Timed copies]: a copy's timing takes two more event records on its stream, as much host
-  // time as the copy itself when it is small (10^4 tensors of 4 KiB .. 1 MiB spent about 50 us
-  // each queueing on an H100, bench/results/2026-11-24-H100-compare), and the rate of a copy that
-  // short says little about the link. Only copies of kTimedCopyMinBytes or more are timed; the
-  // engine rates (RuntimeStats::h2d_gbps) are those copies' bytes over their time.
+  // Note [Timed copies]
+  // ~~~~~~~~~~~~~~~~~~~
+  // A copy's timing takes two more event records on its stream, as much host time as the copy
+  // itself when it is small (10^4 tensors of 4 KiB .. 1 MiB spent about 50 us each queueing on an
+  // H100, bench/results/2026-11-24-H100-compare), and the rate of a copy that short says little
+  // about the link. Only copies of kTimedCopyMinBytes or more are timed; the engine rates
+  // (RuntimeStats::h2d_gbps) are those copies' bytes over their time.
   const bool timed = e.bytes >= kTimedCopyMinBytes;
   absl::StatusOr<EventHandle> start = timed ? device_->record_timed(stream) : nullptr;
   if (!start.ok()) return undo(start.status(), false);
@@ -329,10 +333,11 @@ void MigrationEngine::finish(Entry& e, bool early) {
     }
     free_location(e, src);
   }
-  // Note [Covered arrival]: a release on a stream that had waited for the copy already orders what
-  // comes after it behind the copy; later copies then need not wait for the copy itself too. Each
-  // wait costs a copy stream a pause between copies (about 20 us measured on an H200), and a
-  // write-back of a staged tensor would otherwise wait twice.
+  // Note [Covered arrival]
+  // ~~~~~~~~~~~~~~~~~~~~~~
+  // A release on a stream that had waited for the copy already orders what comes after it behind
+  // the copy; later copies then need not wait for the copy itself too. Each wait costs a copy
+  // stream a pause between copies, and a write-back of a staged tensor would otherwise wait twice.
   const bool covered = std::any_of(e.ready.begin(), e.ready.end(),
                                    [](const Entry::Ready& r) { return r.covers_arrival; });
   if (early && !covered) {
@@ -357,10 +362,12 @@ void MigrationEngine::notify(Entry& e, Tier tier, void* ptr) {
   for (const auto& [id, fn] : on_moved_) fn(e.handle, tier, ptr);
 }
 
-// Note [Compute fence]: hooks are the points where the training loop hands control to the runtime;
-// everything queued on the compute stream before a hook must finish before a copy queued by the
-// hook touches the same data. One event on the compute stream, waited on by both copy streams,
-// orders all of it without the host waiting.
+// Note [Compute fence]
+// ~~~~~~~~~~~~~~~~~~~~
+// Hooks are the points where the training loop hands control to the runtime; everything queued on
+// the compute stream before a hook must finish before a copy queued by the hook touches the same
+// data. One event on the compute stream, waited on by both copy streams, orders all of it without
+// the host waiting.
 absl::Status MigrationEngine::fence_compute() {
   STRATA_ASSIGN_OR_RETURN(EventHandle fence, device_->record(compute_));
   absl::Status s = device_->stream_wait(h2d_, fence);

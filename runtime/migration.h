@@ -3,11 +3,12 @@
 // memory, copy timing, and the on_moved callbacks; it moves entries between tiers and completes
 // their moves.
 //
-// Note [Stream ordering] (docs/design.md, section 6) as the engine keeps it: a copy waits on the
-// GPU for every earlier use of its source; the source stays the tensor's until the copy's event
-// completed; memory a queued copy may still touch goes back to its pool only through free_after(),
-// which makes the pool wait for the copy stream before the memory is reused. The runtime calls the
-// engine with its mutex held.
+// Stream ordering as the engine keeps it (See Note [Stream ordering] in allocator/block_pool.h; its
+// rules are numbered in docs/design.md, section 6): a copy waits on the GPU for every earlier use
+// of its source; the source stays the tensor's until the copy's event completed; memory a queued
+// copy may still touch goes back to its pool only through free_after(), which makes the pool wait
+// for the copy stream before the memory is reused. The runtime calls the engine with its mutex
+// held.
 //
 // Example (inside the runtime, lock held):
 //   STRATA_RETURN_IF_ERROR(engine.migrate(e, Tier::kPinnedHost));   // queued, returns at once
@@ -57,7 +58,7 @@ class MigrationEngine {
   // Copies bytes and waits for the copy (registration, read, write). When the wait fails, dst is
   // still being written: the caller must not free it but through free_after(..., d2h()).
   absl::Status host_copy(void* dst, const void* src, std::size_t bytes);
-  // Note [Compute fence] in migration.cpp.
+  // See Note [Compute fence] in migration.cpp.
   absl::Status fence_compute();
   // Gives the memory of a location back to its pool (staging slots are the ring's: nothing).
   void free_location(const Entry& e, const Location& loc);
@@ -72,8 +73,8 @@ class MigrationEngine {
   void keep_timing(Entry& e);
   // Frees the bounce buffers once no copy uses them.
   absl::Status release_bounce();
-  // Teardown after a failed wait (Note [Teardown after a failed wait] in runtime.cpp): drops the
-  // timing events unread and gives the bounce buffers back behind the copy streams.
+  // Teardown after a failed wait (See Note [Teardown after a failed wait] in runtime.cpp): drops
+  // the timing events unread and gives the bounce buffers back behind the copy streams.
   void abandon();
   // Counts a compute stream's wait on a copy, measured between two timing events.
   void add_stall(EventHandle before, EventHandle after) { stalls_.push_back({before, after}); }

@@ -1,19 +1,21 @@
 // runtime/phase.cpp: phase switches, Runtime::offload_all and Runtime::reload_all, the same under
 // every policy.
 //
-// Note [Phase switches]: between training phases (an RL trainer's rollout) everything training
-// keeps on the GPU goes to host memory, and the GPU memory it held goes back to the driver, so that
-// another engine can take it; then it all comes back. offload_all:
+// Note [Phase switches]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Between training phases (an RL trainer's rollout) everything training keeps on the GPU goes to
+// host memory, and the GPU memory it held goes back to the driver, so that another engine can take
+// it; then it all comes back. offload_all:
 //   1. lets the policy put home what it staged and release what it holds (on_offload_all);
 //   2. waits for copies in flight, then queues a move of every tensor of the roles asked for that
 //      is in the GPU tier's pool to pinned memory (pageable where pinned has no room), and marks it
 //      offloaded; a tensor that cannot move (held by an acquire) fails the call, and what moved
 //      stays moved, marked, for reload_all;
 //   3. unless keep_cached, frees the staging ring and gives every segment of the GPU tier back to
-//      the driver as soon as it is entirely free, while later copies still stream (Note [Freeing
-//      behind the copies]); then waits for the rest of the copies.
+//      the driver as soon as it is entirely free, while later copies still stream
+//      (See Note [Freeing behind the copies]); then waits for the rest of the copies.
 // reload_all takes a GPU block for every tensor marked offloaded, then moves them all back into
-// them (Note [Allocating before the copies]; it may take GPU memory from the driver; it pins no
+// them (See Note [Allocating before the copies]; it may take GPU memory from the driver; it pins no
 // host memory, the host blocks go back to their pool), waits, and lets the policy reserve its ring
 // again (on_reload_all) and resume where it was. From offload_all until reload_all no step can
 // begin, even when nothing was on the GPU to move (a step would take GPU memory for the policy's
@@ -71,14 +73,16 @@ absl::Status Runtime::offload_all(OffloadOptions options) {
     e->offloaded = true;
   }
   if (!options.keep_cached) {
-    // Note [Freeing behind the copies]: the ring holds nothing now and no copy reads it; each
-    // segment goes back as soon as the copies out of it have landed, while the later ones still
-    // stream. The copies go in registration order, the order in which the tensors' blocks were
-    // carved out of the segments, so one segment's tensors mostly leave together (and the
-    // tensors registered first are the first to get pinned memory). On virtual memory the frees do
-    // not wait for those copies (Note [Device memory method] in allocator/cuda_backend.cpp), so
-    // they hide behind the link; with cudaFree the first free waits for every copy queued, and the
-    // rest follow, as if freed at the end.
+    // Note [Freeing behind the copies]
+    // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    // The ring holds nothing now and no copy reads it; each segment goes back as soon as the copies
+    // out of it have landed, while the later ones still stream. The copies go in registration
+    // order, the order in which the tensors' blocks were carved out of the segments, so one
+    // segment's tensors mostly leave together (and the tensors registered first are the first to
+    // get pinned memory). On virtual memory the frees do not wait for those copies
+    // (See Note [Device memory method] in allocator/cuda_backend.cpp), so they hide behind the
+    // link; with cudaFree the first free waits for every copy queued, and the rest follow, as if
+    // freed at the end.
     // A trim walks every block of the pool, so it runs once per sixteenth of the bytes, not once
     // per tensor (10^4 tensors would make that 10^8 block visits); the frees of the last
     // sixteenth come after the copies.
@@ -114,14 +118,15 @@ absl::Status Runtime::reload_all() {
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   STRATA_RETURN_IF_ERROR(im.engine.wait_all());
-  // Note [Allocating before the copies]: every block the tensors come back to is taken first, and
-  // only then are the copies queued, back to back. Taking GPU memory from the driver while a copy
-  // streams is slower (cudaMalloc of 1 GiB: 0.1 ms idle, 1.1 ms beside a copy, in
-  // tools/gpu/probes/free_overlap.cu on an H200), and while the host allocates the next block the
-  // copy queue runs dry. On the 24-block switch this took the reload from 1.04-1.10 to 1.06 x its
-  // link floor plus the allocation time; the rest is the driver's work on memory another engine
-  // has just given back (bench/results/2026-11-24-H200-c14555e/h2d_pages.txt). And a reload that
-  // does not fit moves nothing.
+  // Note [Allocating before the copies]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // Every block the tensors come back to is taken first, and only then are the copies queued, back
+  // to back. Taking GPU memory from the driver while a copy streams is slower than taking it idle
+  // (tools/gpu/probes/free_overlap.cu), and while the host allocates the next block the copy queue
+  // runs dry; allocating first brought the reload to its link floor plus the allocation time; the
+  // rest is the driver's work on memory another engine has just given back
+  // (bench/results/2026-11-24-H200-c14555e/h2d_pages.txt). And a reload that does not fit moves
+  // nothing.
   std::vector<Entry*> coming;
   for (const auto& e : im.registry.entries()) {
     if (e->offloaded) coming.push_back(e.get());

@@ -6,8 +6,8 @@
 // (begin/end of step, before forward and after backward of a layer, the optimizer step, phase
 // switches) and the policy answers through the PolicyContext it is handed: the runtime's registry,
 // migration, staging and guard calls, run under the runtime's mutex, which the runtime holds for
-// the whole hook (Note [Hooks hold the runtime's mutex] in hooks.cpp). The concrete policies live
-// in policies/; this layer only knows their names through a PolicyRegistry.
+// the whole hook (See Note [Hooks hold the runtime's mutex] in hooks.cpp). The concrete policies
+// live in policies/; this layer only knows their names through a PolicyRegistry.
 //
 // Choosing by name: RuntimeOptions::policy, else the flag --strata_policy, else the environment
 // variable STRATA_POLICY, else kDefaultPolicy. A name that is unknown, or empty where it was given,
@@ -40,7 +40,7 @@ namespace strata::rt {
 class Runtime;
 using alloc::StreamHandle;
 
-// The order in which stage_layer queues a layer's copies (Note [Staging order] in runtime.h).
+// The order in which stage_layer queues a layer's copies (See Note [Staging order] in runtime.h).
 enum class StageOrder { kRegistered, kSmallestFirst, kLargestFirst };
 
 // What a policy may do, from inside a hook: the calls of Runtime's that carry the same names (see
@@ -87,7 +87,7 @@ class PolicyContext {
 
 inline constexpr std::string_view kDefaultPolicy = "layer_prefetch";
 
-// When the optimizer steps (Note [Overlapped step] in optim/adam.h): after backward (kNone), or
+// When the optimizer steps (See Note [Overlapped step] in optim/adam.h): after backward (kNone), or
 // each layer as soon as its backward is done (kBackward), speculatively, validated after backward.
 enum class Overlap { kNone, kBackward };
 // "none" / "backward"; kInvalidArgument naming both for anything else.
@@ -107,7 +107,7 @@ struct PolicyConfig {
   Overlap overlap = Overlap::kNone;
   // With kBackward: the bytes an overlapped step keeps for its redo of a tensor resting on the GPU
   // are copied on the GPU (no link traffic) while the GPU tier has room under the budget, and to
-  // pinned host memory otherwise (Note [Undo log] in runtime/undo.cpp).
+  // pinned host memory otherwise (See Note [Undo log] in runtime/undo.cpp).
   bool undo_on_gpu = false;
 };
 
@@ -153,7 +153,7 @@ class ResidencyPolicy {
   [[nodiscard]] virtual absl::Status on_end_optimizer_step(PolicyContext& rt) {
     return absl::OkStatus();
   }
-  // Phase switches (Note [Phase switches] in runtime/phase.cpp): before offload_all moves
+  // Phase switches (See Note [Phase switches] in runtime/phase.cpp): before offload_all moves
   // tensors, the policy puts home what it staged and releases what it holds; after reload_all
   // brought them back, it reserves again what it needs (its staging ring) and resumes.
   // Runtime::rollback_undo put back the bytes of a step taken during backward: the layers the

@@ -21,11 +21,13 @@ absl::Status Runtime::Impl::release_scratch() {
   return absl::OkStatus();
 }
 
-// Note [Teardown after a failed wait]: when the device cannot say that its work is done (a wait
-// fails: a sticky error, a device that stopped), a copy may still write memory the runtime holds.
-// That memory then goes back to its pool behind every stream the runtime used, so the pool keeps it
-// until an event on each completes; a pool that cannot wait for those keeps its segments from the
-// upstream for good (and says so) rather than give back memory a copy may still write.
+// Note [Teardown after a failed wait]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// When the device cannot say that its work is done (a wait fails: a sticky error, a device that
+// stopped), a copy may still write memory the runtime holds. That memory then goes back to its pool
+// behind every stream the runtime used, so the pool keeps it until an event on each completes; a
+// pool that cannot wait for those keeps its segments from the upstream for good (and says so)
+// rather than give back memory a copy may still write.
 Runtime::Impl::~Impl() {
   bool device_ok = true;
   {

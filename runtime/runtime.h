@@ -9,19 +9,23 @@
 // release(). Nothing here waits on the host in steady state; host waits are counted in
 // RuntimeStats::host_syncs.
 //
-// Note [Staging ring]: streamed tensors (layer_prefetch's optimizer states) come to the GPU into a
-// ring of slots, each the size of the largest staged layer, from a GPU pool kept apart from the
-// main one, so streaming never fragments the pool that serves forward and backward. A slot is
-// refilled by an H2D copy that waits, on the GPU, for the D2H copies that emptied it: no host wait,
-// and the GPU never holds more than `slots` layers of staged data.
+// Note [Staging ring]
+// ~~~~~~~~~~~~~~~~~~~
+// Streamed tensors (layer_prefetch's optimizer states) come to the GPU into a ring of slots, each
+// the size of the largest staged layer, from a GPU pool kept apart from the main one, so streaming
+// never fragments the pool that serves forward and backward. A slot is refilled by an H2D copy that
+// waits, on the GPU, for the D2H copies that emptied it: no host wait, and the GPU never holds more
+// than `slots` layers of staged data.
 //
-// Note [Staging order]: a staged layer's copies are queued in the order stage_layer is asked for,
-// and staged_tensors() tells that order, so a consumer can compute each tensor as it arrives and
-// write it back in the same order. A step that streams layers from an idle link spends the first
-// tensor's fetch with only the H2D direction busy and the last tensor's write-back with only the
-// D2H direction busy; so layer_prefetch asks for the first layer of a step smallest first and the
-// last layer largest first (smallest last). Tensors of equal size keep their registration order,
-// so the moments of one parameter, registered together, arrive together.
+// Note [Staging order]
+// ~~~~~~~~~~~~~~~~~~~~
+// A staged layer's copies are queued in the order stage_layer is asked for, and staged_tensors()
+// tells that order, so a consumer can compute each tensor as it arrives and write it back in the
+// same order. A step that streams layers from an idle link spends the first tensor's fetch with
+// only the H2D direction busy and the last tensor's write-back with only the D2H direction busy; so
+// layer_prefetch asks for the first layer of a step smallest first and the last layer largest first
+// (smallest last). Tensors of equal size keep their registration order, so the moments of one
+// parameter, registered together, arrive together.
 //
 // Pageable host memory is never streamed directly: copies to and from it go through pinned bounce
 // buffers in pieces of kBounceChunkBytes, and those migrations wait on the host (counted). The
@@ -29,8 +33,9 @@
 // outside the tiers' budgets: a spill to pageable memory happens when the pinned budget is full.
 //
 // Thread-safe as one mutex makes it: every public call takes it, hooks for the whole time the
-// policy runs (Note [Hooks hold the runtime's mutex] in hooks.cpp), so calls from several threads
-// never interleave inside the runtime. The hooks follow the order of a step (Note [Step states]).
+// policy runs (See Note [Hooks hold the runtime's mutex] in hooks.cpp), so calls from several
+// threads never interleave inside the runtime. The hooks follow the order of a step
+// (See Note [Step states]).
 //
 // The implementation is split by concern (runtime_impl.h lists the rooms): registry.cpp,
 // migration.cpp, staging.cpp, guards.cpp, hooks.cpp and this facade's runtime.cpp.
@@ -101,8 +106,8 @@ struct RuntimeStats {
   std::int64_t migrated_bytes_h2h = 0;  // pinned <-> pageable
   std::int64_t num_migrations = 0;      // completed
   std::int64_t failed_migrations = 0;   // refused or failed, tensor left at its source
-  // Time the H2D stream spent copying, over completed copies of 1 MiB or more (Note [Timed
-  // copies] in migration.cpp: timing a smaller copy costs as much host time as the copy).
+  // Time the H2D stream spent copying, over completed copies of 1 MiB or more (timing a smaller
+  // copy costs as much host time as the copy; See Note [Timed copies] in migration.cpp).
   double h2d_busy_ms = 0;
   double d2h_busy_ms = 0;
   std::int64_t timed_bytes_h2d = 0;  // bytes of the copies behind h2d_busy_ms
@@ -121,9 +126,9 @@ struct RuntimeStats {
   // virtual memory's map and unmap), by the GPU tier and the staging ring together.
   std::int64_t gpu_upstream_alloc_ns = 0;
   std::int64_t gpu_upstream_free_ns = 0;
-  // Note [Undo log] in undo.cpp: host bytes kept for an overlapped step's redo, now and at most,
-  // and the bytes of them that had to be copied off the GPU (tensors resting there; a staged
-  // tensor's old home block is kept instead, with no copy).
+  // Host bytes kept for an overlapped step's redo, now and at most, and the bytes of them that had
+  // to be copied off the GPU (tensors resting there; a staged tensor's old home block is kept
+  // instead, with no copy; See Note [Undo log] in undo.cpp).
   std::int64_t undo_bytes = 0;
   std::int64_t undo_peak_bytes = 0;
   std::int64_t undo_copied_bytes = 0;
@@ -178,14 +183,14 @@ class Runtime {
   // Waits (on the host) until no migration is in flight.
   [[nodiscard]] absl::Status wait_all();
 
-  // --- staging (Note [Staging ring]) ---
+  // --- staging (See Note [Staging ring]) ---
   // Sizes the ring: `slots` slots, each the largest layer's bytes of `roles`. kInvalidArgument when
   // it does not fit the GPU budget.
   [[nodiscard]] absl::Status configure_staging(int slots, RoleSet roles);
   // Queues the layer's tensors of `roles` (default: the staging roles) into its slot: the next free
   // one, or the slot the layer already has (a layer staged for parameters can take its gradients
   // later). The tensors keep their home blocks while staged. kResourceExhausted when no slot is
-  // free. `order`: the order of the copies (Note [Staging order]).
+  // free. `order`: the order of the copies (See Note [Staging order]).
   [[nodiscard]] absl::Status stage_layer(int layer, std::optional<RoleSet> roles = std::nullopt,
                                          StageOrder order = StageOrder::kRegistered);
   // Ends the layer's staging. Tensors with a role in `write_back` (default: all) are copied back
@@ -229,12 +234,12 @@ class Runtime {
   // nothing of the layer's backward has been queued yet. Optional, but a model whose layers'
   // backward passes do not run in the reverse order of their forward (parallel branches, several
   // embeddings feeding one sum) must call it so the policy can hold the layer before autograd
-  // touches its tensors (Note [Backward out of order] in policies/layer_prefetch.cpp).
+  // touches its tensors (See Note [Backward out of order] in policies/layer_prefetch.cpp).
   [[nodiscard]] absl::Status before_backward(int layer);
   [[nodiscard]] absl::Status after_backward(int layer);
   [[nodiscard]] absl::Status begin_optimizer_step();
   [[nodiscard]] absl::Status end_optimizer_step();
-  // Phase switches, under every policy (Note [Phase switches] in phase.cpp): offload_all moves
+  // Phase switches, under every policy (See Note [Phase switches] in phase.cpp): offload_all moves
   // every registered tensor of `options.roles` that is on the GPU to host memory (pinned while it
   // has room, pageable after) and gives the GPU memory it empties (the GPU tier's segments and the
   // staging ring) back to the driver as the copies land, unless options.keep_cached; reload_all
@@ -248,7 +253,7 @@ class Runtime {
   // Whether the runtime is between offload_all and reload_all.
   bool offloaded() const;
 
-  // --- undo log (Note [Undo log] in undo.cpp): what an optimizer step taken during backward,
+  // --- undo log (See Note [Undo log] in undo.cpp): what an optimizer step taken during backward,
   // before it is known to be valid, keeps so that it can be redone exactly --- Keeps the tensor's
   // bytes as they are before the work queued on `stream` after this call writes it. The tensor must
   // be held on the GPU (acquire). A staged tensor costs no copy: its write-back goes to a fresh
@@ -296,9 +301,9 @@ class Runtime {
   std::size_t gpu_budget() const;
   // Sets the GPU budget (alloc::kNoBudget: none) between steps, with nothing kept for a redo and
   // nothing offloaded; a budget below what strata holds on the GPU now is refused. The policy lays
-  // out again what it keeps on the GPU (layer_prefetch: its ring and resident layers, Note
-  // [Resident layers]); if that fails the old budget is back. strata.optim's gpu_budget="auto"
-  // sets it once the first step measured torch's peak.
+  // out again what it keeps on the GPU (layer_prefetch: its ring and resident layers,
+  // See Note [Resident layers]); if that fails the old budget is back. strata.optim's
+  // gpu_budget="auto" sets it once the first step measured torch's peak.
   //   STRATA_RETURN_IF_ERROR(rt.set_gpu_budget(24 * kGiB));
   [[nodiscard]] absl::Status set_gpu_budget(std::size_t budget);
   alloc::TieredAllocator& allocator();

@@ -42,13 +42,13 @@ struct Runtime::Impl {
         staging(registry, engine, *this->allocator, std::move(staging_pool)) {}
   ~Impl();
 
-  // Where a step is (Note [Step states] in hooks.cpp).
+  // Where a step is (See Note [Step states] in hooks.cpp).
   struct StepState {
     bool in_step = false;
     bool in_optimizer_step = false;
     // end_optimizer_step was called but the policy could not finish its end of step.
     bool optimizer_unfinished = false;
-    // Between offload_all and reload_all (Note [Phase switches]).
+    // Between offload_all and reload_all (See Note [Phase switches]).
     bool offloaded = false;
   };
 
@@ -72,7 +72,7 @@ struct Runtime::Impl {
   absl::Status check_layer(const char* hook, int layer) const;
   absl::Status finish_optimizer_step(PolicyContext& ctx);
   std::string outstanding_holds() const;
-  // undo.cpp (Note [Undo log])
+  // undo.cpp (See Note [Undo log])
   struct UndoRecord {
     internal::Entry* entry;
     Tier tier;                      // of `kept`

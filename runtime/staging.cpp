@@ -64,8 +64,8 @@ absl::Status StagingRing::configure(int slots, RoleSet roles) {
   next_slot_ = 0;
   engine_.stats().staging_bytes = static_cast<std::int64_t>(total);
   if (total == 0) return absl::OkStatus();
-  // The ring draws on the GPU budget with the main pool (Note [Staging ring] in runtime.h): what
-  // the main pool keeps cached goes back first if the ring does not fit beside it.
+  // The ring draws on the GPU budget with the main pool (See Note [Staging ring] in runtime.h):
+  // what the main pool keeps cached goes back first if the ring does not fit beside it.
   const alloc::AllocOptions where{.stream = engine_.h2d(), .owner = "runtime.staging"};
   absl::StatusOr<void*> memory = pool_->allocate(total, where);
   if (memory.status().code() == absl::StatusCode::kResourceExhausted) {
@@ -112,7 +112,7 @@ absl::Status StagingRing::stage(int layer, std::optional<RoleSet> roles, StageOr
   auto staged = staged_layers_.find(layer);
   std::vector<std::pair<Entry*, std::size_t>> layout;
   if (staged != staged_layers_.end()) {
-    // Note [Slot layout]: the places fixed when the layer took its slot.
+    // The places fixed when the layer took its slot (See Note [Slot layout] in staging.h).
     layout = slots_[staged->second].layout;
     for (Entry* e : registry_.layer_entries(layer, want)) {
       if (std::none_of(layout.begin(), layout.end(), [e](const auto& p) { return p.first == e; })) {
@@ -141,7 +141,8 @@ absl::Status StagingRing::stage(int layer, std::optional<RoleSet> roles, StageOr
     if (want.contains(e->spec.role) && e->bytes > 0 && !on_gpu_already) todo.emplace_back(e, off);
   }
   if (todo.empty()) return absl::OkStatus();
-  // Note [Staging order]: stable, so tensors of equal size keep their registration order.
+  // Stable, so tensors of equal size keep their registration order (See Note [Staging order] in
+  // runtime.h).
   if (order == StageOrder::kSmallestFirst) {
     std::stable_sort(todo.begin(), todo.end(),
                      [](const auto& a, const auto& b) { return a.first->bytes < b.first->bytes; });
@@ -223,21 +224,22 @@ absl::Status StagingRing::unstage(int layer, std::optional<RoleSet> write_back) 
     }
   }
   // Write-backs go in arrival order: the first tensor in is the first whose compute is done, so
-  // the D2H stream starts while the rest of the layer is still arriving and computing (Note
-  // [Per-parameter pipelining] in optim/adam.cpp); in reverse order it would idle until the whole
-  // layer is in. Each occupant leaves the slot's books only once handled, so a call that fails
-  // half-way can be retried and handles the rest.
+  // the D2H stream starts while the rest of the layer is still arriving and computing
+  // (See Note [Per-parameter pipelining] in optim/adam.cpp); in reverse order it would idle until
+  // the whole layer is in. Each occupant leaves the slot's books only once handled, so a call that
+  // fails half-way can be retried and handles the rest.
   bool copied = false;
   absl::Status status;
   std::size_t handled = 0;
   for (; handled < slot.occupants.size(); ++handled) {
     Entry* e = slot.occupants[handled];
-    // Note [Undo log]: a kept tensor's home is a fresh block, which only the write-back fills.
+    // A kept tensor's home is a fresh block, which only the write-back fills (See Note [Undo log]
+    // in undo.cpp).
     if (copy_home.contains(e->spec.role) || e->undo_fresh != nullptr) {
       if (e->in_flight) engine_.finish(*e, /*early=*/true);  // still arriving: chain on the GPU
       if (e->undo_fresh != nullptr) {
-        // Note [Undo log]: into the fresh block, which is home from now on; the old one is the
-        // log's.
+        // Into the fresh block, which is home from now on; the old one is the log's
+        // (See Note [Undo log] in undo.cpp).
         status = engine_.migrate(*e, e->rest.tier, e->undo_fresh, -1);
         if (!status.ok()) break;
         e->rest = {};
@@ -299,7 +301,7 @@ void StagingRing::forget(Entry& e) {
   auto it = staged_layers_.find(e.spec.layer);
   if (it == staged_layers_.end()) return;
   Slot& slot = slots_[it->second];
-  // Its place stays a hole (Note [Slot layout]).
+  // Its place stays a hole (See Note [Slot layout]).
   std::erase_if(slot.layout, [&](const auto& p) { return p.first == &e; });
   if (std::find(slot.occupants.begin(), slot.occupants.end(), &e) != slot.occupants.end()) {
     std::erase(slot.occupants, &e);

@@ -1,13 +1,15 @@
-// runtime/staging.h (internal to runtime/): the staging ring room (Note [Staging ring] in
+// runtime/staging.h (internal to runtime/): the staging ring room (See Note [Staging ring] in
 // runtime.h). It owns the ring's GPU memory, its slots and each staged layer's slot layout, and
 // stages layers into slots and back through the migration engine.
 //
-// Note [Slot layout]: a layer's tensors of the staging roles sit in its slot at offsets fixed when
-// the layer takes the slot (registration order), so a layer staged for some roles first
-// (parameters in forward) can take the rest later (gradients) into the places kept for them. The
-// offsets never change while the layer holds the slot: a tensor unregistered meanwhile leaves a
-// hole, and one registered meanwhile has no place (it is staged once the layer takes a slot
-// again). The runtime calls the ring with its mutex held.
+// Note [Slot layout]
+// ~~~~~~~~~~~~~~~~~~
+// A layer's tensors of the staging roles sit in its slot at offsets fixed when the layer takes the
+// slot (registration order), so a layer staged for some roles first (parameters in forward) can
+// take the rest later (gradients) into the places kept for them. The offsets never change while the
+// layer holds the slot: a tensor unregistered meanwhile leaves a hole, and one registered meanwhile
+// has no place (it is staged once the layer takes a slot again). The runtime calls the ring with
+// its mutex held.
 //
 // Example (inside the runtime, lock held):
 //   STRATA_RETURN_IF_ERROR(ring.configure(2, RoleSet::optimizer_states()));
@@ -58,8 +60,8 @@ class StagingRing {
   struct Slot {
     std::byte* base = nullptr;
     int layer = -1;
-    // Note [Slot layout]: every tensor of the staging roles the layer had when it took the slot,
-    // with its offset; the occupants are the ones copied in so far, in arrival order.
+    // Every tensor of the staging roles the layer had when it took the slot, with its offset; the
+    // occupants are the ones copied in so far, in arrival order (See Note [Slot layout]).
     std::vector<std::pair<Entry*, std::size_t>> layout;
     std::vector<Entry*> occupants;
     // Complete when everything that used the slot's last contents is done (copies out of it, the

@@ -1,7 +1,9 @@
 // runtime/undo.cpp: the undo log: keep_for_undo, commit_undo, rollback_undo.
 //
-// Note [Undo log]: an optimizer step taken layer by layer during backward (Note [Overlapped step]
-// in optim/adam.h) runs before the step's global facts are known (the gradient norm that decides
+// Note [Undo log]
+// ~~~~~~~~~~~~~~~
+// An optimizer step taken layer by layer during backward (See Note [Overlapped step] in
+// optim/adam.h) runs before the step's global facts are known (the gradient norm that decides
 // clipping, loss scaling's inf check). It is a speculation, and when it turns out wrong the step is
 // redone from the bytes it started from, so those bytes must outlive the in-place kernel until the
 // step is validated. Where they are kept depends on where the tensor is:
@@ -45,8 +47,8 @@ absl::Status Runtime::Impl::check_no_undo(std::string_view what) const {
               "'); validate it first (commit_undo or rollback_undo; Adam::finish_step does)"));
 }
 
-// Note [Undo log]: the copy on the GPU, when asked for and the GPU tier has room; nullptr when it
-// has none (the caller copies to pinned memory instead).
+// The copy on the GPU, when asked for and the GPU tier has room; nullptr when it has none (the
+// caller copies to pinned memory instead; See Note [Undo log]).
 absl::StatusOr<void*> Runtime::Impl::keep_undo_on_gpu(const Entry& e, const void* data,
                                                       StreamHandle stream,
                                                       const std::string& owner) {

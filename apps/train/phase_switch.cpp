@@ -26,9 +26,9 @@ std::int64_t driver_free_bytes(const TrainOptions& o) {
   return -1;
 }
 
-// The link's rates right before the switch (Note [Adjacent floor] in bench/: a host's link drifts
-// within minutes): raw copies between pinned host memory and the GPU through torch, the median of
-// three per direction, in GB/s.
+// The link's rates right before the switch (See Note [Adjacent floor] in bench/link_rig.h: a host's
+// link drifts within minutes): raw copies between pinned host memory and the GPU through torch, the
+// median of three per direction, in GB/s.
 std::pair<double, double> link_rates(const TrainOptions& o) {
   if (!o.cuda) return {0, 0};
   constexpr std::int64_t kBytes = 256LL << 20;

@@ -1,7 +1,7 @@
 // apps/train/torch_device.h (internal to apps/train/): the few things every part of strata-train
-// does with torch's device: wall-clock timing after a synchronize, a step's clock (StepClock, Note
-// [Step end]) and torch's CUDA cache. Scalars are read with bridge::ScalarReader, which does not
-// wait behind the copies a step leaves running.
+// does with torch's device: wall-clock timing after a synchronize, a step's clock (StepClock,
+// See Note [Step end]) and torch's CUDA cache. Scalars are read with bridge::ScalarReader, which
+// does not wait behind the copies a step leaves running.
 //
 // Example:
 //   const Clock::time_point start = Clock::now();
@@ -66,19 +66,21 @@ inline void release_torch_cache(const TrainOptions& o) {
 #endif
 }
 
-// Note [Step end]: a training loop does not wait for the whole GPU at the end of a step; it reads
-// the loss, which waits for the stream the model computes on. So with StepEnd::kStream a step's
-// time ends when torch's current stream and the runtime's compute stream have done its work, and
-// copies still running then (the write-backs of the layers the optimizer stepped last, a .to()
-// baseline's states on their way home) run on into the next step's forward. Whatever the next
-// step has to wait for (a staging slot not yet written back, a home block not yet filled) it waits
-// for on the GPU, inside its own time, so each step's time runs from the previous step's end: the
-// times add up to the wall time of the run, less the wait for the last step's copies, reported
-// apart as RunResult::drain_ms. After a phase switch, which synchronizes everything, the next
-// step's time starts afresh. The traced step (the run's last) waits on the host for what the step
-// before left running, inside its time, so that its trace holds its own copies alone: a little
-// slower than the others, never faster. StepEnd::kDevice waits for every stream at the end of each
-// step, as strata-train did before.
+// Note [Step end]
+// ~~~~~~~~~~~~~~~
+// A training loop does not wait for the whole GPU at the end of a step; it reads the loss, which
+// waits for the stream the model computes on. So with StepEnd::kStream a step's time ends when
+// torch's current stream and the runtime's compute stream have done its work, and copies still
+// running then (the write-backs of the layers the optimizer stepped last, a .to() baseline's states
+// on their way home) run on into the next step's forward. Whatever the next step has to wait for (a
+// staging slot not yet written back, a home block not yet filled) it waits for on the GPU, inside
+// its own time, so each step's time runs from the previous step's end: the times add up to the wall
+// time of the run, less the wait for the last step's copies, reported apart as RunResult::drain_ms.
+// After a phase switch, which synchronizes everything, the next step's time starts afresh. The
+// traced step (the run's last) waits on the host for what the step before left running, inside its
+// time, so that its trace holds its own copies alone: a little slower than the others, never
+// faster. StepEnd::kDevice waits for every stream at the end of each step, as strata-train did
+// before.
 class StepClock {
  public:
   StepClock(const TrainOptions& o, std::function<void()> wait_for_streams)
@@ -86,7 +88,7 @@ class StepClock {
   bool stream_end() const { return o_.step_end == TrainOptions::StepEnd::kStream; }
   // The step's start: the previous step's end while nothing synchronized since.
   Clock::time_point start() const { return last_end_.value_or(Clock::now()); }
-  // Waits for the step's work (Note [Step end]).
+  // Waits for the step's work (See Note [Step end]).
   void wait() const {
     if (!stream_end()) return synchronize(o_);
     synchronize_torch_stream(o_);

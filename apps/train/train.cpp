@@ -93,13 +93,15 @@ torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets)
       logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
 }
 
-// Note [PyTorch's step, no host wait]: the baselines step as a PyTorch user's loop does, with
-// nothing read on the host before the step's end: torch.nn.utils.clip_grad_norm_ as Python runs it
-// on CUDA (foreach norms, their norm, the coefficient clamped to 1 and multiplied in on the GPU;
-// the C++ API's version reads the norm on the host and takes one kernel per tensor), and under
-// loss scaling GradScaler's found_inf handed to the fused kernel, which then changes nothing
-// (GradScaler.step does not read it for an optimizer that supports it). The norm, the loss scale
-// and found_inf are read with the loss, after the step's time.
+// Note [PyTorch's step, no host wait]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The baselines step as a PyTorch user's loop does, with nothing read on the host before the step's
+// end: torch.nn.utils.clip_grad_norm_ as Python runs it on CUDA (foreach norms, their norm, the
+// coefficient clamped to 1 and multiplied in on the GPU; the C++ API's version reads the norm on
+// the host and takes one kernel per tensor), and under loss scaling GradScaler's found_inf handed
+// to the fused kernel, which then changes nothing (GradScaler.step does not read it for an
+// optimizer that supports it). The norm, the loss scale and found_inf are read with the loss, after
+// the step's time.
 torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm) {
   const std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2.0);
   const torch::Tensor total = at::linalg_vector_norm(at::stack(norms), 2.0);
@@ -204,7 +206,8 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
 
     // Each layer's gradients are zeroed just before its backward, and clipping and the float16
     // overflow check take each layer's part as its backward finishes, before the policy sends its
-    // gradients away (bridge/model_hooks.h, Note [Zeroing streamed gradients]).
+    // gradients away (bridge/model_hooks.h; See Note [Zeroing streamed gradients] in
+    // bridge/model_hooks.cpp).
     std::vector<std::vector<torch::Tensor>> grads_of_layer(model->num_layers());
     {
       const auto params = model->named_parameters(/*recurse=*/true);
@@ -218,11 +221,12 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     bridge::ModelHooks hooks(rt, /*zero_before_backward=*/true);
     hooks.set_layer_gradients(grads_of_layer);
     LossScaler scaler(o);
-    // Only loss scaling reads found_inf (Note [Opt-in inf check] in bridge/grad_stats.h).
+    // Only loss scaling reads found_inf (See Note [Opt-in inf check] in bridge/grad_stats.h).
     hooks.stats().set_check_non_finite(scaler.enabled);
     torch::Tensor grad_scale, found_inf;  // alive until the step that reads them has run
-    // Note [Overlapped step]: each layer steps as its backward ends, dividing by the loss scale
-    // alone; finish_step validates against the true grad_scale and found_inf.
+    // Each layer steps as its backward ends, dividing by the loss scale alone; finish_step
+    // validates against the true grad_scale and found_inf (See Note [Overlapped step] in
+    // optim/adam.h).
     // The trace marks where backward is: on the stream it computes on, whichever the step uses.
     const rt::StreamHandle compute_stream = rt.compute_stream();
     hooks.set_after_layer(
@@ -467,7 +471,8 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
       if (low) masters[i].mutable_grad() = params[i].grad().to(torch::kFloat);
       grads.push_back(masters[i].grad());
     }
-    // The step as PyTorch users run it, with no host wait (Note [PyTorch's step, no host wait]).
+    // The step as PyTorch users run it, with no host wait
+    // (See Note [PyTorch's step, no host wait]).
     const torch::Tensor step_scale = scaler.scale.clone();
     torch::Tensor found_inf = torch::zeros({}, scaler.scale.options());
     if (scaler.enabled) {

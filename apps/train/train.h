@@ -38,10 +38,11 @@ struct TrainOptions {
   bool cuda = false;  // the GPU; otherwise the simulated device, with the model on the CPU
   std::size_t gpu_budget = static_cast<std::size_t>(-1);  // strata's GPU tier; unlimited
   int prefetch_depth = 1;                                 // layer_prefetch's K
-  // How strata's GPU tier gets its memory (Note [Device memory method] in allocator/).
+  // How strata's GPU tier gets its memory (See Note [Device memory method] in
+  // allocator/cuda_backend.cpp).
   alloc::DeviceMethod gpu_memory = alloc::DeviceMethod::kAuto;
   // What bulk moves and layer_prefetch streams; with parameters and gradients too, a model larger
-  // than the GPU budget trains (Note [Bulk over budget] in policies/bulk.cpp).
+  // than the GPU budget trains (See Note [Bulk over budget] in policies/bulk.cpp).
   rt::RoleSet roles = rt::RoleSet::optimizer_states();
   // After every N-th step, a phase switch (apps/train/phase_switch.h); 0: none.
   int phase_switch_every = 0;
@@ -50,16 +51,16 @@ struct TrainOptions {
   torch::Dtype dtype = torch::kFloat;
   // Global gradient-norm clipping as torch.nn.utils.clip_grad_norm_; 0: off.
   double clip_grad_norm = 1.0;
-  // The overlap of run names without a "+overlap" suffix (Note [Overlapped step] in
+  // The overlap of run names without a "+overlap" suffix (See Note [Overlapped step] in
   // optim/adam.h): kBackward steps each layer during backward.
   rt::Overlap overlap = rt::Overlap::kNone;
-  // With the overlap: each layer's step on a stream of its own (Note [The step stream] in
+  // With the overlap: each layer's step on a stream of its own (See Note [The step stream] in
   // bridge/model_hooks.cpp), and PolicyConfig::undo_on_gpu.
   bool step_on_own_stream = true;
   bool undo_on_gpu = false;
   // Micro-batches per step (gradient accumulation), each of `model.batch` sequences.
   int grad_accum = 1;
-  // Where a step's time ends (Note [Step end] in apps/train/torch_device.h).
+  // Where a step's time ends (See Note [Step end] in apps/train/torch_device.h).
   enum class StepEnd { kStream, kDevice };
   StepEnd step_end = StepEnd::kStream;
 };
@@ -74,7 +75,7 @@ inline constexpr int kLossScaleGrowthInterval = 2000;
 struct StepRecord {
   int step = 0;  // 1-based
   float loss = 0;
-  // Forward + backward + optimizer, from the previous step's end (Note [Step end] in
+  // Forward + backward + optimizer, from the previous step's end (See Note [Step end] in
   // torch_device.h).
   double step_ms = 0;
   double optimizer_ms = 0;  // the optimizer step alone (synchronized before and after)
@@ -138,7 +139,7 @@ struct RunResult {
   std::int64_t host_rss_at_start_bytes = -1;
   std::int64_t peak_host_rss_bytes = -1;
   // With TrainOptions::StepEnd::kStream: the wait, after the last step, for its copies that were
-  // still running when its time ended (Note [Step end] in torch_device.h).
+  // still running when its time ended (See Note [Step end] in torch_device.h).
   double drain_ms = 0;
   // strata runs:
   std::string allocator_table;  // per-tier statistics at the end of training
@@ -150,8 +151,8 @@ struct RunResult {
   std::int64_t staging_bytes = 0;
   std::int64_t setup_gpu_bytes = 0;  // strata's GPU memory at its peak during setup
   std::int64_t state_bytes = 0;      // Adam moments registered
-  // The pinned tier's reserved bytes at their peak over the steps, and the undo log's peak (Note
-  // [Undo log] in runtime/undo.cpp: what an overlapped step keeps for a redo).
+  // The pinned tier's reserved bytes at their peak over the steps, and the undo log's peak
+  // (See Note [Undo log] in runtime/undo.cpp: what an overlapped step keeps for a redo).
   std::int64_t pinned_reserved_peak_bytes = 0;
   std::int64_t undo_peak_bytes = 0;
 };

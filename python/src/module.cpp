@@ -108,9 +108,9 @@ class Runtime {
 
   // The hooks' after_backward with the runtime computing on `stream` (a cudaStream_t as an int;
   // 0: the compute stream as it is): under FSDP2 a unit's gradients are final on its
-  // reduce-scatter stream, which the optimizer's step of the layer waits for (Note [Stepping in
-  // backward under FSDP2] in strata/optim.py) from a stream of its own (Note [The step stream]
-  // in bridge/model_hooks.cpp).
+  // reduce-scatter stream, which the optimizer's step of the layer waits for
+  // (See Note [Stepping in backward under FSDP2] in strata/optim.py) from a stream of its own
+  // (See Note [The step stream] in bridge/model_hooks.cpp).
   void after_backward(int layer, std::uintptr_t stream) {
     py::gil_scoped_release release;
     if (stream == 0 || runtime_->device().is_simulated()) {
@@ -184,13 +184,16 @@ class Runtime {
     return out;
   }
 
-  // Zeroes bound tensors in place wherever their data is. Note [Zeroing a tensor that may be
-  // moving]: a policy may still be copying one (layer_prefetch sends a step's gradients home
+  // Note [Zeroing a tensor that may be moving]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // A policy may still be copying a bound tensor (layer_prefetch sends a step's gradients home
   // after the optimizer step and does not wait); its tensor reads the source until the move
   // completes, so a zero written there now would be lost when the pointer moves to the
   // destination's old values. So when one of them is in flight, every move completes first (one
-  // host wait, only then: gradients that no policy moves cost none); copies queued later wait
-  // for torch's stream, where the zeroing runs (the hooks fence them behind it).
+  // host wait, only then: gradients that no policy moves cost none); copies queued later wait for
+  // torch's stream, where the zeroing runs (the hooks fence them behind it).
+  //
+  // Zeroes bound tensors in place wherever their data is.
   void zero(const std::vector<torch::Tensor>& tensors) {
     bool moving = false;
     for (const torch::Tensor& t : tensors) {
@@ -236,7 +239,8 @@ optim::AdamHyper hyper_of(const py::dict& h) {
 // optim::Adam over bound parameters and gradients; keeps its runtime alive.
 class Adam {
  public:
-  // A gradient of None: given at each step (Note [Gradients given at each step] in optim/adam.h).
+  // A gradient of None: given at each step (See Note [Gradients given at each step] in
+  // optim/adam.h).
   using Group =
       std::pair<std::vector<std::pair<torch::Tensor, std::optional<torch::Tensor>>>, py::dict>;
 
@@ -260,8 +264,8 @@ class Adam {
     if (stepping_in_backward_) runtime_->hooks().set_after_layer({});
   }
 
-  // Note [Overlapped step] in optim/adam.h: each layer is stepped speculatively by the hooks'
-  // after_backward, once its gradients are final; finish_step validates.
+  // Each layer is stepped speculatively by the hooks' after_backward, once its gradients are final;
+  // finish_step validates (See Note [Overlapped step] in optim/adam.h).
   void set_step_in_backward(bool on) {
     stepping_in_backward_ = on;
     if (!on) {
@@ -285,14 +289,15 @@ class Adam {
     speculative_scale_ = scale;
   }
 
-  // Note [Per-parameter steps] in optim/adam.h.
+  // See Note [Per-parameter steps] in optim/adam.h.
   void skip_parameters(const std::vector<torch::Tensor>& params) {
     std::vector<rt::TensorHandle> handles;
     for (const torch::Tensor& p : params) handles.push_back(runtime_->binding().handle(p));
     bridge::check(adam_->skip_parameters(handles));
   }
   void clear_skipped() { adam_->clear_skipped(); }
-  // Note [Gradients given at each step]: (bound parameter, its gradient as autograd made it).
+  // (bound parameter, its gradient as autograd made it); See Note [Gradients given at each step] in
+  // optim/adam.h.
   void set_gradients(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& grads) {
     for (const auto& [p, g] : grads) {
       if (!g.is_contiguous() || g.numel() != p.numel() || g.device() != p.device()) {

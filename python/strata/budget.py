@@ -14,7 +14,7 @@ torch needs beside strata. After it, torch's caching allocator holds `reserved` 
 `peak - reserved` beyond what it holds (its cache keeps the rest). The budget is what strata holds
 now plus the driver's free memory less that growth and a margin (a twentieth of the GPU, 1 GiB at
 least) for what the first step did not show: a longer batch, fragmentation, another library. Then
-layer_prefetch keeps as many whole layers resident as fit (Note [Resident layers] in
+layer_prefetch keeps as many whole layers resident as fit (See Note [Resident layers] in
 policies/layer_prefetch.cpp): they never cross the link again. The budget is set once, logged in
 one line, and reported in Runtime.stats() as gpu_budget_bytes with gpu_budget_from "auto". On the
 simulated device there is no driver to ask: the memory comes from device_memory, which tests
@@ -38,7 +38,7 @@ class DeviceMemory(NamedTuple):
 
 
 def device_memory(runtime) -> DeviceMemory:
-    """The GPU's memory as the driver and torch see it now (Note [The automatic budget])."""
+    """The GPU's memory as the driver and torch see it now (See Note [The automatic budget])."""
     if runtime.simulated or not torch.cuda.is_available():
         raise RuntimeError(
             "gpu_budget='auto' measures the GPU's free memory, and the simulated device has "
@@ -52,8 +52,8 @@ def device_memory(runtime) -> DeviceMemory:
 
 
 def auto_budget(mem: DeviceMemory, strata_now: int) -> tuple:
-    """(budget in bytes, headroom in bytes) from the memory after the first step (Note [The
-    automatic budget]); the budget is never below what strata holds now."""
+    """(budget in bytes, headroom in bytes) from the memory after the first step
+    (See Note [The automatic budget]); the budget is never below what strata holds now."""
     margin = max(_GIB, mem.total // 20)
     headroom = max(0, mem.torch_peak - mem.torch_reserved) + margin
     return strata_now + max(0, mem.free - headroom), headroom

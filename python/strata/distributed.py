@@ -14,15 +14,17 @@ its local shards to its own runtime and steps them with strata's kernel:
     norm = strata.distributed.clip_grad_norm_(opt, max_norm=1.0)  # as clip_grad_norm_ on DTensors
     opt.step()
 
-Note [Binding an FSDP2 shard]: FSDP2 keeps each rank's shard of a parameter in a flat buffer padded
-to the largest rank's shard (`_sharded_param_data`); the DTensor's local tensor is its leading,
-unpadded part, and FSDP's all-gather reads the whole buffer. strata binds that whole storage, so the
-DTensor, its local tensor and FSDP's flat buffer all follow the runtime's memory (the binding points
-the shared storage, not a tensor object, at it). The gradient is made alike: a zeroed storage of the
-padded size whose leading part is the local tensor of a DTensor sharded like the parameter; FSDP's
-reduce-scatter accumulates into it in place (it adds to an existing gradient rather than replacing
-it), and zero_grad zeroes it in place. The padding of both stays zero: Adam steps a zero gradient
-from zero moments to a zero update.
+Note [Binding an FSDP2 shard]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+FSDP2 keeps each rank's shard of a parameter in a flat buffer padded to the largest rank's shard
+(`_sharded_param_data`); the DTensor's local tensor is its leading, unpadded part, and FSDP's
+all-gather reads the whole buffer. strata binds that whole storage, so the DTensor, its local tensor
+and FSDP's flat buffer all follow the runtime's memory (the binding points the shared storage, not a
+tensor object, at it). The gradient is made alike: a zeroed storage of the padded size whose leading
+part is the local tensor of a DTensor sharded like the parameter; FSDP's reduce-scatter accumulates
+into it in place (it adds to an existing gradient rather than replacing it), and zero_grad zeroes it
+in place. The padding of both stays zero: Adam steps a zero gradient from zero moments to a zero
+update.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def whole_storage(t: torch.Tensor) -> torch.Tensor:
-    """A flat tensor over the whole storage of `t` (what strata binds; Note [Binding an FSDP2
-    shard])."""
+    """A flat tensor over the whole storage of `t` (what strata binds;
+    See Note [Binding an FSDP2 shard])."""
     storage = t.untyped_storage()
     n = storage.nbytes() // t.element_size()
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
@@ -71,7 +73,7 @@ def check_shardable(p: torch.Tensor, name: str) -> None:
 
 def make_grad(p: torch.Tensor) -> torch.Tensor:
     """A zeroed gradient for DTensor `p`, sharded like it, whose storage has the size of the
-    parameter's (Note [Binding an FSDP2 shard]); the existing gradient's values are kept."""
+    parameter's (See Note [Binding an FSDP2 shard]); the existing gradient's values are kept."""
     loc = local(p)
     flat = torch.zeros(whole_storage(loc).numel(), dtype=loc.dtype, device=loc.device)
     grad_local = flat[: loc.numel()].view(loc.shape)

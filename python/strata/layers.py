@@ -3,10 +3,12 @@
     layers = discover_layers(model, prefetch_depth=3)      # [(name, module)], the blocks
     plan = plan_layers(params, model=model)                  # [[(name, param)]], one list a layer
 
-Note [Layers without being told]: a layer must be small beside the whole (the staging ring holds
-prefetch_depth + 1 of them on the GPU, so one layer of the whole model keeps every moment on the
-GPU, and more) and should follow the model's blocks (a block's parameters are used, and their
-gradients are final, together). strata.optim.AdamW(model.parameters()) finds them, in this order:
+Note [Layers without being told]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A layer must be small beside the whole (the staging ring holds prefetch_depth + 1 of them on the
+GPU, so one layer of the whole model keeps every moment on the GPU, and more) and should follow the
+model's blocks (a block's parameters are used, and their gradients are final, together).
+strata.optim.AdamW(model.parameters()) finds them, in this order:
   1. FSDP2: one layer per fully_shard unit (strata/distributed.py);
   2. a module given (model=): the blocks of its module tree (discover_layers);
   3. named parameters (model.named_parameters(), as torch.optim takes them): the names' block
@@ -33,13 +35,15 @@ def _count(module: torch.nn.Module, counted: set) -> int:
 def discover_layers(model: torch.nn.Module, prefetch_depth: int = 1) -> list:
     """(name, module) pairs that make good strata layers, in the model's order.
 
-    Note [Finding the blocks]: from the model down, a ModuleList or ModuleDict is always opened
-    (its entries are the blocks, wherever it sits: model.layers, model.model.layers,
-    transformer.h), and so is any other child with children of its own that holds more than
-    1 / (prefetch_depth + 1) of the parameters (a wrapper such as Hugging Face's LlamaModel
-    inside LlamaForCausalLM). Everything else with parameters is a layer of its own: each block,
-    the embeddings, the final norm, the head. A parameter shared by two modules (tied embeddings)
-    belongs to the first. Parameters held directly by an opened module are left out here.
+    Note [Finding the blocks]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~
+    From the model down, a ModuleList or ModuleDict is always opened (its entries are the blocks,
+    wherever it sits: model.layers, model.model.layers, transformer.h), and so is any other child
+    with children of its own that holds more than 1 / (prefetch_depth + 1) of the parameters (a
+    wrapper such as Hugging Face's LlamaModel inside LlamaForCausalLM). Everything else with
+    parameters is a layer of its own: each block, the embeddings, the final norm, the head. A
+    parameter shared by two modules (tied embeddings) belongs to the first. Parameters held directly
+    by an opened module are left out here.
     """
     total = max(_count(model, set()), 1)
     threshold = total / (prefetch_depth + 1)
@@ -100,7 +104,7 @@ def plan_layers(
     prefetch_depth: int = 3,
     amsgrad: bool = False,
 ) -> tuple:
-    """Groups (name, parameter) pairs into layers (Note [Layers without being told], steps 2-4;
+    """Groups (name, parameter) pairs into layers (See Note [Layers without being told], steps 2-4;
     FSDP2 units are the caller's); has_names: the names are the user's (step 3 applies). Returns
     (layers, how): layers a list of lists of pairs in the parameters' order, how a few words
     saying where they came from."""

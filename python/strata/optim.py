@@ -25,10 +25,10 @@ final, while backward goes on, and step() validates it; clipping then belongs to
     norm = opt.last_grad_norm       # as clip_grad_norm_ returns it
 
 A user's loop as it is (Hugging Face Trainer's, nanoGPT's, a LoRA script's) trains as under
-torch.optim.AdamW: model.zero_grad() and p.grad = ... are seen (Note [Gradients the loop replaced]
-in strata/runtime.py), frozen and unused parameters are skipped (Note [Per-parameter steps] in
-optim/adam.h), and torch.amp.GradScaler hands its scale and found_inf to the kernel
-(Note [GradScaler]):
+torch.optim.AdamW: model.zero_grad() and p.grad = ... are seen
+(See Note [Gradients the loop replaced] in strata/runtime.py), frozen and unused parameters are
+skipped (See Note [Per-parameter steps] in optim/adam.h), and torch.amp.GradScaler hands its scale
+and found_inf to the kernel (See Note [GradScaler]):
 
     scaler = torch.amp.GradScaler()
     opt = strata.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
@@ -42,19 +42,20 @@ optim/adam.h), and torch.amp.GradScaler hands its scale and found_inf to the ker
         scaler.update()
         model.zero_grad()
 
-Note [Stepping in backward under FSDP2]: a fully_shard unit's gradients are final once its
-reduce-scatter has accumulated into the sharded gradients, where FSDP2 runs the parameters'
-post-accumulate-grad hooks, on the reduce-scatter stream. The optimizer hooks every parameter; the
-last of a layer's hooks gives the runtime the layer's after_backward on that stream (its part of the
-gradient norm), then Adam::step_layer (Note [Overlapped step] in optim/adam.h) on a stream of its
-own that waits for it (Note [The step stream] in bridge/model_hooks.cpp), so that the step's wait
-for the layer's states holds up no reduce-scatter; step() joins that stream before it validates,
-and before the next forward reads the parameters. A forward
-pre-hook on every unit begins the step, so the states of the layers backward reaches first are
-fetched while forward runs. The speculation assumes that clipping does not trigger; step() takes
-the norm over every layer and, across ranks, over the mesh, and redoes the step when the clip
-coefficient is not 1 (Note [Clipping in the step]). Steps with and without overlap are bitwise
-equal, and equal to clip_grad_norm_ followed by the step.
+Note [Stepping in backward under FSDP2]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A fully_shard unit's gradients are final once its reduce-scatter has accumulated into the sharded
+gradients, where FSDP2 runs the parameters' post-accumulate-grad hooks, on the reduce-scatter
+stream. The optimizer hooks every parameter; the last of a layer's hooks gives the runtime the
+layer's after_backward on that stream (its part of the gradient norm), then Adam::step_layer
+(See Note [Overlapped step] in optim/adam.h) on a stream of its own that waits for it
+(See Note [The step stream] in bridge/model_hooks.cpp), so that the step's wait for the layer's
+states holds up no reduce-scatter; step() joins that stream before it validates, and before the next
+forward reads the parameters. A forward pre-hook on every unit begins the step, so the states of the
+layers backward reaches first are fetched while forward runs. The speculation assumes that clipping
+does not trigger; step() takes the norm over every layer and, across ranks, over the mesh, and
+redoes the step when the clip coefficient is not 1 (See Note [Clipping in the step]). Steps with and
+without overlap are bitwise equal, and equal to clip_grad_norm_ followed by the step.
 """
 
 from __future__ import annotations
@@ -182,10 +183,11 @@ class Adam(torch.optim.Optimizer):
         from . import _strata
         from .runtime import parse_bytes
 
-        # Note [Per-parameter steps] in optim/adam.h: a frozen parameter gets no state and is
-        # never touched; it keeps its place in param_groups (and in the state dict's numbering).
+        # A frozen parameter gets no state and is never touched (See Note [Per-parameter steps] in
+        # optim/adam.h); it keeps its place in param_groups (and in the state dict's numbering).
         self._param_name = {}
-        self._named = False  # whether the user's names are known (Note [Layers without being told])
+        # Whether the user's names are known (See Note [Layers without being told]).
+        self._named = False
         model_names = {}
         if model is not None:
             model_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -210,7 +212,7 @@ class Adam(torch.optim.Optimizer):
                     f"found {first.device} and {p.device}"
                 )
         self._owns_runtime = runtime is None
-        # Note [The automatic budget] in strata/budget.py: none until the first step has run.
+        # None until the first step has run (See Note [The automatic budget] in strata/budget.py).
         self._auto_budget = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
         budget = None if self._auto_budget else parse_bytes(gpu_budget, "gpu_budget")
         if undo_on_gpu is None:  # on the GPU when a budget says how much room there is
@@ -251,7 +253,7 @@ class Adam(torch.optim.Optimizer):
                     continue
                 param_t, grad_t = runtime.bound_tensors(p)
                 if grad_t is None and id(p) in runtime._given:
-                    pairs.append((param_t, None))  # Note [Gradients given at each step]
+                    pairs.append((param_t, None))  # See Note [Gradients given at each step]
                     continue
                 if grad_t is None:
                     raise ValueError(
@@ -267,7 +269,7 @@ class Adam(torch.optim.Optimizer):
             self._log_choice(
                 plan, how, policy, gpu_budget if self._auto_budget else budget, depth_from
             )
-        self._versions: dict = {}  # Note [Gradients changed after their layer stepped]
+        self._versions: dict = {}  # See Note [Gradients changed after their layer stepped]
         self._accumulating = False
         self._spec_scale: Optional[torch.Tensor] = None
         self._keep_alive: tuple = ()
@@ -278,9 +280,9 @@ class Adam(torch.optim.Optimizer):
         self.steps_redone = 0
         self._grad_hooks: list = []
         self._closed = False
-        self._speculating = False  # Note [When to step in backward]
+        self._speculating = False  # See Note [When to step in backward]
         self._spec_wait, self._spec_backoff = 0, 0
-        self._coef_host: Optional[torch.Tensor] = None  # Note [When to step in backward]
+        self._coef_host: Optional[torch.Tensor] = None  # See Note [When to step in backward]
         self._coef_ready = None
         if runtime.overlap == "backward":
             self._set_speculating(True)
@@ -310,10 +312,10 @@ class Adam(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
-    # Note [Gradients the loop replaced] in strata/runtime.py, for a layer about to be stepped in
-    # backward (or, without overlap, whose backward is done): its gradients are strata's again,
-    # and its parameters without one sit the step out. Note [Gradients changed after their layer
-    # stepped]: the version of each gradient the layer's step read is kept.
+    # For a layer about to be stepped in backward (or, without overlap, whose backward is done): its
+    # gradients are strata's again, and its parameters without one sit the step out
+    # (See Note [Gradients the loop replaced] in strata/runtime.py). The version of each gradient
+    # the layer's step read is kept (See Note [Gradients changed after their layer stepped]).
     def _prepare_layer(self, layer: int) -> None:
         if self._closed or self._accumulating:
             return
@@ -331,10 +333,9 @@ class Adam(torch.optim.Optimizer):
             self._adam.skip_parameters(skipped)
         self._give_gradients(self._runtime._layer_users[layer])
 
-    # Each group's hyperparameters as they are now (an LR scheduler's changes included); whether
-    # any changed. A step taken in backward read them when it began: one that changed since is
-    # taken back and redone, as for a gradient (Note [Gradients changed after their layer
-    # stepped]).
+    # Each group's hyperparameters as they are now (an LR scheduler's changes included); whether any
+    # changed. A step taken in backward read them when it began: one that changed since is taken
+    # back and redone, as for a gradient (See Note [Gradients changed after their layer stepped]).
     def _sync_hyper(self) -> bool:
         changed = False
         for i, g in enumerate(self.param_groups):
@@ -346,12 +347,14 @@ class Adam(torch.optim.Optimizer):
                 changed = True
         return changed
 
-    # Note [Gradients changed after their layer stepped]: a layer stepped in backward read its
-    # gradients then; a loop that changes them afterwards (its own clip_grad_norm_, unscale_,
-    # manual scaling: all in place, each a new version of the tensor, or a new tensor) makes that
-    # step stale, and step() takes it back and steps again with the gradients as they are.
-    # GradScaler.step (when the loop did not unscale_) checks the gradients for inf by
-    # multiplying them by 1.0 in place first: one version each, no value changed, allowed.
+    # Note [Gradients changed after their layer stepped]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A layer stepped in backward read its gradients then; a loop that changes them afterwards (its
+    # own clip_grad_norm_, unscale_, manual scaling: all in place, each a new version of the tensor,
+    # or a new tensor) makes that step stale, and step() takes it back and steps again with the
+    # gradients as they are. GradScaler.step (when the loop did not unscale_) checks the gradients
+    # for inf by multiplying them by 1.0 in place first: one version each, no value changed,
+    # allowed.
     def _gradients_changed(self, scaler_checked: bool) -> bool:
         allowed = 1 if scaler_checked else 0
         for p in self._trainable:
@@ -363,8 +366,9 @@ class Adam(torch.optim.Optimizer):
                 return True
         return False
 
-    # The gradients of every parameter as the loop left them (Note [Gradients the loop
-    # replaced]); returns the bound parameters that have none this step.
+    # The gradients of every parameter as the loop left them
+    # (See Note [Gradients the loop replaced]); returns the bound parameters that have none this
+    # step.
     def _take_gradients(self) -> list:
         self._check_frozen()
         skipped = []
@@ -384,8 +388,8 @@ class Adam(torch.optim.Optimizer):
                         "set its .grad to None"
                     )
 
-    # Note [Gradients given at each step] in optim/adam.h: the gradients strata does not bind are
-    # read where autograd put them; each step is told where. They stay alive until the kernels
+    # The gradients strata does not bind are read where autograd put them; each step is told where
+    # (See Note [Gradients given at each step] in optim/adam.h). They stay alive until the kernels
     # have run: they are p.grad until the loop's zero_grad, which comes after step(), and torch
     # reuses their memory only on its stream, where strata's kernels run (or join) first.
     def _give_gradients(self, params) -> None:
@@ -428,17 +432,18 @@ class Adam(torch.optim.Optimizer):
         self._speculating = on
         self._adam.set_step_in_backward(on)
 
-    # Note [When to step in backward]: a step taken in backward and then redone (clipping fired,
-    # inf was found, the loop changed a gradient) costs more than the step after backward: the
-    # work in backward, the roll-back, and the whole step again. Early in training, or with a
-    # tight max_grad_norm, clipping fires at every step, and stepping in backward would make
-    # every step slower. So after a step is redone, the next steps are taken after backward (1,
-    # then 2, 4, ... up to 64 after redone tries in a row), then stepping in backward is tried
-    # again; a try that holds resets the wait. With max_grad_norm, the try waits further while
-    # the last step's clipping fired, or while that is not known yet: its coefficient is copied
-    # to the host without a wait (_note_clip) and read once the copy is done, so a run in which
-    # clipping fires at every step steps after backward at every step but the first, with no
-    # host wait added. last_step_outcome says what each step was.
+    # Note [When to step in backward]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A step taken in backward and then redone (clipping fired, inf was found, the loop changed a
+    # gradient) costs more than the step after backward: the work in backward, the roll-back, and
+    # the whole step again. Early in training, or with a tight max_grad_norm, clipping fires at
+    # every step, and stepping in backward would make every step slower. So after a step is redone,
+    # the next steps are taken after backward (1, then 2, 4, ... up to 64 after redone tries in a
+    # row), then stepping in backward is tried again; a try that holds resets the wait. With
+    # max_grad_norm, the try waits further while the last step's clipping fired, or while that is
+    # not known yet: its coefficient is copied to the host without a wait (_note_clip) and read once
+    # the copy is done, so a run in which clipping fires at every step steps after backward at every
+    # step but the first, with no host wait added. last_step_outcome says what each step was.
     def _adapt_speculation(self) -> None:
         if self._spec_wait > 0:  # this step was taken after backward by choice
             self._spec_wait -= 1
@@ -462,7 +467,7 @@ class Adam(torch.optim.Optimizer):
         elif self.last_step_outcome == "speculation":
             self._spec_backoff = 0
 
-    # Note [When to step in backward]: the last clip coefficient, on its way to the host.
+    # The last clip coefficient, on its way to the host (See Note [When to step in backward]).
     def _note_clip(self, coef: torch.Tensor) -> None:
         if self._runtime.overlap != "backward":
             return
@@ -481,8 +486,8 @@ class Adam(torch.optim.Optimizer):
             return None
         return float(self._coef_host) < 1.0
 
-    # Note [Stepping in backward under FSDP2]: a layer is done once every parameter of it has had
-    # its post-accumulate-grad hook this step.
+    # A layer is done once every parameter of it has had its post-accumulate-grad hook this step
+    # (See Note [Stepping in backward under FSDP2]).
     def _hook_gradients(self) -> None:
         self._layer_size, self._layer_seen = {}, {}
         params = list(self._trainable)
@@ -540,17 +545,18 @@ class Adam(torch.optim.Optimizer):
             self._layer_seen = {}
             self._versions = {}
 
-    # Note [Clipping in the step]: with the gradients resting on the GPU (the policy streams the
-    # optimizer's states only), clipping is clip_grad_norm_'s: its norm (over the mesh under
-    # FSDP2) and the gradients scaled in place before the step, with no host wait. After a step
-    # taken in backward, whether the coefficient is below 1 is read on the host (a few bytes, as
-    # validating a speculation needs anyway); if it is, that step is taken back (cancel_step)
-    # before the scaling, so a clipped step is bitwise torch's clipped step too. Gradients that
-    # stream with the parameters are on their way home by now (scaling them there would be lost
-    # when the move lands, and slow): their norms were taken in backward, and the kernel divides
-    # them by 1 / coefficient (equal to the last bit or so). Returns (the scale finish_step
-    # divides by, whether a step taken in backward was taken back); the total norm is kept in
-    # last_grad_norm.
+    # Note [Clipping in the step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With the gradients resting on the GPU (the policy streams the optimizer's states only),
+    # clipping is clip_grad_norm_'s: its norm (over the mesh under FSDP2) and the gradients scaled
+    # in place before the step, with no host wait. After a step taken in backward, whether the
+    # coefficient is below 1 is read on the host (a few bytes, as validating a speculation needs
+    # anyway); if it is, that step is taken back (cancel_step) before the scaling, so a clipped step
+    # is bitwise torch's clipped step too. Gradients that stream with the parameters are on their
+    # way home by now (scaling them there would be lost when the move lands, and slow): their norms
+    # were taken in backward, and the kernel divides them by 1 / coefficient (equal to the last bit
+    # or so). Returns (the scale finish_step divides by, whether a step taken in backward was taken
+    # back); the total norm is kept in last_grad_norm.
     # With GradScaler's scale (grad_scale, not unscaled by the loop), the norm is the unscaled
     # gradients'.
     def _clip(self, grad_scale: Optional[torch.Tensor]) -> tuple:
@@ -579,8 +585,8 @@ class Adam(torch.optim.Optimizer):
         self._note_clip(coef)
         return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False
 
-    # Note [Layers without being told] in strata/layers.py: the layers of the parameters not bound
-    # yet (not attached). FSDP2 parameters (DTensors): one layer per fully_shard unit; layer_bytes
+    # The layers of the parameters not bound yet (not attached; See Note [Layers without being told]
+    # in strata/layers.py). FSDP2 parameters (DTensors): one layer per fully_shard unit; layer_bytes
     # given: runs of about that many parameter bytes in order; else plan_layers. Returns (layers,
     # how they were found).
     def _plan(self, params: list, layer_bytes: Optional[int], model, budget) -> tuple:
@@ -611,7 +617,7 @@ class Adam(torch.optim.Optimizer):
             how.append(found)
         return plan, " and ".join(how)
 
-    # Note [The automatic budget] in strata/budget.py, after the first step.
+    # Sets the budget after the first step (See Note [The automatic budget] in strata/budget.py).
     def _set_auto_budget(self) -> None:
         rt = self._runtime
         mem = _budget.device_memory(rt)
@@ -631,10 +637,9 @@ class Adam(torch.optim.Optimizer):
         amsgrad = any(g["amsgrad"] for g in self.param_groups)
         return sum(state_bytes(p, amsgrad) for _, p in layer)
 
-    # Prefetch depth from the budget: 3 without one; with one, as many slots of the largest
-    # layer's states as fit beside the parameters (and FSDP2's gradients) strata keeps on the GPU,
-    # less one, between 1 and 3. Other gradients stay torch's (Note [Gradients given at each
-    # step]).
+    # Prefetch depth from the budget: 3 without one; with one, as many slots of the largest layer's
+    # states as fit beside the parameters (and FSDP2's gradients) strata keeps on the GPU, less one,
+    # between 1 and 3. Other gradients stay torch's (See Note [Gradients given at each step]).
     def _auto_depth(self, plan: list, budget: Optional[int]) -> int:
         if budget is None or not plan:
             return 3
@@ -706,12 +711,14 @@ class Adam(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"strata.optim.{self._name}: the optimizer was closed")
 
-    # Note [GradScaler]: torch.amp.GradScaler sees _step_supports_amp_scaling and, instead of
-    # unscaling the gradients and reading found_inf on the host, sets the optimizer's grad_scale
-    # (None when the loop called scaler.unscale_ itself) and found_inf, device tensors, for the
-    # step to divide by and to skip on, as torch's fused AdamW does: no host wait. A step that
-    # found_inf skips changes nothing (parameters, states, step counts), under overlap too: the
-    # layers stepped in backward are taken back (Note [Overlapped step] in optim/adam.h).
+    # Note [GradScaler]
+    # ~~~~~~~~~~~~~~~~~
+    # torch.amp.GradScaler sees _step_supports_amp_scaling and, instead of unscaling the gradients
+    # and reading found_inf on the host, sets the optimizer's grad_scale (None when the loop called
+    # scaler.unscale_ itself) and found_inf, device tensors, for the step to divide by and to skip
+    # on, as torch's fused AdamW does: no host wait. A step that found_inf skips changes nothing
+    # (parameters, states, step counts), under overlap too: the layers stepped in backward are taken
+    # back (See Note [Overlapped step] in optim/adam.h).
     _step_supports_amp_scaling = True
 
     @torch.no_grad()
@@ -719,7 +726,7 @@ class Adam(torch.optim.Optimizer):
         """One step over every parameter that has a gradient (torch skips the others, and so does
         strata), with each group's hyperparameters as they are now (an LR scheduler's changes
         included); returns closure()'s loss when given a closure. Under GradScaler.step the scale
-        and found_inf come from the scaler (Note [GradScaler])."""
+        and found_inf come from the scaler (See Note [GradScaler])."""
         self._check_open()
         loss = None
         if closure is not None:
@@ -740,7 +747,7 @@ class Adam(torch.optim.Optimizer):
         rt.finish_backward()
         taken_back = False
         if changed:
-            self._adam.cancel_step()  # Note [Gradients changed after their layer stepped]
+            self._adam.cancel_step()  # See Note [Gradients changed after their layer stepped]
             taken_back = True
         scale = grad_scale
         if self._max_grad_norm is not None:
@@ -766,7 +773,7 @@ class Adam(torch.optim.Optimizer):
             self._adapt_speculation()
         if self._runtime.overlap == "backward" and grad_scale is not None:
             # The next step's layers stepped in backward divide by this scale; it holds unless
-            # GradScaler.update changes it (Note [GradScaler]).
+            # GradScaler.update changes it (See Note [GradScaler]).
             self._spec_scale = grad_scale.detach().clone()
             self._adam.set_speculative_scale(self._spec_scale)
         return loss
@@ -774,7 +781,7 @@ class Adam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: set_to_none drops every gradient (a parameter that then gets none in
         backward sits the next step out, as in torch); autograd accumulates the next gradient into
-        strata's memory again (Note [Gradients the loop replaced] in strata/runtime.py).
+        strata's memory again (See Note [Gradients the loop replaced] in strata/runtime.py).
         set_to_none=False zeroes them in place, wherever strata keeps them."""
         bound, dtensors = [], []
         for g in self.param_groups:
@@ -783,7 +790,7 @@ class Adam(torch.optim.Optimizer):
                     continue
                 if self._runtime.is_bound(p.grad) and is_dtensor(p):
                     bound.append(p.grad)
-                    dtensors.append(p)  # Note [Gradients the loop replaced]: kept for FSDP2
+                    dtensors.append(p)  # kept for FSDP2 (See Note [Gradients the loop replaced])
                 elif set_to_none:
                     p.grad = None
                 elif self._runtime.is_bound(p.grad):
@@ -837,7 +844,7 @@ class Adam(torch.optim.Optimizer):
                 # Every trainable parameter has its states from the start, unlike torch's
                 # optimizers, and a state dict says so: torch.distributed.checkpoint.load fills
                 # in only the entries the state dict it loads into already has. Each has its own
-                # step count (Note [Per-parameter steps] in optim/adam.h).
+                # step count (See Note [Per-parameter steps] in optim/adam.h).
                 steps = self._adam.step_count_of(self._runtime.bound_tensors(p)[0])
                 entry = {"step": torch.tensor(float(steps), dtype=torch.float32)}
                 entry.update(self._read_state(p))
@@ -941,14 +948,14 @@ class AdamW(Adam):
         policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None: STRATA_POLICY, else the default.
         gpu_budget: bytes or a size such as "8GiB" that strata may take on the GPU; "auto": set
             after the first step to what the GPU has free less torch's headroom, so that as many
-            layers' states as fit stay on the GPU (Note [The automatic budget] in
+            layers' states as fit stay on the GPU (See Note [The automatic budget] in
             strata/budget.py); None (default): no budget, every layer's states stream.
         prefetch_depth: layers layer_prefetch brings ahead of use; None: from the budget (3
             without one, else as many as fit, 1 to 3).
-        layer_bytes: None (default): strata finds its layers (Note [Layers without being told]
-            in strata/layers.py): FSDP2's units, the blocks of `model` when given, the blocks in
-            the parameters' names when named_parameters() is passed, else runs of parameters
-            sized from the budget; else layers of about this many parameter bytes, in order.
+        layer_bytes: None (default): strata finds its layers (See Note [Layers without being told]
+            in strata/layers.py): FSDP2's units, the blocks of `model` when given, the blocks in the
+            parameters' names when named_parameters() is passed, else runs of parameters sized from
+            the budget; else layers of about this many parameter bytes, in order.
         model: the module the parameters come from, so that layers follow its blocks.
         runtime: a strata.Runtime to use (e.g. with the model attached) instead of one of the
             optimizer's own; policy, gpu_budget, prefetch_depth, overlap and undo_on_gpu then come

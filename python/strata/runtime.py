@@ -122,11 +122,11 @@ class Runtime:
             bool(undo_on_gpu),
         )
         roles_moved = {r.strip() for r in roles.split(",")}
-        # Whether the policy streams gradients (Note [Clipping in the step] in strata/optim.py).
+        # Whether the policy streams gradients (See Note [Clipping in the step] in strata/optim.py).
         self._streams_gradients = bool(roles_moved & {"all", "gradient"})
         self.prefetch_depth = prefetch_depth
         # Where the GPU budget came from: "argument", "none", or "auto" (strata.optim's gpu_budget
-        # "auto", Note [The automatic budget] in strata/budget.py).
+        # "auto"; See Note [The automatic budget] in strata/budget.py).
         self.budget_from = "none" if gpu_budget is None else "argument"
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
@@ -135,17 +135,18 @@ class Runtime:
         self._layer_of: dict = {}  # id(parameter as the user holds it) -> its layer
         self._layer_users: list = []  # per layer, the parameters as the user holds them
         # id(parameter) -> its gradient as bound, as the user's .grad held it (a DTensor under
-        # FSDP2): Note [Gradients the loop replaced]
+        # FSDP2; See Note [Gradients the loop replaced])
         self._grad_obj: dict = {}
         # id(DTensor parameter) -> its gradient's version when zero_grad zeroed it in place
         self._zeroed: dict = {}
-        # id(parameter) of those whose gradient is not bound: Note [Gradients given at each step]
+        # id(parameter) of those whose gradient is not bound
+        # (See Note [Gradients given at each step] in optim/adam.h)
         self._given: set = set()
         # Called with a layer's index just before the runtime's after_backward of it (the
         # optimizer's check of that layer's gradients).
         self._before_layer_done = None
         self._hooks: list = []  # attach's module hooks
-        self._param_hooks: list = []  # Note [Gradients the loop replaced]
+        self._param_hooks: list = []  # See Note [Gradients the loop replaced]
         self._closed = False
 
     # --- what it is ---
@@ -194,8 +195,8 @@ class Runtime:
         a parameter has none); returns the layer's index. Parameters already bound are skipped; a
         frozen parameter (requires_grad=False) is bound without a gradient, and so is any
         parameter when the policy does not move gradients: the optimizer then reads each step's
-        gradient where autograd put it (Note [Gradients given at each step] in optim/adam.h). A
-        DTensor parameter (FSDP2) binds this rank's shard (Note [Binding an FSDP2 shard] in
+        gradient where autograd put it (See Note [Gradients given at each step] in optim/adam.h). A
+        DTensor parameter (FSDP2) binds this rank's shard (See Note [Binding an FSDP2 shard] in
         strata/distributed.py)."""
         self._check_open()
         layer = len(self._layer_grads)
@@ -247,11 +248,13 @@ class Runtime:
         self._layer_grads.append(grads)
         self._layer_params.append(params)
         self._layer_users.append(users)
-        # Note [Blocks the bound tensors left]: binding copies each tensor into strata's pool, and
-        # torch's caching allocator keeps the block it left (the parameter's, and the zeroed
-        # gradient's made for it). Given back layer by layer, the device never holds the model
-        # twice: binding a model whose parameters and gradients fill half the GPU would otherwise
-        # need all of it, and torch would keep them after.
+        # Note [Blocks the bound tensors left]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # Binding copies each tensor into strata's pool, and torch's caching allocator keeps the
+        # block it left (the parameter's, and the zeroed gradient's made for it). Given back layer
+        # by layer, the device never holds the model twice: binding a model whose parameters and
+        # gradients fill half the GPU would otherwise need all of it, and torch would keep them
+        # after.
         if any(t.is_cuda for t in params) and not self.simulated:
             torch.cuda.empty_cache()
         self._rt.set_layers(self._layer_params, self._layer_grads)
@@ -266,19 +269,22 @@ class Runtime:
             return whole_storage(local(p)), None if g is None else whole_storage(local(g))
         return p, g
 
-    # Note [Gradients the loop replaced]: where the policy streams gradients (roles="all") or
-    # FSDP2 shards them, strata binds each trainable parameter's gradient once, and its kernels read
-    # that memory (elsewhere the gradient stays torch's and the optimizer is told where it is at
-    # each step: Note [Gradients given at each step] in optim/adam.h). A training loop may drop it (model.zero_grad() and
-    # torch's zero_grad() set .grad to None: Hugging Face's Trainer does every step) or replace it
-    # (p.grad = ..., DDP's gradient_as_bucket_view, FSDP2's new sharded gradients). So:
+    # Note [Gradients the loop replaced]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Where the policy streams gradients (roles="all") or FSDP2 shards them, strata binds each
+    # trainable parameter's gradient once, and its kernels read that memory (elsewhere the gradient
+    # stays torch's and the optimizer is told where it is at each step;
+    # See Note [Gradients given at each step] in optim/adam.h). A training loop may drop it
+    # (model.zero_grad() and torch's zero_grad() set .grad to None: Hugging Face's Trainer does
+    # every step) or replace it (p.grad = ..., DDP's gradient_as_bucket_view, FSDP2's new sharded
+    # gradients). So:
     #   - a hook on each parameter, run by autograd just before it accumulates the parameter's
     #     gradient, puts the bound gradient back, zeroed, where .grad is None: autograd then
     #     accumulates into strata's memory, and nothing is copied;
     #   - before a layer is stepped (step(), or in backward under overlap) a gradient that is
     #     another tensor is copied into the bound one, which becomes .grad again;
     #   - a parameter whose .grad is None then got no gradient this step: the optimizer skips it
-    #     as torch does (Note [Per-parameter steps] in optim/adam.h).
+    #     as torch does (See Note [Per-parameter steps] in optim/adam.h).
     # FSDP2 sets the sharded gradients itself, after its reduce-scatter, into the gradient that
     # is there (or a new one where there is none, which would cost a copy every step), so
     # strata.optim's zero_grad zeroes DTensor gradients in place and keeps their version: one
@@ -302,10 +308,10 @@ class Runtime:
             self._rt.zero([local(t)])
 
     def _take_gradient(self, p: torch.Tensor, name: str) -> bool:
-        """Note [Gradients the loop replaced]: makes the gradient strata binds for `p` hold what
-        p.grad holds; False when p has no gradient this step."""
+        """Makes the gradient strata binds for `p` hold what p.grad holds
+        (See Note [Gradients the loop replaced]); False when p has no gradient this step."""
         g = p.grad
-        if id(p) in self._given:  # Note [Gradients given at each step]: read where it is
+        if id(p) in self._given:  # read where it is (See Note [Gradients given at each step])
             return g is not None
         bound = self._grad_obj[id(p)]
         if g is None:
@@ -364,8 +370,8 @@ class Runtime:
             return
         # The layer's gradients are final on torch's current stream (FSDP2's reduce-scatter
         # stream in its hooks): the runtime's hooks run there, and the step taken in backward on a
-        # stream of its own that waits for it (Note [The step stream] in bridge/model_hooks.cpp);
-        # finish_backward joins them.
+        # stream of its own that waits for it (See Note [The step stream] in
+        # bridge/model_hooks.cpp); finish_backward joins them.
         self._rt.after_backward(layer, torch.cuda.current_stream().cuda_stream)
 
     # --- phase switches and waiting ---
@@ -398,10 +404,12 @@ class Runtime:
         role where strata's bytes are (GPU, staged in the ring, pinned or pageable host), then the
         allocator's own per-tier statistics.
 
-        Note [What the budget counts]: gpu_budget bounds strata's GPU pools: whatever strata
-        binds and keeps on the GPU (parameters and gradients it does not stream, layers resident
-        for good, the staging ring, undo copies kept on the GPU). torch's own memory
-        (activations, its cache) is torch's and is not counted."""
+        Note [What the budget counts]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        gpu_budget bounds strata's GPU pools: whatever strata binds and keeps on the GPU (parameters
+        and gradients it does not stream, layers resident for good, the staging ring, undo copies
+        kept on the GPU). torch's own memory (activations, its cache) is torch's and is not
+        counted."""
         gib = 2**30
         lines = ["GPU memory (GiB)            current     peak"]
         if torch.cuda.is_available() and not self.simulated:
@@ -490,9 +498,9 @@ def _named_layers(model: torch.nn.Module, layers, prefetch_depth: int) -> list:
 
 def attach(model: torch.nn.Module, runtime: Runtime, layers: Optional[Iterable] = None) -> list:
     """Binds `model`'s parameters and gradients to `runtime`, one strata layer per module of
-    `layers` (default: the blocks found in the module tree, Note [Finding the blocks] in
-    discover_layers), and installs the hooks that tell the runtime where forward and backward
-    are, so a policy with roles="all" streams parameters and gradients through them. The hooks
+    `layers` (default: the blocks found in the module tree; See Note [Finding the blocks] in
+    strata/layers.py), and installs the hooks that tell the runtime where forward and backward are,
+    so a policy with roles="all" streams parameters and gradients through them. The hooks
     see positional and keyword arguments alike. A module without parameters of its own is no
     layer; parameters in no layer go to one last layer of their own. Returns the modules that
     became layers.
@@ -569,7 +577,7 @@ def _post_hook(runtime: Runtime, layer: int):
         # backward: the runtime holds the layer first, so autograd never writes into a layer whose
         # data is still arriving. Layers whose backward does not follow the reverse order of
         # forward (two embeddings summed, parallel branches) need it; the first output to get its
-        # gradient tells (Note [Backward out of order] in policies/layer_prefetch.cpp).
+        # gradient tells (See Note [Backward out of order] in policies/layer_prefetch.cpp).
         for t in _output_tensors(output):
             if t.requires_grad:
                 t.register_hook(lambda g: runtime._before_backward(layer))

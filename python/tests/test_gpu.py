@@ -2,7 +2,7 @@
 streamed against torch.optim.AdamW(fused=True), offloaded parameters read through pinned memory,
 and a forward over parameters that are away (in pageable memory) raising instead of crashing.
 (A torch op outside the hooks on such a CUDA tensor is an illegal address: torch has no reversible
-"no data here" state; see Note [Where a bound tensor's data pointer points].)"""
+"no data here" state; See Note [Where a bound tensor's data pointer points].)"""
 
 import importlib.util
 import pathlib
@@ -159,8 +159,8 @@ def gpu_overlap_run(policy, attach, overlap, max_grad_norm, steps=10):
 @pytest.mark.parametrize("policy", ["layer_prefetch", "bulk", "keep_on_gpu"])
 @pytest.mark.parametrize("attach", [False, True], ids=["params", "attached"])
 def test_stepping_in_backward_on_the_gpu_is_bitwise_the_step_after_it(policy, attach):
-    # Each layer's step runs on a stream of its own (Note [The step stream]); what backward needs
-    # next must still wait for its copies, and the step for its gradients.
+    # Each layer's step runs on a stream of its own (See Note [The step stream]); what backward
+    # needs next must still wait for its copies, and the step for its gradients.
     _, norms, _, _ = gpu_overlap_run(policy, attach, "none", 1e9)
     clip = sorted(norms)[len(norms) // 2]  # clipping triggers on some steps and not on others
     want_losses, want_norms, want_params, redone = gpu_overlap_run(policy, attach, "none", clip)

@@ -1,5 +1,5 @@
 """The README's one line, strata.optim.AdamW(model.parameters()), on models shaped like users'
-(issue 37): strata finds its layers without being told (Note [Layers without being told] in
+(issue 37): strata finds its layers without being told (See Note [Layers without being told] in
 strata/layers.py), says what it chose in one INFO line, and trains equal to torch.optim.AdamW,
 also when the states exceed what the GPU budget leaves beside the parameters."""
 
@@ -128,7 +128,7 @@ def test_a_layer_with_most_of_the_states_is_warned_about():
     opt.close()
 
 
-# Note [The automatic budget] in strata/budget.py. The simulated device has no driver to ask, so
+# See Note [The automatic budget] in strata/budget.py. The simulated device has no driver to ask, so
 # the memory after the first step comes from a stand-in for device_memory.
 @pytest.mark.parametrize("free_layers", [100, 3, 0])
 def test_an_automatic_budget_keeps_what_fits_on_the_gpu_after_the_first_step(

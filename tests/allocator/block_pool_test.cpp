@@ -1,5 +1,6 @@
 // Unit tests of BlockPool and TieredAllocator: rounding, best fit, split and merge, growth and
-// trim, stats and fragmentation, budgets, Note [Stream ordering] with simulated events, threads.
+// trim, stats and fragmentation, budgets, stream ordering with simulated events
+// (See Note [Stream ordering] in allocator/block_pool.h), threads.
 #include <algorithm>
 #include <cstring>
 #include <thread>
@@ -86,8 +87,9 @@ TEST_F(PoolTest, SplitsThenMergesBackIntoOneBlockPerSegment) {
 }
 
 TEST_F(PoolTest, FreedNeighboursAreMergedBeforeThePoolGrows) {
-  // Note [Lazy coalescing]: 64 small blocks of 32 KiB fill one 2 MiB segment; freed one by one they
-  // stay separate blocks, but a 1 MiB request finds them merged instead of taking a new segment.
+  // 64 small blocks of 32 KiB fill one 2 MiB segment; freed one by one they stay separate blocks,
+  // but a 1 MiB request finds them merged instead of taking a new segment
+  // (See Note [Lazy coalescing] in allocator/block_pool.h).
   std::vector<void*> parts;
   for (int i = 0; i < 64; ++i) parts.push_back(alloc(32 * kKiB));
   const TierStats full = pool_.stats();
@@ -394,9 +396,9 @@ TEST(TieredAllocatorTest, InitialReservationPinsOnceUpFront) {
   EXPECT_EQ((*allocator)->stats(Tier::kPinnedHost).num_segment_allocs, 1);
 }
 
-// Note [Host budgets]: a request larger than the machine's memory is an out-of-memory error
-// naming the default budget, not a process the kernel kills (strata-alloc-demo --layer-mib 100000
-// was, at 23.5 GB resident).
+// A request larger than the machine's memory is an out-of-memory error naming the default budget,
+// not a process the kernel kills (strata-alloc-demo --layer-mib 100000 was, at 23.5 GB resident;
+// See Note [Host budgets] in allocator/tiered_allocator.h).
 TEST(TieredAllocatorTest, HostTiersHaveBudgetsFromTheMachinesMemory) {
   AllocatorOptions options;
   options.device = DeviceBackend::kSimulated;

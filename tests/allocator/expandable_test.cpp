@@ -1,8 +1,9 @@
-// Note [Expandable segments] (allocator/block_pool_expand.cpp): a pool whose large blocks come from
-// ranges that grow and shrink by mapping memory, on the simulated device (real host memory behind
-// the mappings, so contents are checked too): a free block at the end is reused whatever the next
-// size, changing shapes reserve about their peak, trim unmaps free memory anywhere in a range,
-// stream events hold memory back from unmapping, and failed mappings change nothing.
+// Expandable segments (See Note [Expandable segments] in allocator/block_pool_expand.cpp): a pool
+// whose large blocks come from ranges that grow and shrink by mapping memory, on the simulated
+// device (real host memory behind the mappings, so contents are checked too): a free block at the
+// end is reused whatever the next size, changing shapes reserve about their peak, trim unmaps free
+// memory anywhere in a range, stream events hold memory back from unmapping, and failed mappings
+// change nothing.
 #include <algorithm>
 #include <cstring>
 #include <random>

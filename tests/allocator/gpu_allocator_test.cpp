@@ -1,9 +1,9 @@
 // GPU tests of the allocator on real memory (label gpu; skipped without a GPU):
 //   - L2 of RELIABILITY.md: random operations over the three real tiers, every block filled with a
 //     seeded pattern when handed out and checked byte for byte when freed;
-//   - Note [Stream ordering] on real streams: a block that another stream still uses is not handed
-//     out again until that stream has passed the free (a host callback holds the stream on
-//     purpose);
+//   - stream ordering on real streams (See Note [Stream ordering] in allocator/block_pool.h): a
+//     block that another stream still uses is not handed out again until that stream has passed the
+//     free (a host callback holds the stream on purpose);
 //   - F5: out of memory behind a copy event waits for the event and succeeds.
 #include <atomic>
 #include <chrono>
@@ -239,11 +239,11 @@ TEST_F(GpuAllocatorTest, GpuOutOfMemoryMessageFromTheDevice) {
   ASSERT_TRUE(allocator_->deallocate(Tier::kGpu, *q).ok());
 }
 
-// Note [Pool visibility for memory checkers]: a write one byte past a 1000-byte block lands in the
-// block's rounding slack, inside the segment, so nothing breaks and a plain run passes; under
-// compute-sanitizer memcheck it must be reported (tools/gpu/check.sh runs this probe alone and
-// expects exactly one error, over cudaMalloc'd segments: STRATA_GPU_MEMORY=cudamalloc), which
-// shows the pool's NVTX registration reaches the checker.
+// A write one byte past a 1000-byte block lands in the block's rounding slack, inside the segment,
+// so nothing breaks and a plain run passes; under compute-sanitizer memcheck it must be reported
+// (tools/gpu/check.sh runs this probe alone and expects exactly one error, over cudaMalloc'd
+// segments: STRATA_GPU_MEMORY=cudamalloc), which shows the pool's NVTX registration reaches the
+// checker (See Note [Pool visibility for memory checkers] in allocator/upstream.h).
 TEST_F(GpuAllocatorTest, GpuProbeWritePastABlockInsideItsSegment) {
   absl::StatusOr<void*> a = allocator_->allocate(Tier::kGpu, 1000, {.stream = stream_});
   absl::StatusOr<void*> b = allocator_->allocate(Tier::kGpu, 1000, {.stream = stream_});

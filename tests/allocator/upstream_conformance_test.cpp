@@ -182,8 +182,9 @@ TYPED_TEST(UpstreamConformance, CyclesHoldNothingBack) {
 
 TYPED_TEST(UpstreamConformance, HasAName) { EXPECT_FALSE(this->upstream_->name().empty()); }
 
-// Note [Expandable segments]: memory mapped into a reserved range by separate calls is one
-// contiguous, usable span; unmapping one piece leaves the others' contents; a piece maps again.
+// Memory mapped into a reserved range by separate calls is one contiguous, usable span; unmapping
+// one piece leaves the others' contents; a piece maps again (See Note [Expandable segments] in
+// allocator/block_pool_expand.cpp).
 TYPED_TEST(UpstreamConformance, RangesMapAndUnmapInPieces) {
   Upstream& up = *this->upstream_;
   const std::size_t g = up.expansion_granularity();

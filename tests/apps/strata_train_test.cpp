@@ -67,9 +67,9 @@ TEST(StrataTrainTest, ThePolicyCanComeFromTheEnvironment) {
   EXPECT_TRUE(contains(o.output, "policy: bulk (from STRATA_POLICY)")) << o.output;
 }
 
-// Note [Overlapped step]: with a clip threshold below the gradients' norm every step is redone,
-// with one above it none is; both match the sequential step bitwise, with gradient accumulation
-// too.
+// With a clip threshold below the gradients' norm every step is redone, with one above it none is;
+// both match the sequential step bitwise, with gradient accumulation too
+// (See Note [Overlapped step] in optim/adam.h).
 TEST(StrataTrainTest, OverlappedStepsGiveTheSameLossesAsSequentialOnes) {
   const std::string json = ::testing::TempDir() + "/overlap.json";
   for (const std::string flags : {"--clip_grad_norm=0.05", "--clip_grad_norm=100 --grad_accum=2"}) {

@@ -1,5 +1,5 @@
-// GradientStats' inf/NaN check (Note [Opt-in inf check] in bridge/grad_stats.h): taken only when
-// asked for, it flags inf and NaN elements, in float32 and half-precision gradients, and not a
+// GradientStats' inf/NaN check (See Note [Opt-in inf check] in bridge/grad_stats.h): taken only
+// when asked for, it flags inf and NaN elements, in float32 and half-precision gradients, and not a
 // finite gradient whose float32 norm overflows. On the CPU.
 #include <cmath>
 #include <limits>

@@ -1,4 +1,4 @@
-// A bound model that changes under the binding (Note [Gradients the model replaced] in
+// A bound model that changes under the binding (See Note [Gradients the model replaced] in
 // bridge/gradients.cpp): gradients cleared with zero_grad(set_to_none=true), LibTorch's default,
 // keep training correct; a parameter left with no gradient, given new storage by set_data or moved
 // by module->to() fails the next step with an error naming it; a resize is refused; registering a

@@ -225,7 +225,7 @@ TEST(D2Test, BitwiseEqualUnderEveryPolicy) {
 }
 
 // Layers of parameters of different sizes: layer_prefetch stages the first layer smallest first and
-// the last smallest last (Note [Staging order]), and Adam steps a staged layer in the order its
+// the last smallest last (See Note [Staging order]), and Adam steps a staged layer in the order its
 // moments arrive; results stay bitwise equal to keep_on_gpu, also with the copies deferred.
 TEST(D2Test, LayersOfMixedSizesSteppedInArrivalOrderAreBitwiseEqual) {
   constexpr int kMixedLayers = 3;
@@ -283,10 +283,11 @@ TEST(D2Test, LayersOfMixedSizesSteppedInArrivalOrderAreBitwiseEqual) {
   }
 }
 
-// Note [Bulk over budget]: states larger than the GPU budget. keep_on_gpu cannot hold them; bulk
-// streams them a layer at a time and layer_prefetch through its ring, both within the budget and
-// bitwise equal to an unbudgeted keep_on_gpu run; also with the device deferring its copies until
-// the host waits, as a GPU does (states still arriving when the optimizer releases their layer).
+// States larger than the GPU budget (See Note [Bulk over budget] in policies/bulk.cpp). keep_on_gpu
+// cannot hold them; bulk streams them a layer at a time and layer_prefetch through its ring, both
+// within the budget and bitwise equal to an unbudgeted keep_on_gpu run; also with the device
+// deferring its copies until the host waits, as a GPU does (states still arriving when the
+// optimizer releases their layer).
 TEST(D2Test, StatesLargerThanTheBudgetTrainUnderBulkAndLayerPrefetch) {
   constexpr int kBigLayers = 4;
   constexpr std::size_t kBigNumel = 1 << 20;  // 4 MiB tensors: P + G 32 MiB, states 32 MiB
@@ -612,10 +613,10 @@ TEST(AdamBadInputTest, AnUnregisteredTensorStopsTheStepBeforeAnyLaunch) {
   EXPECT_EQ(rt::testing::read_all(*runtime, p0), before) << "layer 0 must not have been stepped";
 }
 
-// Note [Per-parameter steps]: a parameter named to skip_parameters sits the step out (its values,
-// states and step count unchanged), the others step as usual, and the counts differ from then on:
-// training the two halves apart equals training them with skips, under every policy, and a
-// checkpoint keeps each parameter's count.
+// A parameter named to skip_parameters sits the step out (its values, states and step count
+// unchanged), the others step as usual, and the counts differ from then on
+// (See Note [Per-parameter steps] in optim/adam.h): training the two halves apart equals training
+// them with skips, under every policy, and a checkpoint keeps each parameter's count.
 class PerParameterStepsTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PerParameterStepsTest, SkippedParametersAreUntouchedAndKeepTheirOwnCounts) {
@@ -671,9 +672,10 @@ TEST_P(PerParameterStepsTest, SkippedParametersAreUntouchedAndKeepTheirOwnCounts
   EXPECT_EQ(*loaded->step_count_of(mc.params[0]), 4);
 }
 
-// Note [Gradients given at each step]: gradients in the caller's memory, given at each step, step
-// the parameters bitwise as registered gradients with the same values do, under every policy;
-// a step without one for a parameter that takes part is refused before anything changes.
+// Gradients in the caller's memory, given at each step, step the parameters bitwise as registered
+// gradients with the same values do, under every policy (See Note [Gradients given at each step] in
+// optim/adam.h); a step without one for a parameter that takes part is refused before anything
+// changes.
 TEST_P(PerParameterStepsTest, GradientsGivenAtEachStepStepAsRegisteredOnes) {
   const auto init = initial_values();
   auto [a, a_dev] = make_runtime(GetParam(), {.prefetch_depth = 1});

@@ -1,11 +1,11 @@
-// Mixed precision (Note [Mixed precision] in optim/adam_math.h): the conversions round to nearest
-// even as the compiler's _Float16 and a float64 reference of bfloat16 do; the kernel steps a
-// bfloat16 or float16 parameter through its float32 master copy exactly as float32 math on the
+// Mixed precision (See Note [Mixed precision] in optim/adam_math.h): the conversions round to
+// nearest even as the compiler's _Float16 and a float64 reference of bfloat16 do; the kernel steps
+// a bfloat16 or float16 parameter through its float32 master copy exactly as float32 math on the
 // master gives, for every parameter and gradient dtype pair, near a float64 reference; the CUDA
 // kernel (Gpu*, label gpu) agrees with the CPU kernel within float32 rounding (it fuses
-// multiply-adds) and rounds its masters exactly alike; and Adam in bfloat16 trains bitwise the
-// same under keep_on_gpu, bulk and layer_prefetch with every role streamed, its checkpoint carrying
-// the master copies.
+// multiply-adds) and rounds its masters exactly alike; and Adam in bfloat16 trains bitwise the same
+// under keep_on_gpu, bulk and layer_prefetch with every role streamed, its checkpoint carrying the
+// master copies.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -263,11 +263,11 @@ TEST(MixedPrecisionTest, Bf16AdamTrainsBitwiseTheSameUnderEveryPolicy) {
   }
 }
 
-// Note [Skipped steps]: a float16 run whose third step found inf/NaN gradients ends bitwise where
-// a run without that step ends, parameters, masters, moments and step counters alike, as torch's
-// GradScaler with a fused AdamW leaves them; and the skipped step is not counted, in the
-// checkpoint either. On the simulated device, and (Gpu*) on the GPU, where the flag and the scale
-// are device memory and the count is kept where the kernels run.
+// A float16 run whose third step found inf/NaN gradients ends bitwise where a run without that step
+// ends, parameters, masters, moments and step counters alike, as torch's GradScaler with a fused
+// AdamW leaves them; and the skipped step is not counted, in the checkpoint either
+// (See Note [Skipped steps] in optim/adam_kernels.h). On the simulated device, and (Gpu*) on the
+// GPU, where the flag and the scale are device memory and the count is kept where the kernels run.
 using Bytes = std::map<std::string, std::vector<unsigned char>>;
 Bytes skip_run(bool cuda, bool with_skipped_step, std::int64_t* count, std::string* checkpoint) {
   constexpr std::size_t kNumel = 3000;

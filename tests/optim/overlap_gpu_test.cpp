@@ -68,8 +68,8 @@ struct Scalars {
 };
 
 // Where an overlapped layer's step runs: on the compute stream, or on a stream of its own with the
-// runtime computing there for the call, joined before the step is validated, as
-// bridge::ModelHooks does (Note [The step stream] in bridge/model_hooks.cpp).
+// runtime computing there for the call, joined before the step is validated, as bridge::ModelHooks
+// does (See Note [The step stream] in bridge/model_hooks.cpp).
 enum class StepStream { kCompute, kOwn };
 
 // Trains `steps` steps on the GPU; with `overlapped`, each layer steps in backward. The copy

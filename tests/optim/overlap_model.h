@@ -56,7 +56,7 @@ inline std::vector<Case> basic_cases() {
   }
   out.push_back({"layer_prefetch", all, rt::DType::kBFloat16, 2});
   out.push_back({"layer_prefetch", states, rt::DType::kFloat32, 3});
-  // The undo of what rests on the GPU kept on the GPU (Note [Undo log]).
+  // The undo of what rests on the GPU kept on the GPU (See Note [Undo log]).
   rt::PolicyConfig keep_gpu_undo;
   keep_gpu_undo.undo_on_gpu = true;
   rt::PolicyConfig states_gpu_undo = states;
@@ -93,7 +93,7 @@ struct Outcomes {
   int speculation = 0;
   int redone = 0;
   int sequential = 0;
-  std::int64_t undo_peak_bytes = 0;    // Note [Undo log]: kept at most
+  std::int64_t undo_peak_bytes = 0;    // kept at most (See Note [Undo log] in runtime/undo.cpp)
   std::int64_t undo_copied_bytes = 0;  // of which copied off the GPU
 
   void count(Adam::StepOutcome o) {

@@ -1,12 +1,12 @@
-// The overlapped step (Note [Overlapped step] in optim/adam.h, Note [Undo log] in runtime/undo.cpp,
-// Note [Overlapped backward] in policies/layer_prefetch.cpp): a small model trained through every
-// hook, with Adam stepping each layer during backward (step_layer) and finish_step validating,
-// ends bitwise where the sequential step (Adam::step after backward) ends, under every policy and
-// parameter dtype, over steps where clipping triggers and steps where it does not, with a step
-// whose gradients hold inf, and with gradient accumulation; on the simulated device in deferred
-// mode with copies completing in random order. Host functions on the compute stream stand in for
-// forward and backward; each layer's gradients and their part of the norm are computed as its
-// backward runs, as bridge::GradientStats takes them.
+// The overlapped step (See Note [Overlapped step] in optim/adam.h, See Note [Undo log] in
+// runtime/undo.cpp and See Note [Overlapped backward] in policies/layer_prefetch.cpp): a small
+// model trained through every hook, with Adam stepping each layer during backward (step_layer) and
+// finish_step validating, ends bitwise where the sequential step (Adam::step after backward) ends,
+// under every policy and parameter dtype, over steps where clipping triggers and steps where it
+// does not, with a step whose gradients hold inf, and with gradient accumulation; on the simulated
+// device in deferred mode with copies completing in random order. Host functions on the compute
+// stream stand in for forward and backward; each layer's gradients and their part of the norm are
+// computed as its backward runs, as bridge::GradientStats takes them.
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -163,7 +163,8 @@ Bytes train(const Case& setup, bool overlapped, int steps, std::uint64_t seed, O
 
 std::vector<Case> cases() {
   std::vector<Case> out = basic_cases();
-  // Resident layers beside a streamed one (Note [Resident layers]): both ways of keeping the undo.
+  // Resident layers beside a streamed one (See Note [Resident layers]): both ways of keeping
+  // the undo.
   const rt::PolicyConfig all{.prefetch_depth = 1, .roles = RoleSet::all()};
   out.push_back({"layer_prefetch", all, DType::kBFloat16, 1, std::size_t{20} << 20, 128 << 10});
   // The same with the undo kept on the GPU where the budget has room, on pinned memory beyond.
@@ -184,7 +185,7 @@ TEST(OverlapTest, OverlappedStepIsBitwiseTheSequentialStep) {
     expect_same(want, got, seq, ovl, kSteps);
     // Staged tensors keep their home for the undo. What rests on the GPU is kept on the GPU while
     // there is room (undo_on_gpu), else copied off it, but only for a layer with something staged:
-    // a layer resting wholly on the GPU then steps after backward (Note [Resting layers] in
+    // a layer resting wholly on the GPU then steps after backward (See Note [Resting layers] in
     // optim/adam_overlap.cpp), keeping nothing.
     const bool streams_all = setup.config.roles.contains(Role::kParameter);
     const bool undo_fits_gpu = setup.config.undo_on_gpu && setup.gpu_budget == alloc::kNoBudget;

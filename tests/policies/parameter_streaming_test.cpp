@@ -1,7 +1,7 @@
 // Parameters and gradients streamed through forward and backward (layer_prefetch and bulk with
 // every role) on the simulated device in deferred mode with copies completing at random: a small
 // model trained through every hook must end bitwise as under keep_on_gpu, with the layers' backward
-// passes in the reverse order of forward and out of it (Note [Backward out of order] in
+// passes in the reverse order of forward and out of it (See Note [Backward out of order] in
 // policies/layer_prefetch.cpp); and which tier every tensor is on at each hook.
 #include <cmath>
 #include <functional>
@@ -200,15 +200,15 @@ TEST(ParameterStreamingTest, AModelLargerThanTheGpuBudgetTrainsLikeKeepOnGpu) {
   }
 
   // bulk with everything resting on the host: not even parameters and gradients fit, so the whole
-  // step streams a layer at a time (Note [Bulk over budget], third case).
+  // step streams a layer at a time (See Note [Bulk over budget], third case).
   for (std::size_t layers_in_budget : {1, 3}) {
     const std::size_t budget = layers_in_budget * kLayerBytes;
     std::mt19937 rng(91 + layers_in_budget);
     auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::all(), .offload_after_step = true},
                                   /*deferred=*/true, budget);
     register_trainable(*rt, kLayers, kN);
-    // At setup bulk tries bringing everything back, then parameters and gradients (Note [Bulk
-    // over budget]); what the steps then do is what is checked.
+    // At setup bulk tries bringing everything back, then parameters and gradients
+    // (See Note [Bulk over budget]); what the steps then do is what is checked.
     {
       absl::Status p = rt->prepare();
       ASSERT_TRUE(p.ok()) << p;
@@ -230,11 +230,12 @@ TEST(ParameterStreamingTest, AModelLargerThanTheGpuBudgetTrainsLikeKeepOnGpu) {
   }
 }
 
-// Note [Backward out of order]: two or three parallel roots (embeddings summed into the first
-// block) run their backward right after the block's, the one after_backward does not hold first.
-// With before_backward, every depth, with and without layers resident beside the ring, trains
-// bitwise as keep_on_gpu does while copies complete at random. (Without it the first root's
-// gradients were accumulated into its slot before the fetch arrived, which then overwrote them.)
+// Two or three parallel roots (embeddings summed into the first block) run their backward right
+// after the block's, the one after_backward does not hold first (See Note [Backward out of order]
+// in policies/layer_prefetch.cpp). With before_backward, every depth, with and without layers
+// resident beside the ring, trains bitwise as keep_on_gpu does while copies complete at random.
+// (Without it the first root's gradients were accumulated into its slot before the fetch arrived,
+// which then overwrote them.)
 TEST(ParameterStreamingTest, ParallelRootsWithBeforeBackwardTrainLikeKeepOnGpu) {
   constexpr int kLayers = 8;
   constexpr std::size_t kN = 128 * 1024;  // 2 MiB a layer of four roles, one GPU segment
@@ -267,8 +268,8 @@ TEST(ParameterStreamingTest, ParallelRootsWithBeforeBackwardTrainLikeKeepOnGpu) 
   }
 }
 
-// Note [Resident layers]: what the ring leaves of the budget holds whole layers, which then never
-// stream; the numbers stay keep_on_gpu's.
+// What the ring leaves of the budget holds whole layers, which then never stream
+// (See Note [Resident layers] in policies/layer_prefetch.cpp); the numbers stay keep_on_gpu's.
 TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
   constexpr int kLayers = 8;
   constexpr std::size_t kN = 256 * 1024;  // 1 MiB tensors: 4 MiB a layer, two per small segment
@@ -322,9 +323,9 @@ TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
 }
 
 // Runtime::set_gpu_budget between steps (strata.optim's gpu_budget="auto"): a budget raised from
-// the ring alone to the ring and two layers makes the first two layers resident at once (Note
-// [Resident layers]); the numbers stay keep_on_gpu's. It is refused during a step, below what
-// strata holds, and at 0.
+// the ring alone to the ring and two layers makes the first two layers resident at once
+// (See Note [Resident layers]); the numbers stay keep_on_gpu's. It is refused during a step, below
+// what strata holds, and at 0.
 TEST(ParameterStreamingTest, ABudgetSetBetweenStepsMakesLayersResident) {
   constexpr int kLayers = 8;
   constexpr std::size_t kN = 256 * 1024;
@@ -366,10 +367,11 @@ TEST(ParameterStreamingTest, ABudgetSetBetweenStepsMakesLayersResident) {
   EXPECT_LE(rt->stats().gpu_reserved_peak_bytes, static_cast<std::int64_t>(4 * kLayerBytes));
 }
 
-// Note [Ring under a budget]: a role registered after a first step (gradients, in a training loop
-// that registers them once backward made them; here the second moments, so that each layer's
-// tensors keep train()'s order) finds layers resident that settled without it. The ring still
-// gets its K + 1 slots, those layers going home first, and training stays keep_on_gpu's.
+// A role registered after a first step (gradients, in a training loop that registers them once
+// backward made them; here the second moments, so that each layer's tensors keep train()'s order)
+// finds layers resident that settled without it (See Note [Ring under a budget] in
+// policies/layer_prefetch.cpp). The ring still gets its K + 1 slots, those layers going home first,
+// and training stays keep_on_gpu's.
 TEST(ParameterStreamingTest, ARoleRegisteredLaterDoesNotShrinkTheRing) {
   constexpr int kLayers = 8;
   constexpr std::size_t kN = 256 * 1024;  // 1 MiB tensors, 4 MiB a layer of every role

@@ -1,10 +1,10 @@
-// Phase switches under every policy (Note [Phase switches] in runtime/phase.cpp): train, offload
-// everything, read every tensor (a checkpoint), reload, train on. The GPU tier holds nothing while
-// offloaded, no pinned memory is allocated after the first switch, and the run ends bitwise equal
-// to one without switches; on a deferred simulated device, so copies are in flight when a switch
-// comes. And the edges: a switch while a layer is staged or copies are in flight, twice in a row,
-// a reload with nothing offloaded, a step while offloaded, some roles only, keeping the memory
-// cached.
+// Phase switches under every policy (See Note [Phase switches] in runtime/phase.cpp): train,
+// offload everything, read every tensor (a checkpoint), reload, train on. The GPU tier holds
+// nothing while offloaded, no pinned memory is allocated after the first switch, and the run ends
+// bitwise equal to one without switches; on a deferred simulated device, so copies are in flight
+// when a switch comes. And the edges: a switch while a layer is staged or copies are in flight,
+// twice in a row, a reload with nothing offloaded, a step while offloaded, some roles only, keeping
+// the memory cached.
 #include <map>
 #include <memory>
 #include <string>
@@ -194,8 +194,8 @@ TEST(PhaseSwitchTest, SomeRolesOnlyAndKeepingTheMemoryCached) {
   ASSERT_TRUE(m.step(2).ok());
 }
 
-// Note [Allocating before the copies]: a reload that does not fit (another engine kept some of the
-// GPU) moves nothing, says so, and succeeds once there is room.
+// A reload that does not fit (another engine kept some of the GPU) moves nothing, says so, and
+// succeeds once there is room (See Note [Allocating before the copies] in runtime/phase.cpp).
 TEST(PhaseSwitchTest, AReloadThatDoesNotFitMovesNothing) {
   Model m("keep_on_gpu", {});
   ASSERT_TRUE(m.step(1).ok());
@@ -237,8 +237,8 @@ class FreeRecordingUpstream final : public alloc::Upstream {
   SimulatedDevice* device_ = nullptr;
 };
 
-// Note [Freeing behind the copies] in runtime/phase.cpp: a segment goes back to the driver as soon
-// as the copies out of it have landed, while the copies out of the others are still queued.
+// A segment goes back to the driver as soon as the copies out of it have landed, while the copies
+// out of the others are still queued (See Note [Freeing behind the copies] in runtime/phase.cpp).
 TEST(PhaseSwitchTest, SegmentsGoBackWhileLaterCopiesStillStream) {
   constexpr int kTensors = 6;
   constexpr std::size_t kBig = 3 * kMiB / sizeof(float);  // a large block: a segment of its own

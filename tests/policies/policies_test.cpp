@@ -59,8 +59,8 @@ std::vector<std::string> timeline(Runtime& rt, bool phase_switch = true) {
   return out;
 }
 
-// keep_on_gpu moves nothing during steps; a phase switch moves everything (Note [Phase switches]
-// in runtime/phase.cpp): at 65a4426 offload_all was a silent no-op under it.
+// keep_on_gpu moves nothing during steps; a phase switch moves everything: at 65a4426 offload_all
+// was a silent no-op under it (See Note [Phase switches] in runtime/phase.cpp).
 TEST(TimelineTest, KeepOnGpuMovesNothingButAtPhaseSwitches) {
   auto [rt, dev] = make_runtime("keep_on_gpu");
   register_model(*rt);
@@ -268,9 +268,10 @@ TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
   }
 }
 
-// Note [Staging order]: stage_layer queues a layer's copies in the order asked for, equal sizes in
-// registration order, and staged_tensors() reports it; layer_prefetch asks for the step's first
-// layer smallest first, its last largest first and the rest as registered.
+// stage_layer queues a layer's copies in the order asked for, equal sizes in registration order,
+// and staged_tensors() reports it; layer_prefetch asks for the step's first layer smallest first,
+// its last largest first and the rest as registered (See Note [Staging order] in
+// runtime/runtime.h).
 std::vector<std::string> staged_names(const Runtime& rt, int layer) {
   std::vector<TensorHandle> handles;
   rt.staged_tensors(layer, handles);
@@ -367,9 +368,10 @@ DeferredRuntime deferred_bulk_runtime() {
   return out;
 }
 
-// Note [Covered arrival]: the write-back of a staged tensor that compute acquired while it was
-// still arriving waits once, for compute's release, not for the fetch as well; the release already
-// follows the fetch on the GPU, so the write-back cannot run before the fetch and the compute have.
+// The write-back of a staged tensor that compute acquired while it was still arriving waits once,
+// for compute's release, not for the fetch as well (See Note [Covered arrival] in
+// runtime/migration.cpp); the release already follows the fetch on the GPU, so the write-back
+// cannot run before the fetch and the compute have.
 TEST(StagingTest, AWriteBackWaitsForComputeWhichCoversTheFetch) {
   constexpr std::size_t kN = 1000;
   const std::vector<unsigned char> payload = special_payload(kN * 4, 3);

@@ -1,5 +1,5 @@
 // The bad-input census of RELIABILITY.md for Adam: what create and set_lr refuse, a step after a
-// tensor went away, and checkpoints that lie (Note [Untrusted checkpoints] in
+// tensor went away, and checkpoints that lie (See Note [Untrusted checkpoints] in
 // optim/adam_checkpoint.cpp). Each check expects its whole message (tests/census.h) and that
 // nothing changed: every tensor's bytes, the bytes live per tier, the step counters.
 #include <cmath>
@@ -144,8 +144,8 @@ TEST_F(AdamCensusTest, ALayerLargerThanTheGpuBudget) {
   before_ = bytes_of(rt());
 }
 
-// Note [Adam owns its states]: a state name already taken fails create part way; the states it
-// registered before are gone again.
+// A state name already taken fails create part way; the states it registered before are gone again
+// (See Note [Adam owns its states]).
 TEST_F(AdamCensusTest, AStateNameAlreadyTaken) {
   TensorHandle v = *rt().register_tensor(spec("v", 1, Role::kParameter, 10));
   TensorHandle vg = *rt().register_tensor(spec("v.grad", 1, Role::kGradient, 10));
@@ -173,7 +173,8 @@ TEST_F(AdamCensusTest, SetLrAndStep) {
                  "Adam: tensor 'w.exp_avg_sq' (layer 0) was unregistered after the optimizer was "
                  "made");
   EXPECT_EQ(adam->step_count(0), 1);
-  // Note [Per-parameter steps]: what skip_parameters and the per-parameter counts refuse.
+  // What skip_parameters and the per-parameter counts refuse (See Note [Per-parameter steps] in
+  // optim/adam.h).
   expect_refused("Adam: skip_parameters naming a tensor that is not a parameter of it",
                  adam->skip_parameters({g_}), absl::StatusCode::kNotFound,
                  "Adam: handle " + std::to_string(g_.id) + " is not a parameter of this optimizer");

@@ -197,7 +197,7 @@ TEST(StagingCensusTest, Staging) {
   ASSERT_TRUE(rt->unregister(b).ok());
 }
 
-// --- the order of a step's hooks (Note [Step states] in runtime/hooks.cpp) ---
+// --- the order of a step's hooks (See Note [Step states] in runtime/hooks.cpp) ---
 
 TEST_F(CensusTest, HooksOutOfOrder) {
   expect_refused("before_forward without begin_step", rt()->before_forward(0), kPrecondition,

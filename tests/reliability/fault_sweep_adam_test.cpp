@@ -34,7 +34,7 @@ using testing::spec;
 
 // A runtime over a fault-injecting deferred device (copies completing in a random order) with an
 // Adam over `layers` parameters of `numel` elements, odd layers in bfloat16 stepped through
-// float32 master copies (Note [Mixed precision]): the rig of the Adam fault tests below.
+// float32 master copies (See Note [Mixed precision]): the rig of the Adam fault tests below.
 struct AdamRig {
   std::unique_ptr<Runtime> rt;
   FaultInjectingDevice* faults = nullptr;
@@ -86,12 +86,12 @@ AdamRig make_adam_rig(const std::string& policy, PolicyConfig config, std::uint6
   return rig;
 }
 
-// Note [A failed step] in optim/adam.cpp: an Adam step whose k-th device call fails (every kind,
-// once or as a sticky error, every k of one step, under bulk over budget and layer_prefetch, on the
-// deferred device with random completion) returns a typed error, leaves no tensor held or staged,
-// and every layer's bytes are the fault-free run's: after the step for the layers it stepped,
-// before it for the others (all of them when it rolled its counters back). The next steps run; a
-// rolled-back step is retried, and that run ends bitwise equal to the fault-free one.
+// An Adam step whose k-th device call fails (every kind, once or as a sticky error, every k of one
+// step, under bulk over budget and layer_prefetch, on the deferred device with random completion)
+// returns a typed error, leaves no tensor held or staged, and every layer's bytes are the
+// fault-free run's: after the step for the layers it stepped, before it for the others (all of them
+// when it rolled its counters back; See Note [A failed step] in optim/adam.cpp). The next steps
+// run; a rolled-back step is retried, and that run ends bitwise equal to the fault-free one.
 TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
   constexpr int kAdamLayers = 3;
   constexpr std::size_t kNumel = 100000;
@@ -112,7 +112,7 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
   auto run = [&](const std::string& policy, PolicyConfig config, std::optional<Site> site,
                  std::int64_t k) {
     Outcome out;
-    // Bulk over budget (Note [Bulk over budget]): its states stream a layer at a time.
+    // Bulk over budget (See Note [Bulk over budget]): its states stream a layer at a time.
     AdamRig rig = make_adam_rig(policy, config, kSeed, kAdamLayers, kNumel,
                                 policy == "bulk" ? 6 * kMiB : alloc::kNoBudget);
     std::unique_ptr<Runtime>& rt = rig.rt;
@@ -240,16 +240,16 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
       injections, failed_steps, exact_retries, partial, failures);
 }
 
-// Note [Overlapped step] in optim/adam.h under faults: the second of three overlapped steps (every
-// layer stepped during backward, finish_step validating it) meets the k-th call of one device call
-// kind failing, once or as a sticky error, for every k of that step, under layer_prefetch with
-// every role streamed (undo by fresh home blocks) and keep_on_gpu (undo by copies, to pinned
-// memory or on the GPU), with a true
-// grad_scale equal to the speculation's (it holds) or not (a redo). Whatever fails is called again
-// once the fault is gone, except a failed step_layer, whose layer finish_step steps; the error is
-// typed and carries its cause; after the step nothing is held, staged or kept for an undo; and the
-// run ends bitwise equal to the fault-free run, unless an error said that part of a step was taken
-// and a checkpoint is needed (counted, and only where a redo's own step failed part way).
+// The overlapped step under faults (See Note [Overlapped step] in optim/adam.h): the second of
+// three overlapped steps (every layer stepped during backward, finish_step validating it) meets the
+// k-th call of one device call kind failing, once or as a sticky error, for every k of that step,
+// under layer_prefetch with every role streamed (undo by fresh home blocks) and keep_on_gpu (undo
+// by copies, to pinned memory or on the GPU), with a true grad_scale equal to the speculation's (it
+// holds) or not (a redo). Whatever fails is called again once the fault is gone, except a failed
+// step_layer, whose layer finish_step steps; the error is typed and carries its cause; after the
+// step nothing is held, staged or kept for an undo; and the run ends bitwise equal to the
+// fault-free run, unless an error said that part of a step was taken and a checkpoint is needed
+// (counted, and only where a redo's own step failed part way).
 TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
   constexpr int kAdamLayers = 3;
   constexpr std::size_t kNumel = 20000;

@@ -177,8 +177,9 @@ TEST(GuardTest, MoveAfterReleaseWaitsForTheComputeStream) {
 }
 
 TEST(GuardTest, HooksFenceTheComputeStreamBeforeMoving) {
-  // Note [Compute fence]: work the training loop queued before offload_all (here a host function
-  // on a stream the runtime was told about, writing 3.0) finishes before the offload copies read.
+  // Work the training loop queued before offload_all (here a host function on a stream the runtime
+  // was told about, writing 3.0) finishes before the offload copies read (See Note [Compute fence]
+  // in runtime/migration.cpp).
   auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::all()}, /*deferred=*/true);
   std::vector<float> values(512, 1.0f);
   TensorHandle h = *rt->register_tensor(spec("w", 0, Role::kParameter, 512), values.data());
