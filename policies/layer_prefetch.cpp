@@ -178,20 +178,50 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     return absl::OkStatus();
   }
 
+  // Note [Staged for a step not taken in backward]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // Under overlap, begin_step stages the states of the layers backward reaches first, while forward
+  // runs, for the optimizer to step them in backward. When it does not (the client steps after
+  // backward this time: strata.optim's Note [When to step in backward]), those layers are staged
+  // as the optimizer step would stage them, with its roles, and nothing wrote them. Sending them
+  // home and fetching the first layers of the ascending order instead would move their bytes over
+  // the link twice more for nothing; so the optimizer step takes them first, as they are, and
+  // then the other layers in ascending order (optimizer_layer_order says so). Each layer's update
+  // depends on its own values only, so the order changes no result. A step that ends with no
+  // optimizer step (a micro-batch before the last) drops them without a copy back; their fetch
+  // during forward is still spent.
   absl::Status on_begin_optimizer_step(rt::PolicyContext& rt) override {
+    const bool untouched =
+        overlapping_ && !streams_parameters() && stepped_.empty() && awaiting_.empty() && settled_;
     overlapping_ = false;
-    STRATA_RETURN_IF_ERROR(reset(rt));
-    STRATA_RETURN_IF_ERROR(settle(rt));
+    first_.clear();
+    if (untouched) {
+      STRATA_RETURN_IF_ERROR(release_held(rt));
+      first_ = staged_;
+    } else {
+      STRATA_RETURN_IF_ERROR(reset(rt));
+      STRATA_RETURN_IF_ERROR(settle(rt));
+    }
     order_.clear();
     const std::vector<int> streamed = streamed_layers(rt, config().roles);
-    for (int layer : rt.optimizer_layer_order()) {
+    for (int layer : optimizer_layer_order(rt)) {
       // What backward stepped is not fetched again (See Note [Overlapped backward]).
       if (std::find(stepped_.begin(), stepped_.end(), layer) != stepped_.end()) continue;
       if (std::binary_search(streamed.begin(), streamed.end(), layer)) order_.push_back(layer);
     }
-    STRATA_RETURN_IF_ERROR(configure(rt));
-    next_ = 0;
+    if (first_.empty()) STRATA_RETURN_IF_ERROR(configure(rt));
+    next_ = first_.size();  // See Note [Staged for a step not taken in backward]
     return refill_optimizer(rt);
+  }
+
+  // The layers staged before the optimizer step began first, then the others in ascending order
+  // (See Note [Staged for a step not taken in backward]).
+  std::vector<int> optimizer_layer_order(const rt::PolicyContext& rt) const override {
+    std::vector<int> out = first_;
+    for (int layer : rt.layers()) {
+      if (std::find(first_.begin(), first_.end(), layer) == first_.end()) out.push_back(layer);
+    }
+    return out;
   }
 
   absl::Status on_layer_released(rt::PolicyContext& rt, int layer) override {
@@ -221,6 +251,12 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
   // A step that ends without an optimizer step (evaluation) leaves nothing held or staged.
   absl::Status on_end_step(rt::PolicyContext& rt) override {
+    if (overlapping_ && !streams_parameters() && stepped_.empty() && awaiting_.empty()) {
+      // A micro-batch before the last: what forward staged for backward was not written, so it
+      // goes home without a copy (See Note [Staged for a step not taken in backward]).
+      STRATA_RETURN_IF_ERROR(release_held(rt));
+      while (!staged_.empty()) STRATA_RETURN_IF_ERROR(unstage(rt, staged_.front(), RoleSet{}));
+    }
     overlapping_ = false;
     return reset(rt);
   }
@@ -245,6 +281,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   absl::Status on_end_optimizer_step(rt::PolicyContext& rt) override {
     // Layers the optimizer did not release (it stopped early) go home too.
     STRATA_RETURN_IF_ERROR(reset(rt));
+    first_.clear();
     order_.clear();
     next_ = 0;
     stepped_.clear();
@@ -583,6 +620,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   bool overlapping_ = false;
   std::vector<int> awaiting_;
   std::vector<int> stepped_;
+  // Staged before the optimizer step began, stepped first
+  // (See Note [Staged for a step not taken in backward]).
+  std::vector<int> first_;
 };
 
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make(const rt::PolicyConfig& c,

@@ -95,6 +95,8 @@ struct Outcomes {
   int sequential = 0;
   std::int64_t undo_peak_bytes = 0;    // kept at most (See Note [Undo log] in runtime/undo.cpp)
   std::int64_t undo_copied_bytes = 0;  // of which copied off the GPU
+  std::int64_t h2d_bytes = 0;          // moved to the GPU over the run
+  std::int64_t d2h_bytes = 0;          // moved off it
 
   void count(Adam::StepOutcome o) {
     if (o == Adam::StepOutcome::kSpeculation) ++speculation;
@@ -167,6 +169,8 @@ inline Bytes collect(rt::Runtime& runtime, Adam& adam, Outcomes* outcomes) {
   EXPECT_EQ(runtime.stats().undo_bytes, 0);
   outcomes->undo_peak_bytes = runtime.stats().undo_peak_bytes;
   outcomes->undo_copied_bytes = runtime.stats().undo_copied_bytes;
+  outcomes->h2d_bytes = runtime.stats().migrated_bytes_h2d;
+  outcomes->d2h_bytes = runtime.stats().migrated_bytes_d2h;
   return out;
 }
 
