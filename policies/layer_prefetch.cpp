@@ -179,7 +179,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   // Note [Staged for a step not taken in backward]
-  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
   // Under overlap, begin_step stages the states of the layers backward reaches first, while forward
   // runs, for the optimizer to step them in backward. When it does not (the client steps after
   // backward this time: strata.optim's Note [When to step in backward]), those layers are staged
