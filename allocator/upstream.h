@@ -1,8 +1,9 @@
 // allocator/upstream.h: where a pool's segments come from.
 //
 // An Upstream hands out and takes back large segments; the pools above it split them into blocks.
-// Upstreams are slow on purpose-free paths (cudaMalloc ~60 us, cudaHostAlloc ~670 us per MiB), so a
-// pool calls them only to grow or trim. Each upstream is its own class, RMM-style:
+// Upstreams are slow (cudaMalloc takes tens of microseconds, cudaHostAlloc hundreds per MiB;
+// bench/ measures them), so a pool calls them only to grow or trim. Each upstream is its own class,
+// RMM-style:
 //   - CUDA device memory (virtual memory management, or cudaMalloc: DeviceMethod), for Tier::kGpu
 //     on a machine with a GPU;
 //   - pinned host memory, by cudaHostAlloc or by mmap + cudaHostRegister (PinnedMethod);

@@ -265,10 +265,9 @@ absl::Status MigrationEngine::migrate(Entry& e, Tier dst_tier, void* dst_ptr, in
   // Note [Timed copies]
   // ~~~~~~~~~~~~~~~~~~~
   // A copy's timing takes two more event records on its stream, as much host time as the copy
-  // itself when it is small (10^4 tensors of 4 KiB .. 1 MiB spent about 50 us each queueing on an
-  // H100, bench/results/2026-11-24-H100-compare), and the rate of a copy that short says little
-  // about the link. Only copies of kTimedCopyMinBytes or more are timed; the engine rates
-  // (RuntimeStats::h2d_gbps) are those copies' bytes over their time.
+  // itself when it is small (bench/results/2026-11-24-H100-compare measured it), and the rate of a
+  // copy that short says little about the link. Only copies of kTimedCopyMinBytes or more are
+  // timed; the engine rates (RuntimeStats::h2d_gbps) are those copies' bytes over their time.
   const bool timed = e.bytes >= kTimedCopyMinBytes;
   absl::StatusOr<EventHandle> start = timed ? device_->record_timed(stream) : nullptr;
   if (!start.ok()) return undo(start.status(), false);

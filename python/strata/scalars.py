@@ -8,9 +8,9 @@ waiting behind the copies strata leaves running.
     loss_value, norm = strata.read_scalars(loss, opt.last_grad_norm)   # not loss.item()
 
 .item() on a CUDA tensor is a copy to the host, and the GPU's copy engines take copies in turn:
-after a strata step, the write-backs of the layers stepped last (16 GB of states a step move
-through them in a 1.3 B-parameter model) are still running, and the 4-byte copy waits for them,
-20-30 ms on an H200, although the value was ready long before. read_scalars has a kernel on torch's
+after a strata step, the write-backs of the layers stepped last (every byte of state a step
+moves goes through them) are still running, and the 4-byte copy waits for them (the README has
+the figures), although the value was ready long before. read_scalars has a kernel on torch's
 current stream write the values into pinned host memory, and waits for that stream only (its first
 call allocates that memory, which may wait for the whole device once). CPU tensors are read as
 .item() reads them.
