@@ -1,0 +1,160 @@
+// The undo log on its own (See Note [Undo log] in runtime/undo.cpp): keep_for_undo, commit_undo and
+// rollback_undo through the runtime's API, with no optimizer. A tensor resting on the GPU is kept
+// by a copy (to pinned host memory, or on the GPU with undo_on_gpu), a staged one by keeping its
+// old home block; a rollback puts back exactly the bytes kept, a commit keeps what was written, and
+// either leaves nothing allocated behind. Refusals change nothing.
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "runtime/runtime.h"
+#include "tests/runtime/runtime_test_util.h"
+
+namespace strata::rt {
+namespace {
+
+using testing::make_runtime;
+using testing::read_all;
+using testing::spec;
+
+constexpr std::size_t kN = 4096;  // floats per tensor
+
+std::vector<unsigned char> pattern(float base) {
+  std::vector<float> v(kN);
+  for (std::size_t i = 0; i < kN; ++i) v[i] = base + static_cast<float>(i % 97) * 0.25f;
+  std::vector<unsigned char> out(kN * 4);
+  std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
+// Queues a write of `bytes` into `dst` on `stream`, as a kernel stepping the tensor would.
+void write_on(SimulatedDevice& dev, StreamHandle stream, void* dst,
+              const std::vector<unsigned char>& bytes) {
+  auto data = std::make_shared<std::vector<unsigned char>>(bytes);
+  ASSERT_TRUE(
+      dev.enqueue_host(stream, [dst, data] { std::memcpy(dst, data->data(), data->size()); }).ok());
+}
+
+std::int64_t pinned_in_use(Runtime& rt) {
+  return rt.allocator().stats(Tier::kPinnedHost).allocated_bytes.current;
+}
+
+// A tensor resting on the GPU (keep_on_gpu), kept over the link or on the GPU, in deferred mode:
+// the rollback restores the bytes from before the write, the commit keeps the write.
+TEST(UndoLogTest, ARestingTensorIsRolledBackOrCommittedExactly) {
+  for (const bool on_gpu : {false, true}) {
+    for (const bool commit : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "undo on the GPU " << on_gpu << ", commit " << commit);
+      PolicyConfig config;
+      config.undo_on_gpu = on_gpu;
+      auto [rt, dev] = make_runtime("keep_on_gpu", config, /*deferred=*/true);
+      const std::vector<unsigned char> before = pattern(1.0f), after = pattern(-3.0f);
+      absl::StatusOr<TensorHandle> h =
+          rt->register_tensor(spec("w", 0, Role::kExpAvg, kN), before.data());
+      ASSERT_TRUE(h.ok()) << h.status();
+      ASSERT_TRUE(rt->wait_all().ok());
+      const std::int64_t pinned = pinned_in_use(*rt);
+      const StreamHandle s = rt->compute_stream();
+      absl::StatusOr<void*> p = rt->acquire(*h, Tier::kGpu, s);
+      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE(rt->keep_for_undo(*h, s).ok());
+      ASSERT_TRUE(rt->keep_for_undo(*h, s).ok());  // kept already: left as it is
+      EXPECT_EQ(rt->undo_tensors(), 1u);
+      write_on(*dev, s, *p, after);
+      ASSERT_TRUE(rt->release(*h, s).ok());
+      const RuntimeStats kept = rt->stats();
+      EXPECT_EQ(kept.undo_bytes, static_cast<std::int64_t>(kN * 4));
+      EXPECT_EQ(kept.undo_copied_bytes, on_gpu ? 0 : static_cast<std::int64_t>(kN * 4));
+      // While the log holds it, the tensor cannot go and no step can begin.
+      EXPECT_EQ(rt->unregister(*h).code(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(rt->begin_step().code(), absl::StatusCode::kFailedPrecondition);
+      ASSERT_TRUE(commit ? rt->commit_undo().ok() : rt->rollback_undo().ok());
+      EXPECT_EQ(rt->undo_tensors(), 0u);
+      ASSERT_TRUE(rt->wait_all().ok());
+      dev->run_pending();
+      EXPECT_EQ(read_all(*rt, *h), commit ? after : before);
+      EXPECT_EQ(rt->stats().undo_bytes, 0);
+      EXPECT_EQ(pinned_in_use(*rt), pinned) << "what was kept was not freed";
+      ASSERT_TRUE(rt->begin_step().ok());
+      ASSERT_TRUE(rt->end_step().ok());
+    }
+  }
+}
+
+// A staged tensor (layer_prefetch's states in an optimizer step) is kept with no copy: its
+// write-back goes to a fresh home block. Rolled back, the old block is home again with the old
+// bytes; committed, the fresh one with the new bytes.
+TEST(UndoLogTest, AStagedTensorKeepsItsOldHomeBlockWithNoCopy) {
+  for (const bool commit : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "commit " << commit);
+    auto [rt, dev] =
+        make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::optimizer_states()},
+                     /*deferred=*/true);
+    std::vector<TensorHandle> hs;
+    std::vector<std::vector<unsigned char>> before, after;
+    for (int layer = 0; layer < 3; ++layer) {
+      before.push_back(pattern(static_cast<float>(layer)));
+      after.push_back(pattern(10.0f + static_cast<float>(layer)));
+      absl::StatusOr<TensorHandle> h = rt->register_tensor(
+          spec(str_cat("m", layer), layer, Role::kExpAvg, kN), before.back().data());
+      ASSERT_TRUE(h.ok()) << h.status();
+      hs.push_back(*h);
+    }
+    ASSERT_TRUE(rt->prepare().ok());
+    const StreamHandle s = rt->compute_stream();
+    ASSERT_TRUE(rt->begin_optimizer_step().ok());
+    for (int layer : rt->optimizer_layer_order()) {
+      absl::StatusOr<std::vector<void*>> p =
+          rt->acquire_layer(layer, RoleSet::optimizer_states(), Tier::kGpu, s);
+      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE(rt->keep_for_undo(hs[static_cast<std::size_t>(layer)], s).ok());
+      write_on(*dev, s, (*p)[0], after[static_cast<std::size_t>(layer)]);
+      ASSERT_TRUE(rt->release_layer(layer, RoleSet::optimizer_states(), s).ok());
+    }
+    ASSERT_TRUE(rt->end_optimizer_step().ok());
+    EXPECT_EQ(rt->undo_tensors(), 3u);
+    EXPECT_EQ(rt->stats().undo_copied_bytes, 0) << "a staged tensor was copied for its undo";
+    ASSERT_TRUE(commit ? rt->commit_undo().ok() : rt->rollback_undo().ok());
+    ASSERT_TRUE(rt->wait_all().ok());
+    dev->run_pending();
+    for (std::size_t l = 0; l < hs.size(); ++l) {
+      EXPECT_EQ(read_all(*rt, hs[l]), commit ? after[l] : before[l]) << "layer " << l;
+      EXPECT_NE(rt->info(hs[l])->tier, Tier::kGpu);  // home again, in pinned memory
+    }
+    EXPECT_EQ(rt->stats().undo_bytes, 0);
+  }
+}
+
+// Refusals: a tensor not held on the GPU, a rollback while a kept tensor is held, and, with
+// over_link false and no room on the GPU, nothing kept at all.
+TEST(UndoLogTest, RefusalsKeepNothingAndChangeNothing) {
+  auto [rt, dev] = make_runtime("keep_on_gpu");
+  const std::vector<unsigned char> before = pattern(2.0f), after = pattern(7.0f);
+  absl::StatusOr<TensorHandle> h =
+      rt->register_tensor(spec("w", 0, Role::kExpAvg, kN), before.data());
+  ASSERT_TRUE(h.ok()) << h.status();
+  const StreamHandle s = rt->compute_stream();
+  EXPECT_EQ(rt->keep_for_undo(*h, s).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rt->undo_tensors(), 0u);
+
+  absl::StatusOr<void*> p = rt->acquire(*h, Tier::kGpu, s);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // undo_on_gpu is off: a tensor resting on the GPU can only be kept over the link.
+  const absl::Status no_link = rt->keep_for_undo(*h, s, /*over_link=*/false);
+  EXPECT_EQ(no_link.code(), absl::StatusCode::kResourceExhausted) << no_link;
+  EXPECT_EQ(rt->undo_tensors(), 0u);
+  EXPECT_EQ(rt->stats().undo_bytes, 0);
+
+  ASSERT_TRUE(rt->keep_for_undo(*h, s).ok());
+  write_on(*dev, s, *p, after);
+  EXPECT_EQ(rt->rollback_undo().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rt->undo_tensors(), 1u) << "a refused rollback dropped what was kept";
+  ASSERT_TRUE(rt->release(*h, s).ok());
+  ASSERT_TRUE(rt->rollback_undo().ok());
+  ASSERT_TRUE(rt->wait_all().ok());
+  EXPECT_EQ(read_all(*rt, *h), before);
+}
+
+}  // namespace
+}  // namespace strata::rt
