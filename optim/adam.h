@@ -18,7 +18,7 @@
 // loss scaling's inf check depend on every gradient, which backward has not all produced when the
 // first layer steps, so the layers are stepped speculatively: dividing by the loss scale alone, as
 // if clipping did not trigger and no gradient were inf or NaN, with the bytes they overwrite kept
-// (Runtime::keep_for_undo; See Note [Undo log] in runtime/undo.cpp). finish_step reads the true
+// (Runtime::keep_for_undo; See Note [Undo log] in runtime/undo_log.cpp). finish_step reads the true
 // grad_scale and found_inf (one host wait of a few bytes) and compares:
 //   - equal, bit for bit, and no inf: the speculation was the step; what was kept is dropped, and
 //     any layer backward could not step (not on the GPU then, no host memory for its undo, or

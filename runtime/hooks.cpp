@@ -93,7 +93,7 @@ absl::Status Runtime::begin_step() {
     return misuse("begin_step", "an optimizer step is under way; call end_optimizer_step first");
   }
   if (im.step.offloaded) return misuse("begin_step", kOffloaded);
-  STRATA_RETURN_IF_ERROR(im.check_no_undo("begin_step"));
+  STRATA_RETURN_IF_ERROR(im.undo.check_empty("begin_step"));
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   PolicyContext ctx(*this);

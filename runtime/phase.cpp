@@ -37,7 +37,7 @@ absl::Status Runtime::offload_all(OffloadOptions options) {
     return absl::FailedPreconditionError(
         "offload_all: the optimizer step has not ended; call end_optimizer_step first");
   }
-  STRATA_RETURN_IF_ERROR(im.check_no_undo("offload_all"));
+  STRATA_RETURN_IF_ERROR(im.undo.check_empty("offload_all"));
   STRATA_RETURN_IF_ERROR(im.engine.fence_compute());
   STRATA_RETURN_IF_ERROR(im.engine.poll());
   PolicyContext ctx(*this);

@@ -107,7 +107,7 @@ struct PolicyConfig {
   Overlap overlap = Overlap::kNone;
   // With kBackward: the bytes an overlapped step keeps for its redo of a tensor resting on the GPU
   // are copied on the GPU (no link traffic) while the GPU tier has room under the budget, and to
-  // pinned host memory otherwise (See Note [Undo log] in runtime/undo.cpp).
+  // pinned host memory otherwise (See Note [Undo log] in runtime/undo_log.cpp).
   bool undo_on_gpu = false;
 };
 

@@ -193,7 +193,7 @@ absl::Status Runtime::Impl::unregister_locked(TensorHandle tensor) {
                                                  e->holds, " acquire(s); release it first"));
   }
   if (e->undo_kept)
-    STRATA_RETURN_IF_ERROR(check_no_undo(str_cat("unregister '", e->spec.name, "'")));
+    STRATA_RETURN_IF_ERROR(undo.check_empty(str_cat("unregister '", e->spec.name, "'")));
   STRATA_RETURN_IF_ERROR(engine.wait_entry(*e));
   STRATA_RETURN_IF_ERROR(engine.wait_ready_on_host(*e));
   staging.forget(*e);

@@ -196,7 +196,7 @@ absl::Status Runtime::set_gpu_budget(std::size_t budget) {
         "set_gpu_budget: a step is under way or the tensors are offloaded; call it between "
         "steps");
   }
-  STRATA_RETURN_IF_ERROR(im.check_no_undo("set_gpu_budget"));
+  STRATA_RETURN_IF_ERROR(im.undo.check_empty("set_gpu_budget"));
   alloc::Budget& gpu = *im.allocator->budget(Tier::kGpu);
   if (budget == 0 || (budget != alloc::kNoBudget && budget < gpu.reserved())) {
     return absl::InvalidArgumentError(str_cat("set_gpu_budget: ", format_bytes(budget),

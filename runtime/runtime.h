@@ -128,7 +128,7 @@ struct RuntimeStats {
   std::int64_t gpu_upstream_free_ns = 0;
   // Host bytes kept for an overlapped step's redo, now and at most, and the bytes of them that had
   // to be copied off the GPU (tensors resting there; a staged tensor's old home block is kept
-  // instead, with no copy; See Note [Undo log] in undo.cpp).
+  // instead, with no copy; See Note [Undo log] in undo_log.cpp).
   std::int64_t undo_bytes = 0;
   std::int64_t undo_peak_bytes = 0;
   std::int64_t undo_copied_bytes = 0;
@@ -253,7 +253,7 @@ class Runtime {
   // Whether the runtime is between offload_all and reload_all.
   bool offloaded() const;
 
-  // --- undo log (See Note [Undo log] in undo.cpp): what an optimizer step taken during backward,
+  // --- undo log (See Note [Undo log] in undo_log.cpp): what an optimizer step taken during backward,
   // before it is known to be valid, keeps so that it can be redone exactly --- Keeps the tensor's
   // bytes as they are before the work queued on `stream` after this call writes it. The tensor must
   // be held on the GPU (acquire). A staged tensor costs no copy: its write-back goes to a fresh

@@ -30,6 +30,7 @@
 #include "runtime/registry.h"
 #include "runtime/runtime.h"
 #include "runtime/staging.h"
+#include "runtime/undo_log.h"
 
 namespace strata::rt {
 
@@ -39,7 +40,8 @@ struct Runtime::Impl {
        std::unique_ptr<alloc::BlockPool> bounce_pool)
       : allocator(std::move(allocator)),
         engine(std::move(device), *this->allocator, std::move(bounce_pool)),
-        staging(registry, engine, *this->allocator, std::move(staging_pool)) {}
+        staging(registry, engine, *this->allocator, std::move(staging_pool)),
+        undo(*this->allocator, engine) {}
   ~Impl();
 
   // Where a step is (See Note [Step states] in hooks.cpp).
@@ -72,17 +74,6 @@ struct Runtime::Impl {
   absl::Status check_layer(const char* hook, int layer) const;
   absl::Status finish_optimizer_step(PolicyContext& ctx);
   std::string outstanding_holds() const;
-  // undo.cpp (See Note [Undo log])
-  struct UndoRecord {
-    internal::Entry* entry;
-    Tier tier;                      // of `kept`
-    void* kept;                     // the bytes from before the step: the old home block, or a copy
-    void* fresh = nullptr;          // redirect: the block the write-back fills
-    StreamHandle stream = nullptr;  // a copy kept on the GPU: the stream that made it
-  };
-  absl::Status check_no_undo(std::string_view what) const;
-  absl::StatusOr<void*> keep_undo_on_gpu(const internal::Entry& e, const void* data,
-                                         StreamHandle stream, const std::string& owner);
   // runtime.cpp
   absl::Status release_scratch();
   std::size_t gpu_budget_locked() const;
@@ -96,7 +87,7 @@ struct Runtime::Impl {
   StepState step;
   int next_callback = 1;
   std::map<int, std::function<absl::Status()>> before_optimizer_step;
-  std::vector<UndoRecord> undo;
+  internal::UndoLog undo;  // See Note [Undo log] in undo_log.cpp
   mutable std::mutex mu;
 };
 

@@ -234,12 +234,12 @@ absl::Status StagingRing::unstage(int layer, std::optional<RoleSet> write_back) 
   for (; handled < slot.occupants.size(); ++handled) {
     Entry* e = slot.occupants[handled];
     // A kept tensor's home is a fresh block, which only the write-back fills (See Note [Undo log]
-    // in undo.cpp).
+    // in undo_log.cpp).
     if (copy_home.contains(e->spec.role) || e->undo_fresh != nullptr) {
       if (e->in_flight) engine_.finish(*e, /*early=*/true);  // still arriving: chain on the GPU
       if (e->undo_fresh != nullptr) {
         // Into the fresh block, which is home from now on; the old one is the log's
-        // (See Note [Undo log] in undo.cpp).
+        // (See Note [Undo log] in undo_log.cpp).
         status = engine_.migrate(*e, e->rest.tier, e->undo_fresh, -1);
         if (!status.ok()) break;
         e->rest = {};

@@ -152,7 +152,7 @@ struct RunResult {
   std::int64_t setup_gpu_bytes = 0;  // strata's GPU memory at its peak during setup
   std::int64_t state_bytes = 0;      // Adam moments registered
   // The pinned tier's reserved bytes at their peak over the steps, and the undo log's peak
-  // (See Note [Undo log] in runtime/undo.cpp: what an overlapped step keeps for a redo).
+  // (See Note [Undo log] in runtime/undo_log.cpp: what an overlapped step keeps for a redo).
   std::int64_t pinned_reserved_peak_bytes = 0;
   std::int64_t undo_peak_bytes = 0;
 };

@@ -93,7 +93,7 @@ struct Outcomes {
   int speculation = 0;
   int redone = 0;
   int sequential = 0;
-  std::int64_t undo_peak_bytes = 0;    // kept at most (See Note [Undo log] in runtime/undo.cpp)
+  std::int64_t undo_peak_bytes = 0;    // kept at most (See Note [Undo log] in runtime/undo_log.cpp)
   std::int64_t undo_copied_bytes = 0;  // of which copied off the GPU
   std::int64_t h2d_bytes = 0;          // moved to the GPU over the run
   std::int64_t d2h_bytes = 0;          // moved off it

@@ -1,5 +1,5 @@
 // The overlapped step (See Note [Overlapped step] in optim/adam.h, See Note [Undo log] in
-// runtime/undo.cpp and See Note [Overlapped backward] in policies/layer_prefetch.cpp): a small
+// runtime/undo_log.cpp and See Note [Overlapped backward] in policies/layer_prefetch.cpp): a small
 // model trained through every hook, with Adam stepping each layer during backward (step_layer) and
 // finish_step validating, ends bitwise where the sequential step (Adam::step after backward) ends,
 // under every policy and parameter dtype, over steps where clipping triggers and steps where it

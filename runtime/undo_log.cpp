@@ -1,4 +1,5 @@
-// runtime/undo.cpp: the undo log: keep_for_undo, commit_undo, rollback_undo.
+// runtime/undo_log.cpp: the undo log (internal::UndoLog) behind Runtime::keep_for_undo,
+// commit_undo and rollback_undo.
 //
 // Note [Undo log]
 // ~~~~~~~~~~~~~~~
@@ -32,34 +33,35 @@
 #include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
+#include "runtime/undo_log.h"
+
+#include "runtime/migration.h"
 #include "runtime/runtime_impl.h"
 
-namespace strata::rt {
+namespace strata::rt::internal {
 
-using internal::Entry;
-using internal::Location;
+UndoLog::UndoLog(alloc::TieredAllocator& allocator, MigrationEngine& engine)
+    : allocator_(allocator), engine_(engine) {}
 
-absl::Status Runtime::Impl::check_no_undo(std::string_view what) const {
-  if (undo.empty()) return absl::OkStatus();
+absl::Status UndoLog::check_empty(std::string_view what) const {
+  if (records_.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(
-      str_cat(what, ": an optimizer step taken during backward keeps ", undo.size(),
-              " tensor(s) for its redo (first '", undo.front().entry->spec.name,
+      str_cat(what, ": an optimizer step taken during backward keeps ", records_.size(),
+              " tensor(s) for its redo (first '", records_.front().entry->spec.name,
               "'); validate it first (commit_undo or rollback_undo; Adam::finish_step does)"));
 }
 
 // The copy on the GPU, when asked for and the GPU tier has room; nullptr when it has none (the
 // caller copies to pinned memory instead; See Note [Undo log]).
-absl::StatusOr<void*> Runtime::Impl::keep_undo_on_gpu(const Entry& e, const void* data,
-                                                      StreamHandle stream,
-                                                      const std::string& owner) {
-  if (!policy->config().undo_on_gpu) return nullptr;
+absl::StatusOr<void*> UndoLog::keep_on_gpu(const Entry& e, const void* data, StreamHandle stream,
+                                           const std::string& owner) {
   absl::StatusOr<void*> copy =
-      allocator->allocate(Tier::kGpu, e.bytes, {.stream = nullptr, .owner = owner});
+      allocator_.allocate(Tier::kGpu, e.bytes, {.stream = nullptr, .owner = owner});
   if (copy.status().code() == absl::StatusCode::kResourceExhausted) return nullptr;
   STRATA_RETURN_IF_ERROR(copy.status());
   // `stream` holds the tensor (acquired on it), so the copy sees every earlier write and comes
   // before the kernel that overwrites the data.
-  Device& dev = engine.device();
+  Device& dev = engine_.device();
   absl::Status s = dev.copy_async(*copy, data, e.bytes, stream);
   // A copy that fails on the device reports it at the next call: one more before the bytes count
   // as kept, so that a redo never restores a copy that did not happen.
@@ -70,16 +72,13 @@ absl::StatusOr<void*> Runtime::Impl::keep_undo_on_gpu(const Entry& e, const void
   }
   if (!s.ok()) {
     // The copy may have been queued: the block goes back behind it.
-    engine.free_after(Tier::kGpu, *copy, {stream});
+    engine_.free_after(Tier::kGpu, *copy, {stream});
     return s;
   }
   return *copy;
 }
 
-absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream, bool over_link) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& im = *impl_;
-  STRATA_ASSIGN_OR_RETURN(Entry * e, im.registry.get(tensor));
+absl::Status UndoLog::keep(Entry* e, StreamHandle stream, bool over_link, bool undo_on_gpu) {
   if (e->undo_kept || e->bytes == 0) return absl::OkStatus();
   const Location& now = e->in_flight ? e->dst : e->loc;
   if (e->holds == 0 || now.tier != Tier::kGpu) {
@@ -87,12 +86,12 @@ absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream, bo
         str_cat("keep_for_undo '", e->spec.name, "': acquire it on the GPU first (it is ",
                 e->holds == 0 ? "not held" : "held elsewhere", ")"));
   }
-  RuntimeStats& stats = im.engine.stats();
+  RuntimeStats& stats = engine_.stats();
   const std::string owner = str_cat("undo: ", e->spec.name);
   if (now.slot >= 0) {
     // Staged: the home block keeps the old bytes; the write-back goes into a fresh one.
     absl::StatusOr<void*> fresh =
-        im.allocator->allocate(e->rest.tier, e->bytes, {.stream = nullptr, .owner = owner});
+        allocator_.allocate(e->rest.tier, e->bytes, {.stream = nullptr, .owner = owner});
     if (!fresh.ok()) {
       return absl::Status(fresh.status().code(),
                           str_cat("keeping '", e->spec.name, "' for an overlapped step's redo (",
@@ -101,34 +100,35 @@ absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream, bo
     }
     // `rest` stays the old block until the write-back is queued: a fetch from it may still be
     // arriving, and its completion must not free it.
-    im.undo.push_back({e, e->rest.tier, e->rest.ptr, *fresh});
+    records_.push_back({e, e->rest.tier, e->rest.ptr, *fresh});
     e->undo_fresh = *fresh;
-  } else if (absl::StatusOr<void*> on_gpu = im.keep_undo_on_gpu(*e, now.ptr, stream, owner);
+  } else if (absl::StatusOr<void*> on_gpu =
+                 undo_on_gpu ? keep_on_gpu(*e, now.ptr, stream, owner) : nullptr;
              !on_gpu.ok() || *on_gpu != nullptr) {
     if (!on_gpu.ok()) return on_gpu.status();
-    im.undo.push_back({e, Tier::kGpu, *on_gpu, nullptr, stream});
+    records_.push_back({e, Tier::kGpu, *on_gpu, nullptr, stream});
   } else if (!over_link) {
     return absl::ResourceExhaustedError(
         str_cat("keep_for_undo '", e->spec.name, "': no room to keep it on the GPU (",
-                im.policy->config().undo_on_gpu ? "the GPU budget is spent" : "undo_on_gpu is off",
+                undo_on_gpu ? "the GPU budget is spent" : "undo_on_gpu is off",
                 ") and the caller would not have it cross the link"));
   } else {
     // Resting on the GPU: a copy to pinned host memory, which `stream` waits for.
     absl::StatusOr<void*> copy =
-        im.allocator->allocate(Tier::kPinnedHost, e->bytes, {.stream = nullptr, .owner = owner});
+        allocator_.allocate(Tier::kPinnedHost, e->bytes, {.stream = nullptr, .owner = owner});
     if (!copy.ok()) {
       return absl::Status(
           copy.status().code(),
           str_cat("keeping '", e->spec.name, "' for an overlapped step's redo (",
                   format_bytes(e->bytes), " of pinned host memory): ", copy.status().message()));
     }
-    Device& dev = im.engine.device();
-    const StreamHandle d2h = im.engine.d2h();
+    Device& dev = engine_.device();
+    const StreamHandle d2h = engine_.d2h();
     auto fail = [&](const absl::Status& s, bool queued) {
       if (queued) {
-        im.engine.free_after(Tier::kPinnedHost, *copy, {d2h});
+        engine_.free_after(Tier::kPinnedHost, *copy, {d2h});
       } else {
-        (void)im.allocator->deallocate(Tier::kPinnedHost, *copy);
+        (void)allocator_.deallocate(Tier::kPinnedHost, *copy);
       }
       return s;
     };
@@ -150,7 +150,7 @@ absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream, bo
     s = dev.stream_wait(stream, *copied);
     dev.release(*copied);
     if (!s.ok()) return fail(s, true);
-    im.undo.push_back({e, Tier::kPinnedHost, *copy});
+    records_.push_back({e, Tier::kPinnedHost, *copy});
     stats.undo_copied_bytes += static_cast<std::int64_t>(e->bytes);
   }
   e->undo_kept = true;
@@ -159,78 +159,97 @@ absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream, bo
   return absl::OkStatus();
 }
 
-absl::Status Runtime::commit_undo() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& im = *impl_;
-  for (const Impl::UndoRecord& r : im.undo) {
+void UndoLog::commit() {
+  for (const Record& r : records_) {
     if (r.entry->undo_fresh != nullptr) {
       // Still staged, its write-back not queued yet: it goes home to the old block after all.
-      (void)im.allocator->deallocate(r.tier, r.fresh);
+      (void)allocator_.deallocate(r.tier, r.fresh);
     } else if (r.tier == Tier::kGpu) {
-      im.engine.free_after(r.tier, r.kept, {r.stream});
+      engine_.free_after(r.tier, r.kept, {r.stream});
     } else {
       // A fetch queued before the step may still read an old home block.
-      im.engine.free_after(r.tier, r.kept, {im.engine.h2d(), im.engine.d2h()});
+      engine_.free_after(r.tier, r.kept, {engine_.h2d(), engine_.d2h()});
     }
     r.entry->undo_kept = false;
     r.entry->undo_fresh = nullptr;
   }
-  im.undo.clear();
-  im.engine.stats().undo_bytes = 0;
-  return absl::OkStatus();
+  records_.clear();
+  engine_.stats().undo_bytes = 0;
 }
 
-absl::Status Runtime::rollback_undo() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl& im = *impl_;
-  for (const Impl::UndoRecord& r : im.undo) {
+absl::Status UndoLog::rollback() {
+  for (const Record& r : records_) {
     const Entry& e = *r.entry;
     if (e.holds > 0) {
       return absl::FailedPreconditionError(
           str_cat("rollback_undo: tensor '", e.spec.name, "' is held; release it first"));
     }
   }
-  Device& dev = im.engine.device();
-  STRATA_RETURN_IF_ERROR(im.engine.wait_all());
-  for (StreamHandle s : {im.engine.compute(), im.engine.h2d(), im.engine.d2h()}) {
+  Device& dev = engine_.device();
+  STRATA_RETURN_IF_ERROR(engine_.wait_all());
+  for (StreamHandle s : {engine_.compute(), engine_.h2d(), engine_.d2h()}) {
     STRATA_RETURN_IF_ERROR(dev.stream_synchronize(s));
   }
   // The optimizer may have stepped on other streams than the compute stream (a hook on FSDP2's
   // reduce-scatter stream), where the copies kept on the GPU were made too.
-  for (const Impl::UndoRecord& r : im.undo) {
+  for (const Record& r : records_) {
     if (r.tier == Tier::kGpu) STRATA_RETURN_IF_ERROR(dev.stream_synchronize(r.stream));
   }
   // Each record leaves the log once its bytes are back, so a failure part way can be retried.
-  while (!im.undo.empty()) {
-    const Impl::UndoRecord r = im.undo.back();
+  while (!records_.empty()) {
+    const Record r = records_.back();
     Entry& e = *r.entry;
-    STRATA_RETURN_IF_ERROR(im.engine.wait_ready_on_host(e));
+    STRATA_RETURN_IF_ERROR(engine_.wait_ready_on_host(e));
     const bool staged = e.loc.slot >= 0;
     if (e.undo_fresh != nullptr) {
       // Still staged, its write-back never queued (the step failed first): the home block is the
       // kept one and holds the old bytes; the staged copy may have been stepped.
-      STRATA_RETURN_IF_ERROR(im.engine.host_copy(e.loc.ptr, r.kept, e.bytes));
-      (void)im.allocator->deallocate(r.tier, r.fresh);
+      STRATA_RETURN_IF_ERROR(engine_.host_copy(e.loc.ptr, r.kept, e.bytes));
+      (void)allocator_.deallocate(r.tier, r.fresh);
     } else if (r.fresh != nullptr && e.loc.ptr == r.fresh && !staged) {
       // Its home is still the block the write-back filled: the kept block is home again.
-      (void)im.allocator->deallocate(r.tier, r.fresh);
+      (void)allocator_.deallocate(r.tier, r.fresh);
       e.loc = {r.tier, r.kept, -1};
-      im.engine.notify(e, e.loc.tier, e.loc.ptr);
+      engine_.notify(e, e.loc.tier, e.loc.ptr);
     } else {
       // Wherever it is now, and in its home block too while staged (a discard returns there).
-      STRATA_RETURN_IF_ERROR(im.engine.host_copy(e.loc.ptr, r.kept, e.bytes));
+      STRATA_RETURN_IF_ERROR(engine_.host_copy(e.loc.ptr, r.kept, e.bytes));
       if (staged && e.rest.ptr != nullptr) {
-        STRATA_RETURN_IF_ERROR(im.engine.host_copy(e.rest.ptr, r.kept, e.bytes));
+        STRATA_RETURN_IF_ERROR(engine_.host_copy(e.rest.ptr, r.kept, e.bytes));
       }
       // A fresh block that stopped being its home was freed by the move that took it away.
-      (void)im.allocator->deallocate(r.tier, r.kept);
+      (void)allocator_.deallocate(r.tier, r.kept);
     }
     e.undo_kept = false;
     e.undo_fresh = nullptr;
     ++e.version;
-    im.engine.stats().undo_bytes -= static_cast<std::int64_t>(e.bytes);
-    im.undo.pop_back();
+    engine_.stats().undo_bytes -= static_cast<std::int64_t>(e.bytes);
+    records_.pop_back();
   }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::rt::internal
+
+namespace strata::rt {
+
+absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream, bool over_link) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  STRATA_ASSIGN_OR_RETURN(internal::Entry * e, im.registry.get(tensor));
+  return im.undo.keep(e, stream, over_link, im.policy->config().undo_on_gpu);
+}
+
+absl::Status Runtime::commit_undo() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->undo.commit();
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::rollback_undo() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  STRATA_RETURN_IF_ERROR(im.undo.rollback());
   PolicyContext ctx(*this);
   return im.policy->on_undo_rolled_back(ctx);
 }
