@@ -56,10 +56,10 @@ struct Entry {
   Location rest;
   void* reported = nullptr;  // the address on_moved last reported
   bool offloaded = false;    // moved to the host by offload_all, back at reload_all
-  // The tensor's bytes from before the overlapped step are kept (See Note [Undo log] in undo_log.cpp).
-  // A staged one's write-back goes into undo_fresh, a block of its home tier, which becomes its
-  // home, and the old home block (`rest` until then) is the log's; so the staged data must be
-  // written back, never discarded.
+  // The tensor's bytes from before the overlapped step are kept (See Note [Undo log] in
+  // undo_log.cpp). A staged one's write-back goes into undo_fresh, a block of its home tier, which
+  // becomes its home, and the old home block (`rest` until then) is the log's; so the staged data
+  // must be written back, never discarded.
   bool undo_kept = false;
   void* undo_fresh = nullptr;
 };

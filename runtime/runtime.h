@@ -253,15 +253,15 @@ class Runtime {
   // Whether the runtime is between offload_all and reload_all.
   bool offloaded() const;
 
-  // --- undo log (See Note [Undo log] in undo_log.cpp): what an optimizer step taken during backward,
-  // before it is known to be valid, keeps so that it can be redone exactly --- Keeps the tensor's
-  // bytes as they are before the work queued on `stream` after this call writes it. The tensor must
-  // be held on the GPU (acquire). A staged tensor costs no copy: its write-back goes to a fresh
-  // block of its home tier and the old home block is kept; a tensor resting on the GPU is copied to
-  // pinned host memory on the D2H stream, and `stream` waits for that copy. A tensor kept already
-  // is left as it is. kResourceExhausted when the host has no room for it, or when `over_link` is
-  // false and a tensor resting on the GPU cannot be kept on the GPU (nothing kept, nothing
-  // changed); kFailedPrecondition when it is not held on the GPU.
+  // --- undo log (See Note [Undo log] in undo_log.cpp): what an optimizer step taken during
+  // backward, before it is known to be valid, keeps so that it can be redone exactly --- Keeps the
+  // tensor's bytes as they are before the work queued on `stream` after this call writes it. The
+  // tensor must be held on the GPU (acquire). A staged tensor costs no copy: its write-back goes to
+  // a fresh block of its home tier and the old home block is kept; a tensor resting on the GPU is
+  // copied to pinned host memory on the D2H stream, and `stream` waits for that copy. A tensor kept
+  // already is left as it is. kResourceExhausted when the host has no room for it, or when
+  // `over_link` is false and a tensor resting on the GPU cannot be kept on the GPU (nothing kept,
+  // nothing changed); kFailedPrecondition when it is not held on the GPU.
   [[nodiscard]] absl::Status keep_for_undo(TensorHandle tensor, StreamHandle stream,
                                            bool over_link = true);
   // The step stands: the kept bytes are dropped, freed behind the copy streams (no host wait).

@@ -266,9 +266,12 @@ class Adam(torch.optim.Optimizer):
         self._adam = _strata.Adam(runtime._rt, groups, 0)
         runtime._before_layer_done = self._prepare_layer
         if self._owns_runtime:
-            self._log_choice(
-                plan, how, policy, gpu_budget if self._auto_budget else budget, depth_from
+            budget_text = (
+                "auto"
+                if self._auto_budget
+                else ("none" if budget is None else f"{budget / 2**30:.2f} GiB")
             )
+            self._log_choice(plan, how, policy, budget_text, depth_from)
         self._versions: dict = {}  # See Note [Gradients changed after their layer stepped]
         self._accumulating = False
         self._spec_scale: Optional[torch.Tensor] = None
@@ -476,8 +479,8 @@ class Adam(torch.optim.Optimizer):
             return
         if self._coef_host is None or self._coef_host.dtype != coef.dtype:
             self._coef_host = torch.empty((), dtype=coef.dtype, pin_memory=True)
+            self._coef_ready = torch.cuda.Event()  # made once, recorded again at each step
         self._coef_host.copy_(coef.reshape(()), non_blocking=True)
-        self._coef_ready = torch.cuda.Event()
         self._coef_ready.record()
 
     # Whether the last step's clipping fired: None while its coefficient is not on the host yet.
@@ -651,7 +654,7 @@ class Adam(torch.optim.Optimizer):
         )
         return max(1, min(3, (budget - resident) // max(slot, 1) - 1))
 
-    def _log_choice(self, plan: list, how: str, policy, budget, depth_from: str) -> None:
+    def _log_choice(self, plan: list, how: str, policy, budget: str, depth_from: str) -> None:
         sizes = [self._layer_state_bytes(layer) for layer in plan]
         total = max(sum(sizes), 1)
         largest = max(sizes) if sizes else 0
@@ -676,11 +679,7 @@ class Adam(torch.optim.Optimizer):
             total / 2**20,
             rt.prefetch_depth,
             depth_from,
-            "none"
-            if budget is None
-            else budget
-            if isinstance(budget, str)
-            else f"{budget / 2**30:.2f} GiB",
+            budget,
             rt.overlap,
         )
         if len(plan) and largest > total / 4 and total > (64 << 20):

@@ -1,8 +1,8 @@
-// The undo log on its own (See Note [Undo log] in runtime/undo_log.cpp): keep_for_undo, commit_undo and
-// rollback_undo through the runtime's API, with no optimizer. A tensor resting on the GPU is kept
-// by a copy (to pinned host memory, or on the GPU with undo_on_gpu), a staged one by keeping its
-// old home block; a rollback puts back exactly the bytes kept, a commit keeps what was written, and
-// either leaves nothing allocated behind. Refusals change nothing.
+// The undo log on its own (See Note [Undo log] in runtime/undo_log.cpp): keep_for_undo, commit_undo
+// and rollback_undo through the runtime's API, with no optimizer. A tensor resting on the GPU is
+// kept by a copy (to pinned host memory, or on the GPU with undo_on_gpu), a staged one by keeping
+// its old home block; a rollback puts back exactly the bytes kept, a commit keeps what was written,
+// and either leaves nothing allocated behind. Refusals change nothing.
 #include <cstring>
 #include <memory>
 #include <vector>
