@@ -267,10 +267,11 @@ absl::StatusOr<std::vector<rt::TensorHandle>> register_filled(rt::Runtime& runti
   for (int i = 0; i < count; ++i) {
     const rt::TensorSpec spec{.name = str_cat(prefix, i),
                               .layer = i / 2,
-                              .role = i % 2 == 0 ? rt::Role::kExpAvg : rt::Role::kExpAvgSq,
+                              .role = rt::Role::kOptimizerState,
                               .dtype = rt::DType::kFloat32,
                               .shape = {static_cast<std::int64_t>(bytes / sizeof(float))},
-                              .home = home};
+                              .home = home,
+                              .state = i % 2 == 0 ? "exp_avg" : "exp_avg_sq"};
     // Registered as zeros, then written once: timing copies of zeros is not allowed here.
     STRATA_ASSIGN_OR_RETURN(rt::TensorHandle h, runtime.register_tensor(spec, nullptr));
     handles.push_back(h);

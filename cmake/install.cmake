@@ -29,9 +29,10 @@ set(strata_public_headers
     base/status.h base/strings.h base/thread_pool.h base/units.h
     allocator/block_pool.h allocator/budget.h allocator/stats.h allocator/stream_ops.h
     allocator/tier.h allocator/tiered_allocator.h allocator/upstream.h
-    runtime/device.h runtime/policy.h runtime/runtime.h runtime/tensor.h
-    policies/builtin.h
-    optim/adam.h optim/adam_kernels.h optim/adam_math.h)
+    runtime/device.h runtime/policy.h runtime/runtime.h runtime/step_costs.h runtime/tensor.h
+    policies/builtin.h policies/step_cost_model.h
+    optim/adam.h optim/adam_kernels.h optim/adam_math.h optim/state_decl.h
+    optim/step_rates.h)
 if(STRATA_WITH_TORCH)
   list(APPEND strata_public_headers bridge/grad_stats.h bridge/model_hooks.h bridge/scalar_reader.h
        bridge/status.h bridge/torch_runtime.h)

@@ -63,6 +63,19 @@ absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_
 
 }  // namespace
 
+std::vector<StateDecl> adam_states(const AdamHyper& hyper, rt::DType param_dtype,
+                                   rt::StepPlace place) {
+  std::vector<StateDecl> out = {{.name = "exp_avg", .suffix = "exp_avg"},
+                                {.name = "exp_avg_sq", .suffix = "exp_avg_sq"}};
+  if (hyper.amsgrad) out.push_back({.name = "max_exp_avg_sq", .suffix = "max_exp_avg_sq"});
+  if (param_dtype != rt::DType::kFloat32 || place == rt::StepPlace::kHost) {
+    // See Note [Mixed precision] in adam_math.h and Note [Host-stepped layers] in
+    // adam_host_step.cpp.
+    out.push_back({.name = "master_param", .suffix = "master", .from_parameter = true});
+  }
+  return out;
+}
+
 // Hyperparameters torch.optim.AdamW would accept; NaN fails every comparison, so it is refused too.
 absl::Status Adam::check_hyper(const AdamHyper& h, std::size_t group) {
   auto bad = [&](std::string_view what, double value, std::string_view want) {
@@ -83,6 +96,16 @@ Adam::Adam(rt::Runtime& runtime, AdamOptions options)
     : runtime_(runtime), options_(std::move(options)) {}
 
 Adam::~Adam() {
+  if (host_d2h_ != nullptr) {
+    // Host steps' copies may still be running.
+    (void)runtime_.device().stream_synchronize(host_d2h_);
+    (void)runtime_.device().stream_synchronize(host_h2d_);
+    runtime_.device().destroy_stream(host_d2h_);
+    runtime_.device().destroy_stream(host_h2d_);
+  }
+  if (host_buffer_ != nullptr) {
+    (void)runtime_.allocator().deallocate(rt::Tier::kPinnedHost, host_buffer_);
+  }
   if (skipped_ != nullptr) {
     if (skips_possible_) {
       (void)runtime_.device().stream_synchronize(runtime_.compute_stream());
@@ -152,12 +175,16 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
         return absl::InvalidArgumentError(
             str_cat("Adam: parameter '", p.spec.name, "' is listed twice"));
       }
-      // Moments (and a low-precision parameter's master copy) are float32.
       const std::size_t numel = p.bytes / rt::dtype_size(p.spec.dtype);
-      const std::size_t states =
-          (adam->groups_[g].hyper.amsgrad ? 3 : 2) + (p.spec.dtype == rt::DType::kFloat32 ? 0 : 1);
-      adam->step_bytes_[p.spec.layer] += p.bytes + d.bytes + states * numel * sizeof(float);
+      const std::size_t states = state_bytes(adam_states(adam->groups_[g].hyper, p.spec.dtype));
+      adam->step_bytes_[p.spec.layer] += p.bytes + d.bytes + states * numel;
     }
+  }
+  // The policy places each layer's step before any state is registered (See Note [Step placement]
+  // in runtime/policy.h); a layer stepped on the host needs only what rests on the GPU already.
+  if (runtime.places_steps()) {
+    STRATA_RETURN_IF_ERROR(adam->place_steps());
+    for (int layer : adam->host_layers_) adam->step_bytes_.erase(layer);
   }
   STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime, adam->step_bytes_));
   // All or nothing: a registration that fails (a name taken, no room) returns with `adam`, whose
@@ -178,33 +205,34 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       slot.grad_type = *elem_type(d.spec.dtype);
       slot.param_name = p.spec.name;
       slot.grad_name = d.spec.name;
-      auto add_state = [&](std::string_view suffix, rt::Role role,
-                           const void* values) -> absl::StatusOr<rt::TensorHandle> {
+      // See Note [Declared states] in state_decl.h.
+      const rt::StepPlace place =
+          adam->steps_on_host(slot.layer) ? rt::StepPlace::kHost : rt::StepPlace::kGpu;
+      for (const StateDecl& decl : adam_states(adam->groups_[g].hyper, p.spec.dtype, place)) {
+        std::vector<float> initial;
+        if (decl.from_parameter) {
+          // The master copy starts as the parameter's values, exactly (every bfloat16 and float16
+          // value is a float32 value).
+          initial.resize(static_cast<std::size_t>(slot.numel));
+          if (slot.param_type == ElemType::kF32) {
+            STRATA_RETURN_IF_ERROR(runtime.read(param, initial.data()));
+          } else {
+            std::vector<std::uint16_t> low(initial.size());
+            STRATA_RETURN_IF_ERROR(runtime.read(param, low.data()));
+            for (std::size_t i = 0; i < low.size(); ++i)
+              initial[i] = load_elem(low.data(), slot.param_type, static_cast<std::int64_t>(i));
+          }
+        }
         rt::TensorSpec spec = p.spec;
-        spec.name = str_cat(p.spec.name, ".", suffix);
-        spec.role = role;
-        spec.dtype = rt::DType::kFloat32;
-        absl::StatusOr<rt::TensorHandle> h = runtime.register_tensor(spec, values);
-        if (h.ok()) adam->owned_.push_back(*h);
-        return h;
-      };
-      STRATA_ASSIGN_OR_RETURN(slot.exp_avg, add_state("exp_avg", rt::Role::kExpAvg, nullptr));
-      STRATA_ASSIGN_OR_RETURN(slot.exp_avg_sq,
-                              add_state("exp_avg_sq", rt::Role::kExpAvgSq, nullptr));
-      if (adam->groups_[g].hyper.amsgrad) {
-        STRATA_ASSIGN_OR_RETURN(slot.max_exp_avg_sq,
-                                add_state("max_exp_avg_sq", rt::Role::kOther, nullptr));
-      }
-      if (slot.param_type != ElemType::kF32) {
-        // The master copy starts as the parameter's values, exactly (every bfloat16 and float16
-        // value is a float32 value).
-        std::vector<std::uint16_t> low(static_cast<std::size_t>(slot.numel));
-        STRATA_RETURN_IF_ERROR(runtime.read(param, low.data()));
-        std::vector<float> master(low.size());
-        for (std::size_t i = 0; i < low.size(); ++i)
-          master[i] = load_elem(low.data(), slot.param_type, static_cast<std::int64_t>(i));
-        STRATA_ASSIGN_OR_RETURN(slot.master,
-                                add_state("master", rt::Role::kMasterParam, master.data()));
+        spec.name = str_cat(p.spec.name, ".", decl.suffix);
+        spec.role = rt::Role::kOptimizerState;
+        spec.state = decl.name;
+        spec.dtype = decl.dtype;
+        STRATA_ASSIGN_OR_RETURN(
+            rt::TensorHandle h,
+            runtime.register_tensor(spec, decl.from_parameter ? initial.data() : nullptr));
+        adam->owned_.push_back(h);
+        *slot.state_named(decl.name) = h;
       }
       for (rt::TensorHandle h : slot.states()) {
         if (h.valid()) adam->slot_of_state_[h.id] = adam->slots_.size();
@@ -223,6 +251,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   adam->skipped_ = static_cast<std::int64_t*>(skipped);
   adam->read_back_ = reinterpret_cast<float*>(adam->skipped_ + counters);
   STRATA_RETURN_IF_ERROR(adam->reset_skipped());
+  STRATA_RETURN_IF_ERROR(adam->make_host_buffers());
   // The policy lays out the states under the GPU budget now, so a budget too small is an error
   // here, at setup, rather than at the first step; `adam` takes its states back if it fails.
   STRATA_RETURN_IF_ERROR(runtime.prepare());
@@ -436,10 +465,25 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
                                std::vector<rt::TensorHandle>& held, int& failed_layer) {
   rt::Runtime& rt = runtime_;
   const rt::StreamHandle stream = rt.compute_stream();
+  // Layers stepped on the host: their gradients leave first, the GPU layers are queued, then the
+  // host steps them (See Note [Host-stepped layers] in adam_host_step.cpp).
+  std::vector<int> host;
+  for (int layer : host_layers_) {
+    if (by_layer_.count(layer) != 0 &&
+        std::find(overlapped_.begin(), overlapped_.end(), layer) == overlapped_.end()) {
+      host.push_back(layer);
+    }
+  }
+  struct EndHostSteps {
+    Adam* adam;
+    ~EndHostSteps() { adam->end_host_steps(); }
+  } end_host_steps_on_return{this};
+  if (!host.empty()) STRATA_RETURN_IF_ERROR(begin_host_steps(host, grad_scale, found_inf));
 
   for (int layer : rt.optimizer_layer_order()) {
     // Stepped during backward already (See Note [Overlapped step] in adam.h).
     if (std::find(overlapped_.begin(), overlapped_.end(), layer) != overlapped_.end()) continue;
+    if (steps_on_host(layer)) continue;
     auto it = by_layer_.find(layer);
     // Note [Per-parameter pipelining]
     // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -486,6 +530,10 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     held.clear();
     // Tell the policy the layer is done (write-back, next prefetch); its tensors are released.
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
+  }
+  if (!host.empty()) {
+    failed_layer = host.front();
+    STRATA_RETURN_IF_ERROR(finish_host_steps(host));
   }
   return absl::OkStatus();
 }

@@ -1,9 +1,10 @@
 // optim/adam.h: Adam / AdamW as a client of the runtime.
 //
-// Adam registers each parameter's moments with the runtime (roles exp_avg, exp_avg_sq, and
-// max_exp_avg_sq as role other with amsgrad), and for a bfloat16 or float16 parameter its float32
-// master copy (role master_param, initialized from the parameter), so the policy decides where they
-// live (See Note [Mixed precision] in adam_math.h). step() walks
+// Adam registers the states it declares for each parameter (adam_states: exp_avg and exp_avg_sq,
+// max_exp_avg_sq with amsgrad, and for a bfloat16 or float16 parameter its float32 master copy
+// master_param, initialized from the parameter) with the runtime as optimizer states (See Note
+// [Declared states] in state_decl.h), so the policy decides where they live (See Note [Mixed
+// precision] in adam_math.h). step() walks
 // the layers in the policy's order, acquires each layer's tensors on the GPU for the compute
 // stream, queues the fused kernel there (the CPU kernel, as a host function, on the simulated
 // device) and releases them, which lets the policy write the layer back and prefetch the next one.
@@ -53,6 +54,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -60,11 +62,19 @@
 #include "absl/status/statusor.h"
 #include "base/thread_pool.h"
 #include "optim/adam_math.h"
+#include "optim/state_decl.h"
 #include "runtime/runtime.h"
 
 namespace strata::optim {
 
 struct AdamTensor;  // optim/adam_kernels.h
+
+// The states Adam keeps for a parameter of `param_dtype` under `hyper`, in checkpoint order:
+// float32 exp_avg and exp_avg_sq, max_exp_avg_sq with amsgrad, and master_param (from the
+// parameter) for a bfloat16 or float16 parameter, and for a float32 one stepped on the host (See
+// Note [Host-stepped layers] in adam_host_step.cpp).
+std::vector<StateDecl> adam_states(const AdamHyper& hyper, rt::DType param_dtype,
+                                   rt::StepPlace place = rt::StepPlace::kGpu);
 
 struct ParamGroup {
   // (parameter, its gradient), both registered with the runtime: float32, bfloat16 or float16
@@ -85,9 +95,10 @@ struct AdamOptions {
   // (bench/results/2026-11-25-H100-users-script traces what that costs). The kernel then reads the
   // gradient where autograd put it. Off: every parameter needs a registered gradient.
   bool gradients_given = false;
-  // Host threads of the CPU kernel (simulated device), started once, at the first host step
-  // (See Note [Persistent host threads] in base/thread_pool.h).
-  int cpu_threads = 8;
+  // Host threads of the CPU kernel (the simulated device's, and a host-stepped layer's: See Note
+  // [Host-stepped layers] in adam_host_step.cpp), started once (See Note [Persistent host threads]
+  // in base/thread_pool.h); 0: as many as the machine has.
+  int cpu_threads = 0;
 };
 
 class Adam {
@@ -144,6 +155,10 @@ class Adam {
   // step counters too (for a backward that turned out not to be the step's last, or failed part
   // way). Nothing to do without one. A failure leaves it open; call again.
   [[nodiscard]] absl::Status cancel_step();
+  // See Note [Step placement] in runtime/policy.h: the line the policy gave when it placed the
+  // steps (empty for a policy that does not), and the layers stepped on the host, ascending.
+  const std::string& placement() const { return placement_; }
+  const std::vector<int>& host_layers() const { return host_layers_; }
   // Whether step_layer began a step that finish_step has not completed.
   bool overlapped_step_open() const { return overlap_open_; }
   // Layers stepped during backward in the open (or last) overlapped step, in order.
@@ -230,6 +245,13 @@ class Adam {
     std::array<rt::TensorHandle, 4> states() const {
       return {exp_avg, exp_avg_sq, max_exp_avg_sq, master};
     }
+    // The handle of the state declared as `name` (adam_states).
+    rt::TensorHandle* state_named(std::string_view name) {
+      if (name == "exp_avg") return &exp_avg;
+      if (name == "exp_avg_sq") return &exp_avg_sq;
+      if (name == "max_exp_avg_sq") return &max_exp_avg_sq;
+      return &master;
+    }
     // Every tensor the kernel takes, valid or not, in AdamTensor's order.
     std::array<rt::TensorHandle, 6> kernel_tensors() const {
       return {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master};
@@ -278,8 +300,44 @@ class Adam {
   // The slots of a layer in the order its staged states arrive; empty when it is not staged.
   const std::vector<std::size_t>& arrival_order(int layer);
 
+  // See Note [Host-stepped layers] in adam_host_step.cpp.
+  bool steps_on_host(int layer) const {
+    return std::binary_search(host_layers_.begin(), host_layers_.end(), layer);
+  }
+  // create(): hands the policy each layer's costs and the measured rates, and keeps where it put
+  // each layer's step.
+  absl::Status place_steps();
+  // create(): the pinned buffers host steps copy gradients into and low-precision parameters out
+  // of.
+  absl::Status make_host_buffers();
+  ThreadPool& pool();
+  // step_layers() around the GPU layers: queues the host layers' gradient copies (and what the host
+  // kernel reads from the device) before, and steps them on the host and queues their parameters
+  // back after.
+  absl::Status begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
+                                const float* found_inf);
+  absl::Status finish_host_steps(const std::vector<int>& layers);
+  // Releases what the host steps hold and the events they recorded (also after a failure).
+  void end_host_steps();
+
   rt::Runtime& runtime_;
   AdamOptions options_;
+  std::string placement_;
+  std::vector<int> host_layers_;
+  struct HostSlot {
+    void* grad = nullptr;   // pinned: the gradient, copied from the GPU
+    void* param = nullptr;  // pinned: a low-precision parameter, copied to the GPU; else null
+    int request = 0;        // its bias corrections' index in host_bias_
+  };
+  std::vector<HostSlot> host_slots_;  // per slot; empty without host layers
+  void* host_buffer_ = nullptr;       // the pinned memory host_slots_ point into
+  rt::StreamHandle host_d2h_ = nullptr, host_h2d_ = nullptr;
+  // This step's: per host layer, the event its gradients arrived by; what host steps hold.
+  std::vector<rt::EventHandle> host_arrived_;
+  std::vector<rt::TensorHandle> host_held_;
+  // Pinned: the step's grad_scale and found_inf as the host kernel reads them, then 2 floats of
+  // bias corrections per request (See Note [Bias corrections from the device] in adam_kernels.h).
+  float* host_scalars_ = nullptr;
   // The host kernel's threads (simulated device), made at its first step.
   std::shared_ptr<ThreadPool> cpu_pool_;
   std::vector<ParamGroup>& groups_ = options_.groups;

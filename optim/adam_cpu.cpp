@@ -14,7 +14,13 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
     const std::int64_t lo = std::max<std::int64_t>(begin - base, 0);
     const std::int64_t hi = std::min<std::int64_t>(end - base, x.numel);
     AdamScalars own = s;
-    if (lo < hi) bias_corrections(own, settled_step(x));  // See Note [Skipped steps]
+    if (lo < hi && x.bias != nullptr) {
+      // See Note [Bias corrections from the device] in adam_kernels.h.
+      own.step_size = x.bias[0];
+      own.bias_correction2_sqrt = x.bias[1];
+    } else if (lo < hi) {
+      bias_corrections(own, settled_step(x));  // See Note [Skipped steps]
+    }
     for (std::int64_t i = lo; i < hi; ++i) adam_tensor_element(x, i, own, inv);
     base += x.numel;
   }

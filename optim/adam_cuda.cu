@@ -159,6 +159,34 @@ __global__ void read_floats_kernel(ThreeFloats in, float* dst) {
 
 }  // namespace
 
+namespace {
+
+struct BiasRequests {
+  BiasRequest r[kMaxBiasRequests];
+};
+
+__global__ void bias_kernel(BiasRequests in, int count, float* out) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i >= count) return;
+  // The same call adam_kernel makes for its tensors (See Note [Bias corrections from the device]).
+  AdamScalars s = in.r[i].scalars;
+  bias_corrections(s, in.r[i].step);
+  out[2 * i] = s.step_size;
+  out[2 * i + 1] = s.bias_correction2_sqrt;
+}
+
+}  // namespace
+
+cudaError_t adam_bias_corrections_cuda(const BiasRequest* requests, int count, float* out,
+                                       cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  if (count > kMaxBiasRequests) return cudaErrorInvalidValue;
+  BiasRequests in{};
+  for (int i = 0; i < count; ++i) in.r[i] = requests[i];
+  bias_kernel<<<1, kMaxBiasRequests, 0, stream>>>(in, count, out);
+  return cudaGetLastError();
+}
+
 cudaError_t adam_read_floats_cuda(const std::array<const float*, 3>& src, float* dst,
                                   cudaStream_t stream) {
   read_floats_kernel<<<1, 32, 0, stream>>>(ThreeFloats{{src[0], src[1], src[2]}}, dst);

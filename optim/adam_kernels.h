@@ -52,6 +52,9 @@ struct AdamTensor {
   // t = step - *skipped, read where it runs; the host's count is not the truth.
   std::int64_t step = 1;
   std::int64_t* skipped = nullptr;
+  // The host kernel only: {step_size, bias_correction2_sqrt} computed on the device for this
+  // tensor's step, used instead of the host's own (See Note [Bias corrections from the device]).
+  const float* bias = nullptr;
 };
 
 // The step t whose bias corrections a tensor's update takes (See Note [Skipped steps]).
@@ -78,12 +81,30 @@ void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScala
 // A step that found_inf skipped: adds 1 to each tensor's skipped count (See Note [Skipped steps]).
 void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count);
 
+// Note [Bias corrections from the device]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The CUDA kernel takes its bias corrections from the device's powf, as torch's fused kernel does,
+// so that its results are torch's bit for bit; the host's powf may round differently in the last
+// place. Every other operation of the update is IEEE arithmetic written out the same way on both
+// sides (explicit fused multiply-adds, and nothing the compiler may contract: See Note [No
+// contraction] in adam_math.h), so a layer stepped on the host is bitwise the same layer stepped on
+// the GPU once its bias corrections come from the device. adam_bias_corrections_cuda computes
+// them there, with the same function the kernel calls, for the host kernel to read.
+struct BiasRequest {
+  AdamScalars scalars;  // lr, beta1 and beta2 as adam_scalars rounds them
+  std::int64_t step;    // the settled step t
+};
+inline constexpr int kMaxBiasRequests = 64;
 #ifdef STRATA_HAS_CUDA
 // grad_scale and found_inf are device pointers or null: with found_inf != 0 nothing is updated (a
 // mixed-precision step that overflowed) and each tensor's skipped count goes up by 1
 // (See Note [Skipped steps]); gradients are divided by *grad_scale.
 cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
                            const float* grad_scale, const float* found_inf, cudaStream_t stream);
+// out[2i], out[2i + 1] = step_size and bias_correction2_sqrt of requests[i], by a kernel queued on
+// `stream`, for count <= kMaxBiasRequests; `out` is device-accessible memory (pinned host memory).
+cudaError_t adam_bias_corrections_cuda(const BiasRequest* requests, int count, float* out,
+                                       cudaStream_t stream);
 // dst[i] = *src[i] for each src[i] that is not null, by a kernel queued on `stream`: no copy engine
 // takes part, so the read does not queue behind write-backs on the link
 // (See Note [Reading the step's scalars] in adam_overlap.cpp). `dst` is device-accessible memory

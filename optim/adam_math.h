@@ -13,8 +13,17 @@
 //   bc1 = 1 - powf(beta1, t), step_size = lr / bc1, bc2_sqrt = sqrtf(1 - powf(beta2, t))
 //   p -= step_size * m / (sqrtf(v) / bc2_sqrt + eps)
 // So the CUDA kernel's master weights are bitwise torch's (its bias corrections use the device's
-// powf, as torch's do); the CPU kernel's differ only where the host's powf rounds a bias
-// correction differently (within one float32 rounding of a step).
+// powf, as torch's do); the CPU kernel's are bitwise the CUDA kernel's when it is given the
+// device's bias corrections (See Note [Bias corrections from the device] in adam_kernels.h), and
+// differ otherwise only where the host's powf rounds one differently.
+//
+// Note [No contraction]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A compiler may fuse a multiply and an add into one fused multiply-add, which rounds once instead
+// of twice; nvcc does by default and GCC does where the target has FMA. Then the same source gives
+// different bits on the host and the GPU. Every fused multiply-add of the update is written out
+// (fmaf), and the files that compile it forbid the compiler its own: nvcc -fmad=false for the
+// CUDA kernel, -ffp-contract=off for the host kernel (optim/CMakeLists.txt).
 //
 // Example:
 //   AdamScalars s = adam_scalars({.lr = 1e-3, .weight_decay = 0.01, .decoupled = true}, step);

@@ -50,7 +50,9 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   }
   // Acquiring a tensor that rests on the host would move it into the GPU's main pool for good:
   // such a layer is stepped after backward, where the policy streams it.
-  if (!layer_on_gpu(layer)) return absl::OkStatus();
+  // Left for finish_step: stepped on the host (See Note [Host-stepped layers] in
+  // adam_host_step.cpp), or not on the GPU now.
+  if (steps_on_host(layer) || !layer_on_gpu(layer)) return absl::OkStatus();
   STRATA_RETURN_IF_ERROR(check_gradients_given(it->second));
   // See Note [Resting layers], below. Without undo_on_gpu such a layer's undo could only cross the
   // link, so it waits for finish_step without being acquired.

@@ -12,6 +12,11 @@
 //                   staging ring while layer i computes, and layer i is written back after;
 //                   with parameters among the roles, forward and backward stream the same way;
 //                   with a GPU budget, whole layers that fit beside the ring stay on the GPU.
+//   hybrid          layer_prefetch with some layers' optimizer steps on the host: their gradients
+//                   go to pinned memory, the optimizer's host kernel steps their states there, and
+//                   their parameters come back; the split comes from a cost model over rates
+//                   measured on the machine, or from hybrid_fraction (See Note [Hybrid placement]
+//                   in layer_prefetch.cpp).
 //
 // Example:
 //   RuntimeOptions options;
@@ -27,12 +32,13 @@
 
 namespace strata::policy {
 
-// The registry with keep_on_gpu, bulk and layer_prefetch.
+// The registry with keep_on_gpu, bulk, layer_prefetch and hybrid.
 const rt::PolicyRegistry& builtin_policies();
 
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_keep_on_gpu(const rt::PolicyConfig& c);
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_bulk(const rt::PolicyConfig& c);
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(const rt::PolicyConfig& c);
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_hybrid(const rt::PolicyConfig& c);
 // layer_prefetch that streams every layer, whatever the budget leaves (no resident layers;
 // See Note [Resident layers] in layer_prefetch.cpp): bulk's streaming step, after which bulk moves
 // everything to the host anyway.

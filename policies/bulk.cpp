@@ -123,16 +123,14 @@ class Bulk final : public rt::ResidencyPolicy {
     return config().offload_after_step && config().roles.contains(role);
   }
   static bool is_state(rt::Role role) {
-    return role == rt::Role::kExpAvg || role == rt::Role::kExpAvgSq ||
-           role == rt::Role::kMasterParam || role == rt::Role::kOther;
+    return role == rt::Role::kOptimizerState || role == rt::Role::kOther;
   }
   // The roles a plan streams: none, the states, or every role.
   rt::RoleSet streamed(Plan p) const {
     if (p == Plan::kStreamEverything) return config().roles;
     rt::RoleSet out;
     if (p == Plan::kStreamStates) {
-      for (rt::Role r :
-           {rt::Role::kExpAvg, rt::Role::kExpAvgSq, rt::Role::kMasterParam, rt::Role::kOther}) {
+      for (rt::Role r : {rt::Role::kOptimizerState, rt::Role::kOther}) {
         if (config().roles.contains(r)) out = out | r;
       }
     }

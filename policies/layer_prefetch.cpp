@@ -5,6 +5,7 @@
 #include "base/strings.h"
 #include "base/units.h"
 #include "policies/builtin.h"
+#include "policies/step_cost_model.h"
 #include "runtime/runtime.h"
 
 namespace strata::policy {
@@ -65,11 +66,45 @@ using rt::RoleSet;
 // steps only what backward could not), until rollback_undo says they are to be stepped again.
 class LayerPrefetch final : public rt::ResidencyPolicy {
  public:
-  LayerPrefetch(const rt::PolicyConfig& c, bool keep_resident_layers)
+  LayerPrefetch(const rt::PolicyConfig& c, bool keep_resident_layers, bool hybrid)
       : ResidencyPolicy(c),
         keep_resident_layers_(keep_resident_layers),
+        hybrid_(hybrid),
         slots_cap_(static_cast<std::size_t>(c.prefetch_depth) + 1) {}
-  std::string_view name() const override { return "layer_prefetch"; }
+  std::string_view name() const override { return hybrid_ ? "hybrid" : "layer_prefetch"; }
+
+  // Note [Hybrid placement]
+  // ~~~~~~~~~~~~~~~~~~~~~~~
+  // hybrid is layer_prefetch with some layers' steps on the host (See Note [Step placement] in
+  // runtime/policy.h): the cost model picks them from the optimizer's costs and the measured rates
+  // (See Note [Hybrid cost model] in step_cost_model.h), or hybrid_fraction forces the share. A
+  // host-stepped layer's states rest in pinned memory and never stream or settle on the GPU: it
+  // takes no ring slot and no turn, so the ring and the resident layers are laid out over the
+  // layers stepped on the GPU only. The split is chosen over every layer as if each streamed;
+  // resident layers, taken in ascending order from what is left, cost the link nothing, so with a
+  // budget the split is a bound, not the best. Only optimizer states move: parameters and
+  // gradients stay on the GPU, where the host step's copies read and write them.
+  bool places_steps() const override { return hybrid_; }
+  absl::StatusOr<std::string> on_place_steps(rt::PolicyContext& rt,
+                                             const rt::StepCosts& costs) override {
+    if (!hybrid_) return std::string();
+    STRATA_ASSIGN_OR_RETURN(HybridSplit split,
+                            choose_split(costs.rates, costs.layers, config().hybrid_fraction));
+    host_layers_.clear();
+    for (std::size_t i = 0; i < costs.layers.size(); ++i) {
+      if (split.on_host[i]) host_layers_.push_back(costs.layers[i].layer);
+    }
+    std::sort(host_layers_.begin(), host_layers_.end());
+    settled_ = false;
+    std::string line = describe(split);
+    if (config().hybrid_fraction) {
+      str_append(&line, " (hybrid_fraction ", *config().hybrid_fraction, " forced)");
+    }
+    return line;
+  }
+  rt::StepPlace step_place(int layer) const override {
+    return on_host(layer) ? rt::StepPlace::kHost : rt::StepPlace::kGpu;
+  }
 
   rt::Tier placement(const rt::TensorSpec& spec) const override {
     return config().roles.contains(spec.role) ? rt::Tier::kPinnedHost : spec.home;
@@ -290,11 +325,14 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
 
  private:
   bool streams_parameters() const { return config().roles.contains(Role::kParameter); }
+  bool on_host(int layer) const {
+    return std::binary_search(host_layers_.begin(), host_layers_.end(), layer);
+  }
   bool overlap() const { return config().overlap == rt::Overlap::kBackward; }
   // The optimizer's states among the roles this policy moves.
   RoleSet state_roles() const {
     RoleSet out;
-    for (Role r : {Role::kExpAvg, Role::kExpAvgSq, Role::kMasterParam, Role::kOther}) {
+    for (Role r : {Role::kOptimizerState, Role::kOther}) {
       if (config().roles.contains(r)) out = out | r;
     }
     return out;
@@ -302,8 +340,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // The optimizer writes parameters and moments; it only reads gradients.
   RoleSet write_back() const {
     RoleSet out;
-    for (Role r :
-         {Role::kParameter, Role::kExpAvg, Role::kExpAvgSq, Role::kMasterParam, Role::kOther}) {
+    for (Role r : {Role::kParameter, Role::kOptimizerState, Role::kOther}) {
       if (config().roles.contains(r)) out = out | r;
     }
     return out;
@@ -329,10 +366,11 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   }
 
   // Layers with bytes of `roles` that are not resident, in ascending order: the others take no
-  // slot and no turn.
-  static std::vector<int> streamed_layers(const rt::PolicyContext& rt, RoleSet roles) {
+  // slot and no turn, and nor do layers stepped on the host (See Note [Hybrid placement]).
+  std::vector<int> streamed_layers(const rt::PolicyContext& rt, RoleSet roles) const {
     std::vector<int> out;
     for (int layer : rt.layers()) {
+      if (on_host(layer)) continue;
       for (rt::TensorHandle h : rt.layer_tensors(layer, roles)) {
         absl::StatusOr<rt::TensorInfo> info = rt.info(h);
         if (info.ok() && info->bytes > 0 && !resident(*info)) {
@@ -382,6 +420,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   absl::Status settle_residents(rt::PolicyContext& rt) {
     bool moved = false;
     for (int layer : rt.layers()) {
+      if (on_host(layer)) continue;  // See Note [Hybrid placement]
       for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
         STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
         if (info.bytes == 0 || resident(info)) continue;
@@ -623,10 +662,13 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Staged before the optimizer step began, stepped first
   // (See Note [Staged for a step not taken in backward]).
   std::vector<int> first_;
+  // hybrid: the layers stepped on the host, ascending (See Note [Hybrid placement]).
+  const bool hybrid_;
+  std::vector<int> host_layers_;
 };
 
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make(const rt::PolicyConfig& c,
-                                                          bool keep_resident_layers) {
+                                                          bool keep_resident_layers, bool hybrid) {
   if (c.prefetch_depth < 0) {
     return absl::InvalidArgumentError(str_cat("layer_prefetch: prefetch depth ", c.prefetch_depth,
                                               " is negative; use 0 (no prefetch) or more"));
@@ -634,18 +676,41 @@ absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make(const rt::PolicyConfig
   if (c.roles.empty()) {
     return absl::InvalidArgumentError("layer_prefetch: roles to stream must not be empty");
   }
-  return std::unique_ptr<rt::ResidencyPolicy>(new LayerPrefetch(c, keep_resident_layers));
+  if (c.hybrid_fraction && !hybrid) {
+    return absl::InvalidArgumentError(
+        "hybrid_fraction places optimizer steps on the GPU or the host; only the hybrid policy "
+        "does that (policy=\"hybrid\")");
+  }
+  if (hybrid) {
+    const std::optional<double> f = c.hybrid_fraction;
+    if (f && !(*f >= 0.0 && *f <= 1.0)) {
+      return absl::InvalidArgumentError(
+          str_cat("hybrid: hybrid_fraction ", *f,
+                  " is not in [0, 1] (the share of parameters stepped on the GPU)"));
+    }
+    if (c.roles.contains(Role::kParameter) || c.roles.contains(Role::kGradient)) {
+      return absl::InvalidArgumentError(
+          str_cat("hybrid streams optimizer states only (its host steps copy parameters and "
+                  "gradients where they rest on the GPU); roles ",
+                  c.roles.to_string(), " move more: use roles=optimizer_states"));
+    }
+  }
+  return std::unique_ptr<rt::ResidencyPolicy>(new LayerPrefetch(c, keep_resident_layers, hybrid));
 }
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(
     const rt::PolicyConfig& c) {
-  return make(c, /*keep_resident_layers=*/true);
+  return make(c, /*keep_resident_layers=*/true, /*hybrid=*/false);
+}
+
+absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_hybrid(const rt::PolicyConfig& c) {
+  return make(c, /*keep_resident_layers=*/true, /*hybrid=*/true);
 }
 
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_streamer(
     const rt::PolicyConfig& c) {
-  return make(c, /*keep_resident_layers=*/false);
+  return make(c, /*keep_resident_layers=*/false, /*hybrid=*/false);
 }
 
 }  // namespace strata::policy

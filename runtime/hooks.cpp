@@ -211,6 +211,29 @@ std::vector<int> Runtime::optimizer_layer_order() const {
   return impl_->policy->optimizer_layer_order(ctx);
 }
 
+bool Runtime::places_steps() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->policy->places_steps();
+}
+
+absl::StatusOr<std::string> Runtime::place_steps(const StepCosts& costs) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  for (int layer : impl_->registry.layers()) {
+    if (!impl_->layer_tensors_locked(layer, RoleSet::optimizer_states()).empty()) {
+      return absl::FailedPreconditionError(
+          str_cat("place_steps: layer ", layer,
+                  " already has optimizer states; steps are placed before any is registered"));
+    }
+  }
+  PolicyContext ctx(*this);
+  return impl_->policy->on_place_steps(ctx, costs);
+}
+
+StepPlace Runtime::step_place(int layer) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->policy->step_place(layer);
+}
+
 // --- PolicyContext: the runtime's calls with its mutex already held -------------------------
 
 std::vector<TensorHandle> PolicyContext::tensors() const {

@@ -23,6 +23,10 @@ ABSL_FLAG(strata::rt::PolicyFlag, strata_policy, strata::rt::PolicyFlag{},
 
 namespace strata::rt {
 
+std::string_view step_place_name(StepPlace place) {
+  return place == StepPlace::kHost ? "host" : "gpu";
+}
+
 std::vector<int> ResidencyPolicy::optimizer_layer_order(const PolicyContext& rt) const {
   return rt.layers();
 }

@@ -33,6 +33,7 @@
 #include "absl/strings/string_view.h"
 #include "allocator/stats.h"
 #include "allocator/stream_ops.h"
+#include "runtime/step_costs.h"
 #include "runtime/tensor.h"
 
 namespace strata::rt {
@@ -94,6 +95,19 @@ enum class Overlap { kNone, kBackward };
 absl::StatusOr<Overlap> parse_overlap(std::string_view name);
 std::string_view overlap_name(Overlap overlap);
 
+// Note [Step placement]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A policy decides where tensors live and also where each layer's optimizer step runs: on the GPU
+// (its states brought there, streamed or resident) or on the host (its gradients copied out, the
+// optimizer's host kernel stepping its states where they rest in pinned memory, its parameters
+// copied back). A policy that places steps says so (places_steps); the optimizer then hands it,
+// once and before it registers any state (the states a layer needs depend on where it steps: a
+// float32 parameter stepped on the host keeps a float32 master copy there), what each layer's step
+// costs and the rates measured on this machine (Runtime::place_steps), and asks step_place(layer)
+// from then on. Every other policy steps every layer on the GPU.
+enum class StepPlace { kGpu, kHost };
+std::string_view step_place_name(StepPlace place);
+
 struct PolicyConfig {
   // layer_prefetch: layers fetched ahead of the one the optimizer works on (K >= 0). The staging
   // area holds K + 1 layers.
@@ -109,6 +123,10 @@ struct PolicyConfig {
   // are copied on the GPU (no link traffic) while the GPU tier has room under the budget, and to
   // pinned host memory otherwise (See Note [Undo log] in runtime/undo_log.cpp).
   bool undo_on_gpu = false;
+  // hybrid: the fraction of parameters whose step runs on the GPU, forced (0: every layer on the
+  // host, 1: none); unset: the cost model's choice (See Note [Hybrid cost model] in
+  // policies/step_cost_model.h).
+  std::optional<double> hybrid_fraction = std::nullopt;
 };
 
 class ResidencyPolicy {
@@ -168,6 +186,16 @@ class ResidencyPolicy {
   }
   [[nodiscard]] virtual absl::Status on_offload_all(PolicyContext& rt) { return absl::OkStatus(); }
   [[nodiscard]] virtual absl::Status on_reload_all(PolicyContext& rt) { return absl::OkStatus(); }
+  // See Note [Step placement]. Whether this policy places steps (the default: no, all on the GPU).
+  virtual bool places_steps() const { return false; }
+  // Decides where each layer of `costs` steps; called before the optimizer registers its states.
+  // Returns one line saying what it decided, for the log.
+  [[nodiscard]] virtual absl::StatusOr<std::string> on_place_steps(PolicyContext& rt,
+                                                                   const StepCosts& costs) {
+    return std::string();
+  }
+  // Where the optimizer steps `layer`.
+  virtual StepPlace step_place(int layer) const { return StepPlace::kGpu; }
   // The order in which the optimizer walks layers; default ascending.
   virtual std::vector<int> optimizer_layer_order(const PolicyContext& rt) const;
 

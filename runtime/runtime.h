@@ -274,6 +274,13 @@ class Runtime {
   // Tensors kept now.
   std::size_t undo_tensors() const;
   std::vector<int> optimizer_layer_order() const;
+  // See Note [Step placement] in policy.h. Whether the policy places steps; handing it the
+  // optimizer's costs (before the optimizer registers its states: kFailedPrecondition once any
+  // optimizer state is registered) returns the line that says what it decided; where `layer`
+  // steps.
+  bool places_steps() const;
+  [[nodiscard]] absl::StatusOr<std::string> place_steps(const StepCosts& costs);
+  StepPlace step_place(int layer) const;
 
   // Calls fn(tensor, tier, address) on the host whenever the address that compute should use for a
   // tensor changes: when a migration completes, and when a staged tensor's copy is chained on the

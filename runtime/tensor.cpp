@@ -11,12 +11,8 @@ std::string_view role_name(Role role) {
       return "parameter";
     case Role::kGradient:
       return "gradient";
-    case Role::kExpAvg:
-      return "exp_avg";
-    case Role::kExpAvgSq:
-      return "exp_avg_sq";
-    case Role::kMasterParam:
-      return "master_param";
+    case Role::kOptimizerState:
+      return "optimizer_state";
     case Role::kOther:
       return "other";
   }
@@ -29,7 +25,8 @@ absl::StatusOr<Role> parse_role(std::string_view name) {
   }
   return absl::InvalidArgumentError(
       str_cat("unknown role '", name,
-              "'; valid roles: parameter, gradient, exp_avg, exp_avg_sq, master_param, other"));
+              "'; valid roles: parameter, gradient, optimizer_state, other (an optimizer's "
+              "states move together as optimizer_state; See Note [Roles] in runtime/tensor.h)"));
 }
 
 std::string RoleSet::to_string() const {

@@ -1,13 +1,14 @@
 // runtime/tensor.h: what the runtime knows about a registered tensor.
 //
-// A tensor is registered with a name, a layer index, a role (parameter, gradient, exp_avg,
-// exp_avg_sq, other), a dtype, a shape and a home tier; the runtime owns its storage from then on
-// and hands out a TensorHandle. TensorInfo says where the tensor lives now and whether a migration
-// is in flight.
+// A tensor is registered with a name, a layer index, a role (parameter, gradient, optimizer state,
+// other), for an optimizer state the name its optimizer declared it under, a dtype, a shape and a
+// home tier; the runtime owns its storage from then on and hands out a TensorHandle. TensorInfo
+// says where the tensor lives now and whether a migration is in flight.
 //
 // Example:
-//   TensorSpec spec{.name = "layer3.mlp.exp_avg", .layer = 3, .role = Role::kExpAvg,
-//                   .dtype = DType::kFloat32, .shape = {4096, 1024}, .home = Tier::kPinnedHost};
+//   TensorSpec spec{.name = "layer3.mlp.exp_avg", .layer = 3, .role = Role::kOptimizerState,
+//                   .dtype = DType::kFloat32, .shape = {4096, 1024}, .home = Tier::kPinnedHost,
+//                   .state = "exp_avg"};
 //   STRATA_ASSIGN_OR_RETURN(TensorHandle h, runtime.register_tensor(spec, initial_values));
 //   TensorInfo info = *runtime.info(h);   // info.tier == Tier::kPinnedHost, !info.in_flight
 #pragma once
@@ -25,10 +26,15 @@ namespace strata::rt {
 
 using alloc::Tier;
 
-// kMasterParam: the float32 master copy of a bfloat16 or float16 parameter, which Adam keeps as
-// optimizer state and steps (optim/adam.h).
-enum class Role : std::uint8_t { kParameter, kGradient, kExpAvg, kExpAvgSq, kMasterParam, kOther };
-inline constexpr int kNumRoles = 6;
+// Note [Roles]
+// ~~~~~~~~~~~~
+// The runtime knows what training state is made of, not what an optimizer does with it: a
+// parameter, its gradient, and the states an optimizer declares for it (optim/optimizer.h: Adam's
+// moments, a low-precision parameter's float32 master copy, another optimizer's own), each with the
+// name it was declared under in TensorSpec::state. Policies move roles; they never ask which state
+// a tensor is. kOther is anything else a client registers (a buffer of its own).
+enum class Role : std::uint8_t { kParameter, kGradient, kOptimizerState, kOther };
+inline constexpr int kNumRoles = 4;
 std::string_view role_name(Role role);
 absl::StatusOr<Role> parse_role(std::string_view name);
 
@@ -39,12 +45,9 @@ class RoleSet {
   constexpr RoleSet(std::initializer_list<Role> roles) {
     for (Role r : roles) bits_ |= bit(r);
   }
-  static constexpr RoleSet optimizer_states() {
-    return {Role::kExpAvg, Role::kExpAvgSq, Role::kMasterParam};
-  }
+  static constexpr RoleSet optimizer_states() { return {Role::kOptimizerState}; }
   static constexpr RoleSet all() {
-    return {Role::kParameter, Role::kGradient,    Role::kExpAvg,
-            Role::kExpAvgSq,  Role::kMasterParam, Role::kOther};
+    return {Role::kParameter, Role::kGradient, Role::kOptimizerState, Role::kOther};
   }
   constexpr bool contains(Role r) const { return (bits_ & bit(r)) != 0; }
   constexpr bool empty() const { return bits_ == 0; }
@@ -54,9 +57,10 @@ class RoleSet {
     out.bits_ |= bit(r);
     return out;
   }
-  // "exp_avg,exp_avg_sq"
+  // "parameter,optimizer_state"
   std::string to_string() const;
-  // Parses "exp_avg,exp_avg_sq", "all" or "optimizer_states".
+  // Parses a comma-separated list of role names ("parameter,optimizer_state"), "all" or
+  // "optimizer_states".
   static absl::StatusOr<RoleSet> parse(std::string_view text);
 
  private:
@@ -78,6 +82,9 @@ struct TensorSpec {
   std::vector<std::int64_t> shape;
   // Where the tensor lives at rest (the policy may place it elsewhere at registration).
   Tier home = Tier::kGpu;
+  // For Role::kOptimizerState: the state's name as its optimizer declared it ("exp_avg"); else
+  // empty. See Note [Roles].
+  std::string state = {};
 };
 
 // numel * dtype size, or kInvalidArgument for a negative dimension or an overflow.

@@ -58,8 +58,8 @@ ABSL_FLAG(std::string, strata_gpu_memory, "auto",
           "frees overlap copies in flight), cudamalloc, or auto (virtual where supported)");
 ABSL_FLAG(std::string, strata_roles, "optimizer_states",
           "what bulk moves and layer_prefetch streams: optimizer_states, or all (parameters and "
-          "gradients too, for a model larger than the GPU budget), or a list such as "
-          "exp_avg,exp_avg_sq");
+          "gradients too, for a model larger than the GPU budget), or a list of roles such as "
+          "parameter,optimizer_state");
 ABSL_FLAG(int, steps, 20, "training steps");
 ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
 ABSL_FLAG(int64_t, d_model, 128, "model width");
@@ -88,6 +88,9 @@ ABSL_FLAG(std::string, strata_overlap, "none",
 ABSL_FLAG(bool, strata_undo_on_gpu, false,
           "with the overlapped step: the copies a redo needs of tensors resting on the GPU stay "
           "on the GPU while the budget has room, instead of crossing the link to pinned memory");
+ABSL_FLAG(double, strata_hybrid_fraction, -1,
+          "hybrid: the share of parameters whose optimizer step runs on the GPU, in [0, 1] (the "
+          "rest on the host); below 0: the cost model chooses");
 ABSL_FLAG(std::string, strata_step_stream, "own",
           "with the overlapped step: where each layer's step runs, own (a stream of its own, so "
           "that its wait for the layer's states does not hold up backward) or compute (the stream "
@@ -226,6 +229,7 @@ int run(int argc, char** argv) {
   }
   if (o.phase_switch_every < 0) return usage_error("--phase_switch_every must be 0 or more");
   o.undo_on_gpu = absl::GetFlag(FLAGS_strata_undo_on_gpu);
+  if (const double f = absl::GetFlag(FLAGS_strata_hybrid_fraction); f >= 0) o.hybrid_fraction = f;
   if (const std::string where = absl::GetFlag(FLAGS_strata_step_stream); where == "compute") {
     o.step_on_own_stream = false;
   } else if (where != "own") {
@@ -375,6 +379,11 @@ int run(int argc, char** argv) {
     // the step overlapped with backward, so that the comparison covers both.
     std::vector<std::string> runs;
     for (const std::string& p : policies) {
+      if (p == "hybrid" && !(o.roles == rt::RoleSet::optimizer_states())) {
+        std::printf("(hybrid left out: it moves optimizer states only, and --strata_roles=%s)\n",
+                    o.roles.to_string().c_str());
+        continue;
+      }
       runs.push_back(p);
       if (o.overlap == rt::Overlap::kBackward && p != "keep_on_gpu") {
         runs.push_back(str_cat(p, kOverlapSuffix));
@@ -397,6 +406,12 @@ int run(int argc, char** argv) {
       print_run_end(report.runs.back());
     }
   } else {
+    if (o.hybrid_fraction && choice.name != "hybrid") {
+      return usage_error(
+          str_cat("--strata_hybrid_fraction places optimizer steps; only "
+                  "--strata_policy=hybrid does that, not ",
+                  choice.name));
+    }
     std::printf("policy: %s (from %s)\n\n", choice.name.c_str(), choice.source.c_str());
     report.runs.push_back(run_strata(
         o, o.overlap == rt::Overlap::kBackward ? str_cat(choice.name, kOverlapSuffix) : choice.name,

@@ -151,6 +151,9 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
   ro.policy_config.undo_on_gpu = o.undo_on_gpu;
   ro.policy_config.prefetch_depth = o.prefetch_depth;
   ro.policy_config.roles = o.roles;
+  if (policy == "hybrid") {
+    ro.policy_config.hybrid_fraction = o.hybrid_fraction;
+  }
   // bulk: the states go to host memory after every step and come back before the next one.
   ro.policy_config.offload_after_step = true;
   ro.device = o.cuda ? rt::DeviceKind::kCuda : rt::DeviceKind::kSimulated;
@@ -196,10 +199,13 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     // Adam registers its states and lets the policy lay everything out under the GPU budget: a
     // budget too small fails here, at setup.
     adam = bridge::unwrap(optim::Adam::create(rt, std::move(ao)));
+    if (!adam->placement().empty()) {
+      std::printf("[%s] %s\n", run_name.c_str(), adam->placement().c_str());
+    }
     result.setup_gpu_bytes = rt.stats().gpu_reserved_peak_bytes;
     for (rt::TensorHandle h : rt.tensors()) {
       rt::TensorInfo info = bridge::unwrap(rt.info(h));
-      if (info.spec.role == rt::Role::kExpAvg || info.spec.role == rt::Role::kExpAvgSq) {
+      if (info.spec.state == "exp_avg" || info.spec.state == "exp_avg_sq") {
         result.state_bytes += static_cast<std::int64_t>(info.bytes);
       }
     }

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -58,6 +59,8 @@ struct TrainOptions {
   // bridge/model_hooks.cpp), and PolicyConfig::undo_on_gpu.
   bool step_on_own_stream = true;
   bool undo_on_gpu = false;
+  // hybrid: the share of parameters stepped on the GPU, forced; unset: the cost model's choice.
+  std::optional<double> hybrid_fraction;
   // Micro-batches per step (gradient accumulation), each of `model.batch` sequences.
   int grad_accum = 1;
   // Where a step's time ends (See Note [Step end] in apps/train/torch_device.h).

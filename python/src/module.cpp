@@ -57,7 +57,7 @@ class Runtime {
   Runtime(const std::optional<std::string>& policy, const std::optional<std::int64_t>& gpu_budget,
           int prefetch_depth, const std::string& roles, const std::string& device,
           const std::optional<std::int64_t>& pinned_budget, const std::string& overlap,
-          bool undo_on_gpu) {
+          bool undo_on_gpu, const std::optional<double>& hybrid_fraction) {
     rt::RuntimeOptions o;
     // A Python program's command line is not strata's, so no --strata_policy flag here: the
     // policy given, else STRATA_POLICY, else the default.
@@ -73,6 +73,7 @@ class Runtime {
     o.policy_config.offload_after_step = true;
     o.policy_config.overlap = bridge::unwrap(rt::parse_overlap(overlap));
     o.policy_config.undo_on_gpu = undo_on_gpu;
+    o.policy_config.hybrid_fraction = hybrid_fraction;
     if (device == "cuda") {
       o.device = rt::DeviceKind::kCuda;
     } else if (device == "simulated") {
@@ -364,8 +365,9 @@ class Adam {
     bridge::check(adam_->set_step_count(group, steps));
   }
 
-  // The parameter's states as CPU float32 tensors, by role name ("exp_avg", "exp_avg_sq",
-  // "max_exp_avg_sq" under its role "other", "master_param"), read from whichever tier holds them.
+  // The parameter's states as CPU float32 tensors, by the names Adam declared them under
+  // ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"), read from whichever tier holds
+  // them.
   py::dict read_state(const torch::Tensor& param) {
     py::dict out;
     for (rt::TensorHandle h : bridge::unwrap(adam_->state(runtime_->binding().handle(param)))) {
@@ -375,7 +377,7 @@ class Adam {
         py::gil_scoped_release release;
         bridge::check(runtime_->rt().read(h, host.data_ptr()));
       }
-      out[py::str(state_key(info.spec.role))] = host;
+      out[py::str(info.spec.state)] = host;
     }
     return out;
   }
@@ -383,7 +385,7 @@ class Adam {
   void write_state(const torch::Tensor& param, const py::dict& values) {
     for (rt::TensorHandle h : bridge::unwrap(adam_->state(runtime_->binding().handle(param)))) {
       const rt::TensorInfo info = bridge::unwrap(runtime_->rt().info(h));
-      const std::string key = state_key(info.spec.role);
+      const std::string& key = info.spec.state;
       if (!values.contains(key)) continue;
       torch::Tensor t = values[py::str(key)].cast<torch::Tensor>().to(torch::kFloat).contiguous();
       if (t.numel() * 4 != static_cast<std::int64_t>(info.bytes)) {
@@ -396,12 +398,10 @@ class Adam {
   }
 
   std::size_t num_groups() const { return adam_->num_groups(); }
+  // See Note [Step placement] in runtime/policy.h: the policy's line, empty when it places none.
+  std::string placement() const { return adam_->placement(); }
 
  private:
-  static std::string state_key(rt::Role role) {
-    return role == rt::Role::kOther ? "max_exp_avg_sq" : std::string(rt::role_name(role));
-  }
-
   std::shared_ptr<Runtime> runtime_;
   std::unique_ptr<optim::Adam> adam_;
   bool stepping_in_backward_ = false;
@@ -464,7 +464,7 @@ PYBIND11_MODULE(_strata, m) {
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
       .def(py::init<const std::optional<std::string>&, const std::optional<std::int64_t>&, int,
                     const std::string&, const std::string&, const std::optional<std::int64_t>&,
-                    const std::string&, bool>())
+                    const std::string&, bool, const std::optional<double>&>())
       .def("overlap",
            [](Runtime& r) {
              return std::string(strata::rt::overlap_name(r.rt().policy().config().overlap));
@@ -570,6 +570,7 @@ PYBIND11_MODULE(_strata, m) {
                d["name"] = info->spec.name;
                d["layer"] = info->spec.layer;
                d["role"] = std::string(strata::rt::role_name(info->spec.role));
+               d["state"] = info->spec.state;
                d["bytes"] = info->bytes;
                d["tier"] = std::string(strata::alloc::tier_name(info->tier));
                d["staged"] = info->staged;
@@ -585,6 +586,7 @@ PYBIND11_MODULE(_strata, m) {
   py::class_<Adam>(m, "Adam")
       .def(py::init<std::shared_ptr<Runtime>, const std::vector<Adam::Group>&, int>())
       .def("step", &Adam::step)
+      .def("placement", &Adam::placement)
       .def("set_step_in_backward", &Adam::set_step_in_backward)
       .def("finish_step", &Adam::finish_step)
       .def("cancel_step", &Adam::cancel_step)

@@ -142,6 +142,7 @@ class Adam(torch.optim.Optimizer):
         overlap: Optional[str] = None,
         max_grad_norm: Optional[float] = None,
         undo_on_gpu: Optional[bool] = None,
+        hybrid_fraction: Optional[float] = None,
         device: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
     ):
@@ -230,6 +231,7 @@ class Adam(torch.optim.Optimizer):
                 device=self._device_for(first, device),
                 overlap=overlap or "none",
                 undo_on_gpu=undo_on_gpu,
+                hybrid_fraction=hybrid_fraction,
             )
         elif prefetch_depth is not None:
             raise ValueError(
@@ -682,6 +684,8 @@ class Adam(torch.optim.Optimizer):
             budget,
             rt.overlap,
         )
+        if self._adam.placement():  # See Note [Step placement] in runtime/policy.h
+            _log.info("strata.optim.%s: %s", self._name, self._adam.placement())
         if len(plan) and largest > total / 4 and total > (64 << 20):
             warnings.warn(
                 f"strata.optim.{self._name}: one layer holds {100 * largest / total:.0f}% of the "
@@ -895,7 +899,10 @@ class Adam(torch.optim.Optimizer):
                                 + (" on this rank" if is_dtensor(p) else "")
                             )
                         values[name] = v.detach().to("cpu", torch.float32).reshape(want.shape)
-                if p.dtype != torch.float32 and "master_param" not in values:
+                # A master copy (a low-precision parameter's, or a float32 one stepped on the host:
+                # Note [Host-stepped layers]) not in the dict starts as the parameter; a parameter
+                # without one ignores the key.
+                if "master_param" not in values:
                     values["master_param"] = local(p).detach().to("cpu", torch.float32)
                 entries.append((p, int(step), values))
             plan.append((gi, entries, saved))
@@ -944,7 +951,8 @@ class AdamW(Adam):
         p.grad = ...): strata steps what autograd produced. GradScaler passes its scale and
         found_inf straight to the kernel.
     Args (strata's):
-        policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None: STRATA_POLICY, else the default.
+        policy: "keep_on_gpu", "bulk", "layer_prefetch" or "hybrid" (some layers stepped on the
+            host); None: STRATA_POLICY, else the default.
         gpu_budget: bytes or a size such as "8GiB" that strata may take on the GPU; "auto": set
             after the first step to what the GPU has free less torch's headroom, so that as many
             layers' states as fit stay on the GPU (See Note [The automatic budget] in
@@ -968,6 +976,9 @@ class AdamW(Adam):
             (parameters, FSDP2's float32 shards) on the GPU while the budget has room, instead
             of copying them to pinned host memory over the link. None (default): on when a
             gpu_budget in bytes is given (without one nothing bounds the copies).
+        hybrid_fraction: with policy="hybrid", the share of parameters whose step runs on the
+            GPU (the rest on the host, their states in pinned memory); None: the cost model
+            chooses from rates measured at setup, and an INFO line says what it chose.
         device: None (default): the parameters' GPU; CPU parameters on a machine with a GPU
             raise ValueError (move the model first); "simulated" (or the environment variable
             STRATA_DEVICE=simulated) steps CPU parameters in host memory standing in for the GPU.

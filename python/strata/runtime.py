@@ -77,14 +77,14 @@ class Runtime:
     """A strata runtime: three memory tiers, a residency policy, and the tensors bound to it.
 
     Args:
-        policy: "keep_on_gpu", "bulk" or "layer_prefetch"; None means the STRATA_POLICY
+        policy: "keep_on_gpu", "bulk", "layer_prefetch" or "hybrid"; None means the STRATA_POLICY
             environment variable, else the default policy.
         gpu_budget: the most GPU memory strata may take, in bytes or as "8GiB"; None: no limit.
         prefetch_depth: layers layer_prefetch brings ahead of use (0: none; its ring then holds
             the one layer in use).
         roles: what the policy moves: "optimizer_states" (Adam's moments and master weights),
             "all" (parameters and gradients too, streamed through forward and backward once the
-            model is attached), or a list such as "exp_avg,exp_avg_sq".
+            model is attached), or a list of roles such as "parameter,optimizer_state".
         device: "auto" (the GPU when there is one), "cuda", or "simulated" (host memory stands in
             for GPU memory, for CPU tensors and machines without a GPU).
         pinned_budget: the most pinned host memory strata may take; None: no limit.
@@ -94,6 +94,9 @@ class Runtime:
         undo_on_gpu: with overlap, what such a step keeps for a redo of tensors resting on the
             GPU is kept on the GPU while the budget has room (no link traffic, GPU memory of
             their size during backward), else in pinned host memory.
+        hybrid_fraction: policy "hybrid" only: the share of parameters whose optimizer step runs
+            on the GPU, in [0, 1], the rest on the host; None: the cost model's choice from rates
+            measured at setup (Note [Hybrid placement]).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class Runtime:
         pinned_budget: Union[int, str, None] = None,
         overlap: str = "none",
         undo_on_gpu: bool = False,
+        hybrid_fraction: Optional[float] = None,
     ):
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(
@@ -120,6 +124,7 @@ class Runtime:
             parse_bytes(pinned_budget, "pinned_budget"),
             overlap,
             bool(undo_on_gpu),
+            None if hybrid_fraction is None else float(hybrid_fraction),
         )
         roles_moved = {r.strip() for r in roles.split(",")}
         # Whether the policy streams gradients (See Note [Clipping in the step] in strata/optim.py).
@@ -430,11 +435,11 @@ class Runtime:
             peak = stats.get(f"gpu.{what}_bytes.peak", 0) / gib
             lines.append(f"  strata {what:<17} {cur:8.2f} {peak:8.2f}")
         lines.append("")
-        lines.append("strata's tensors by layer and role (MiB): where their data is now")
+        lines.append("strata's tensors by layer and role or state (MiB): where their data is now")
         table: dict = {}
         for t in self._rt.tensors():
             where = "staged" if t["staged"] else t["tier"]
-            row = table.setdefault((t["layer"], t["role"]), {})
+            row = table.setdefault((t["layer"], t["state"] or t["role"]), {})
             row[where] = row.get(where, 0) + t["bytes"]
         places = ["gpu", "staged", "pinned_host", "pageable_host"]
         lines.append(f"  {'layer':>5} {'role':<16}" + "".join(f"{p:>14}" for p in places))

@@ -166,7 +166,7 @@ def test_an_automatic_budget_keeps_what_fits_on_the_gpu_after_the_first_step(
     assert stats["gpu_budget_bytes"] == held + mem.free - margin - torch_growth
     on_gpu: dict = {}  # layer -> whether all its states are on the GPU
     for t in opt.runtime._rt.tensors():
-        if t["role"] in ("exp_avg", "exp_avg_sq"):
+        if t["state"] in ("exp_avg", "exp_avg_sq"):
             on_gpu[t["layer"]] = on_gpu.get(t["layer"], True) and t["tier"] == "gpu"
     resident = {layer for layer, yes in on_gpu.items() if yes}
     line = [r.getMessage() for r in caplog.records if "gpu_budget auto" in r.getMessage()]

@@ -273,7 +273,7 @@ def test_errors_carry_the_runtimes_message():
     model = Mlp()
     with raises_exactly(
         ValueError,
-        "INVALID_ARGUMENT: unknown policy 'fastest'; valid policies: bulk, keep_on_gpu, "
+        "INVALID_ARGUMENT: unknown policy 'fastest'; valid policies: bulk, hybrid, keep_on_gpu, "
         "layer_prefetch (policy chosen by RuntimeOptions::policy)",
     ):
         strata.optim.AdamW(model.parameters(), policy="fastest")
@@ -295,8 +295,9 @@ def test_errors_carry_the_runtimes_message():
         strata.Runtime(prefetch_depth=-1)
     with raises_exactly(
         ValueError,
-        "INVALID_ARGUMENT: unknown role 'weights'; valid roles: parameter, gradient, exp_avg, "
-        "exp_avg_sq, master_param, other",
+        "INVALID_ARGUMENT: unknown role 'weights'; valid roles: parameter, gradient, "
+        "optimizer_state, other (an optimizer's states move together as optimizer_state; See "
+        "Note [Roles] in runtime/tensor.h)",
     ):
         strata.Runtime(roles="weights")
     with raises_exactly(

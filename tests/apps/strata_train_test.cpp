@@ -100,7 +100,7 @@ TEST(StrataTrainTest, CompareGivesIdenticalLossesAndAJsonWithEveryField) {
   Outcome o = run_train("--compare --steps=5 --json=" + json + " --chart=" + svg);
   EXPECT_EQ(o.exit_code, 0) << o.output;
   EXPECT_TRUE(contains(o.output,
-                       "losses identical across strata policies (bulk, keep_on_gpu, "
+                       "losses identical across strata policies (bulk, hybrid, keep_on_gpu, "
                        "layer_prefetch): yes, bitwise"))
       << o.output;
   const std::string j = read_file(json);
@@ -164,7 +164,7 @@ TEST(StrataTrainTest, CompareOverBudgetKeepOnGpuFailsOthersTrainIdentically) {
   EXPECT_TRUE(contains(o.output, "[keep_on_gpu] FAILED: RESOURCE_EXHAUSTED: register_tensor"))
       << o.output;
   EXPECT_TRUE(contains(o.output, "out of memory in tier gpu")) << o.output;
-  EXPECT_TRUE(contains(o.output, "(bulk, layer_prefetch): yes, bitwise")) << o.output;
+  EXPECT_TRUE(contains(o.output, "(bulk, hybrid, layer_prefetch): yes, bitwise")) << o.output;
 }
 
 // The value of `field` in the JSON's run named `run` (the text up to the next comma or brace).
@@ -187,10 +187,10 @@ TEST(StrataTrainTest, StreamingEveryRoleTrainsAModelLargerThanTheBudgetWithTheSa
   Outcome o =
       run_train(model + "--compare --strata_roles=all --strata_gpu_budget=8MiB --json=" + streamed);
   EXPECT_EQ(o.exit_code, 0) << o.output;
-  EXPECT_TRUE(contains(
-      o.output, "moved or streamed: parameter,gradient,exp_avg,exp_avg_sq,master_param,other"))
+  EXPECT_TRUE(contains(o.output, "moved or streamed: parameter,gradient,optimizer_state,other"))
       << o.output;
   EXPECT_TRUE(contains(o.output, "[keep_on_gpu] FAILED: RESOURCE_EXHAUSTED")) << o.output;
+  EXPECT_TRUE(contains(o.output, "(hybrid left out: it moves optimizer states only")) << o.output;
   EXPECT_TRUE(contains(o.output, "(bulk, layer_prefetch): yes, bitwise")) << o.output;
   const std::string reference = ::testing::TempDir() + "/reference.json";
   Outcome r = run_train(model + "--strata_policy=keep_on_gpu --json=" + reference);
@@ -320,7 +320,7 @@ TEST(StrataTrainTest, ErrorsSayWhatIsWrongWithTheirExitCodes) {
       {"--strata_policy=nope",
        2,
        {"strata-train: unknown policy 'nope' (from --strata_policy); valid policies: bulk, "
-        "keep_on_gpu, layer_prefetch"}},
+        "hybrid, keep_on_gpu, layer_prefetch"}},
       {"--strata_gpu_budget=1MiB",
        2,
        {"the GPU budget of 1.00 MiB is too small for one layer: layer 1 needs"}},

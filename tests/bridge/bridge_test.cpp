@@ -209,7 +209,7 @@ TEST_F(BridgeTest, RegisterKeepsTheValuesAndPointsAtTheRuntimeCopy) {
 TEST_F(BridgeTest, HomeDefaultsToPinnedHostForACpuTensor) {
   use("bulk");
   torch::Tensor t = torch::randn({16});
-  const rt::TensorHandle h = binding_->register_tensor(t, "m", 0, Role::kExpAvg);
+  const rt::TensorHandle h = binding_->register_tensor(t, "m", 0, Role::kOptimizerState);
   EXPECT_EQ(info(*runtime_, h).spec.home, Tier::kPinnedHost);
   torch::Tensor g = torch::randn({16});
   const rt::TensorHandle hg = binding_->register_tensor(g, "g", 0, Role::kGradient, Tier::kGpu);

@@ -388,7 +388,7 @@ std::map<std::string, std::vector<unsigned char>> states_of(rt::Runtime& runtime
   std::map<std::string, std::vector<unsigned char>> out;
   for (TensorHandle h : runtime.tensors()) {
     rt::TensorInfo i = *runtime.info(h);
-    if (i.spec.role == Role::kExpAvg || i.spec.role == Role::kExpAvgSq ||
+    if (i.spec.role == Role::kOptimizerState || i.spec.role == Role::kOptimizerState ||
         i.spec.role == Role::kParameter) {
       out[i.spec.name] = read_all(runtime, h);
     }

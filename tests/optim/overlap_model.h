@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -70,11 +71,55 @@ inline std::vector<Case> basic_cases() {
   return out;
 }
 
+// hybrid (See Note [Hybrid placement] in policies/layer_prefetch.cpp) in every dtype, with half
+// the parameters stepped on the host, all of them, and the cost model's choice; each against
+// layer_prefetch streaming the same states (its reference()).
+inline std::vector<Case> hybrid_cases() {
+  std::vector<Case> out;
+  for (rt::DType d : {rt::DType::kFloat32, rt::DType::kBFloat16, rt::DType::kFloat16}) {
+    for (std::optional<double> f :
+         {std::optional<double>(0.5), std::optional<double>(0.0), std::optional<double>()}) {
+      rt::PolicyConfig c{.prefetch_depth = 1, .roles = rt::RoleSet::optimizer_states()};
+      c.hybrid_fraction = f;
+      out.push_back({"hybrid", c, d});
+    }
+  }
+  return out;
+}
+
+// The layer_prefetch run a hybrid case must match.
+inline Case reference(Case c) {
+  c.policy = "layer_prefetch";
+  c.config.hybrid_fraction.reset();
+  return c;
+}
+
+// A hybrid run against layer_prefetch's: every tensor bitwise the same, and each master copy that
+// only the hybrid run has (a float32 parameter stepped on the host: See Note [Host-stepped layers]
+// in optim/adam_host_step.cpp) bitwise its parameter. Returns how many such masters there were.
+inline int expect_same_tensors(const Bytes& want, const Bytes& got) {
+  EXPECT_FALSE(want.empty());
+  int masters = 0;
+  for (const auto& [name, bytes] : got) {
+    if (want.count(name) != 0) {
+      EXPECT_TRUE(want.at(name) == bytes) << name;
+      continue;
+    }
+    EXPECT_TRUE(name.ends_with(".master")) << name << " is in the hybrid run only";
+    const std::string param = name.substr(0, name.size() - std::string(".master").size());
+    EXPECT_TRUE(got.count(param) != 0 && got.at(param) == bytes) << name;
+    ++masters;
+  }
+  for (const auto& [name, bytes] : want) EXPECT_EQ(got.count(name), 1u) << name;
+  return masters;
+}
+
 inline std::string describe(const Case& c) {
-  return str_cat(c.policy, " roles ", c.config.roles.to_string(), " ", rt::dtype_name(c.dtype),
-                 " micro-batches ", c.micro_batches,
-                 c.gpu_budget == alloc::kNoBudget ? "" : " with a budget",
-                 c.config.undo_on_gpu ? " undo on the GPU" : "");
+  return str_cat(
+      c.policy, " roles ", c.config.roles.to_string(), " ", rt::dtype_name(c.dtype),
+      " micro-batches ", c.micro_batches, c.gpu_budget == alloc::kNoBudget ? "" : " with a budget",
+      c.config.undo_on_gpu ? " undo on the GPU" : "",
+      c.config.hybrid_fraction ? str_cat(" hybrid_fraction ", *c.config.hybrid_fraction) : "");
 }
 
 inline ElemType elem(rt::DType d) {

@@ -232,5 +232,25 @@ TEST(OverlapTest, OverlappedStepIsBitwiseTheSequentialStep) {
   }
 }
 
+// See Note [Host-stepped layers] in optim/adam_host_step.cpp: a hybrid run, sequential and
+// overlapped, ends bitwise where layer_prefetch does, over steps where clipping triggers and a step
+// whose gradients hold inf.
+TEST(OverlapTest, HybridStepIsBitwiseTheLayerPrefetchStep) {
+  constexpr int kSteps = 8;
+  for (const Case& setup : hybrid_cases()) {
+    SCOPED_TRACE(describe(setup));
+    Outcomes ref, seq, ovl;
+    const Bytes want = train(reference(setup), /*overlap=*/false, kSteps, 1, &ref);
+    const int masters = expect_same_tensors(want, train(setup, /*overlap=*/false, kSteps, 2, &seq));
+    expect_same_tensors(want, train(setup, /*overlap=*/true, kSteps, 3, &ovl));
+    // Host layers move their gradients and parameters, never their states.
+    if (setup.config.hybrid_fraction == 0.0) {
+      EXPECT_LT(seq.h2d_bytes, ref.h2d_bytes);
+      EXPECT_EQ(seq.h2d_bytes, 0) << "no state streams when every layer steps on the host";
+    }
+    if (setup.dtype == DType::kFloat32 && setup.config.hybrid_fraction) EXPECT_GT(masters, 0);
+  }
+}
+
 }  // namespace
 }  // namespace strata::optim

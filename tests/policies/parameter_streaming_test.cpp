@@ -141,8 +141,8 @@ void register_trainable(Runtime& rt, int layers, std::size_t n) {
     ASSERT_TRUE(
         rt.register_tensor(spec(str_cat("l", l, ".p"), l, Role::kParameter, n), init.data()).ok());
     ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".g"), l, Role::kGradient, n)).ok());
-    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".m"), l, Role::kExpAvg, n)).ok());
-    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".v"), l, Role::kExpAvgSq, n)).ok());
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".m"), l, Role::kOptimizerState, n)).ok());
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".v"), l, Role::kOptimizerState, n)).ok());
   }
 }
 
@@ -179,7 +179,8 @@ TEST(ParameterStreamingTest, AModelLargerThanTheGpuBudgetTrainsLikeKeepOnGpu) {
     for (int l = 0; l < kLayers && oom.ok(); ++l) {
       oom = small->register_tensor(spec(str_cat("l", l, ".p"), l, Role::kParameter, kN)).status();
       if (oom.ok())
-        oom = small->register_tensor(spec(str_cat("l", l, ".m"), l, Role::kExpAvg, kN)).status();
+        oom = small->register_tensor(spec(str_cat("l", l, ".m"), l, Role::kOptimizerState, kN))
+                  .status();
     }
     EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted);
     EXPECT_NE(std::string(oom.message()).find("out of memory in tier gpu"), std::string::npos);
@@ -394,7 +395,8 @@ TEST(ParameterStreamingTest, ARoleRegisteredLaterDoesNotShrinkTheRing) {
         rt->register_tensor(spec(str_cat("l", l, ".p"), l, Role::kParameter, kN), init.data())
             .ok());
     ASSERT_TRUE(rt->register_tensor(spec(str_cat("l", l, ".g"), l, Role::kGradient, kN)).ok());
-    ASSERT_TRUE(rt->register_tensor(spec(str_cat("l", l, ".m"), l, Role::kExpAvg, kN)).ok());
+    ASSERT_TRUE(
+        rt->register_tensor(spec(str_cat("l", l, ".m"), l, Role::kOptimizerState, kN)).ok());
   }
   // Settles: the ring, then three whole layers and the first tensor of a fourth (10 MiB).
   ASSERT_TRUE(rt->begin_step().ok());
@@ -404,7 +406,8 @@ TEST(ParameterStreamingTest, ARoleRegisteredLaterDoesNotShrinkTheRing) {
   EXPECT_EQ(rt->stats().staging_bytes, static_cast<std::int64_t>(2 * 3 * kN * 4));
   EXPECT_EQ(where(*rt), "G G G G G G G G G G P P P P P P P P P P P P P P");
   for (int l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(rt->register_tensor(spec(str_cat("l", l, ".v"), l, Role::kExpAvgSq, kN)).ok());
+    ASSERT_TRUE(
+        rt->register_tensor(spec(str_cat("l", l, ".v"), l, Role::kOptimizerState, kN)).ok());
   }
   const auto got = train(*rt, *dev, kLayers, kN, 3, &rng);
   EXPECT_EQ(rt->stats().staging_bytes, static_cast<std::int64_t>(2 * kLayerBytes));
@@ -443,8 +446,8 @@ TEST(ParameterStreamingTest, FrozenLayersTakeNoSlotAndNothingLandsInTheMainPool)
   for (int l = 0; l < 6; ++l) {
     ASSERT_TRUE(rt->register_tensor(spec(str_cat("w", l), l, Role::kParameter, 100)).ok());
     if (l == 1 || l == 3) continue;
-    ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, 100)).ok());
-    ASSERT_TRUE(rt->register_tensor(spec(str_cat("v", l), l, Role::kExpAvgSq, 100)).ok());
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kOptimizerState, 100)).ok());
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("v", l), l, Role::kOptimizerState, 100)).ok());
   }
   const std::int64_t gpu_before = rt->allocator().stats(Tier::kGpu).allocated_bytes.current;
   for (int step = 0; step < 3; ++step) testing::empty_optimizer_step(*rt);

@@ -178,7 +178,7 @@ TEST(PhaseSwitchTest, SomeRolesOnlyAndKeepingTheMemoryCached) {
   ASSERT_TRUE(m.rt().offload_all({.roles = RoleSet::optimizer_states()}).ok());
   for (TensorHandle h : m.rt().tensors()) {
     const TensorInfo i = *m.rt().info(h);
-    const bool state = i.spec.role == Role::kExpAvg || i.spec.role == Role::kExpAvgSq;
+    const bool state = i.spec.role == Role::kOptimizerState || i.spec.role == Role::kOptimizerState;
     EXPECT_EQ(i.tier == Tier::kGpu, !state) << i.spec.name;
   }
   ASSERT_TRUE(m.rt().reload_all().ok());

@@ -24,8 +24,10 @@ constexpr int kLayers = 3;
 void register_model(Runtime& rt, std::size_t numel = 1000) {
   for (int l = 0; l < kLayers; ++l) {
     ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".w"), l, Role::kParameter, numel)).ok());
-    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".m"), l, Role::kExpAvg, numel)).ok());
-    ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".v"), l, Role::kExpAvgSq, numel)).ok());
+    ASSERT_TRUE(
+        rt.register_tensor(spec(str_cat("l", l, ".m"), l, Role::kOptimizerState, numel)).ok());
+    ASSERT_TRUE(
+        rt.register_tensor(spec(str_cat("l", l, ".v"), l, Role::kOptimizerState, numel)).ok());
   }
 }
 
@@ -173,8 +175,10 @@ TEST(StagingTest, PeakIsAtMostDepthPlusOneLayers) {
     // Layers of different sizes; the largest is layer 3.
     const std::size_t numel[] = {1000, 3000, 2000, 5000, 1500, 2500};
     for (int l = 0; l < 6; ++l) {
-      ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, numel[l])).ok());
-      ASSERT_TRUE(rt->register_tensor(spec(str_cat("v", l), l, Role::kExpAvgSq, numel[l])).ok());
+      ASSERT_TRUE(
+          rt->register_tensor(spec(str_cat("m", l), l, Role::kOptimizerState, numel[l])).ok());
+      ASSERT_TRUE(
+          rt->register_tensor(spec(str_cat("v", l), l, Role::kOptimizerState, numel[l])).ok());
     }
     const std::size_t largest = 2 * ((5000 * 4 + 511) / 512 * 512);
     const std::int64_t syncs = rt->stats().host_syncs;
@@ -197,8 +201,10 @@ TEST(StagingTest, StatesSurviveRandomInterleavingsOfCopiesAndCompute) {
     auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = depth}, /*deferred=*/true);
     constexpr int kN = 777;
     for (int l = 0; l < 5; ++l) {
-      ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, kN + l)).ok());
-      ASSERT_TRUE(rt->register_tensor(spec(str_cat("v", l), l, Role::kExpAvgSq, kN - l)).ok());
+      ASSERT_TRUE(
+          rt->register_tensor(spec(str_cat("m", l), l, Role::kOptimizerState, kN + l)).ok());
+      ASSERT_TRUE(
+          rt->register_tensor(spec(str_cat("v", l), l, Role::kOptimizerState, kN - l)).ok());
     }
     std::mt19937 rng(1234 + depth);
     auto jiggle = [&] {
@@ -244,8 +250,8 @@ TEST(StagingTest, StatesSurviveRandomInterleavingsOfCopiesAndCompute) {
 TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
   auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::optimizer_states()});
   for (int l = 0; l < 4; ++l) {
-    ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, 100, DType::kFloat32,
-                                         Tier::kPinnedHost))
+    ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kOptimizerState, 100,
+                                         DType::kFloat32, Tier::kPinnedHost))
                     .ok());
   }
   ASSERT_TRUE(rt->configure_staging(2, RoleSet::optimizer_states()).ok());
@@ -284,9 +290,10 @@ std::vector<std::string> staged_names(const Runtime& rt, int layer) {
 void register_mixed_moments(Runtime& rt) {
   for (int l = 0; l < 3; ++l) {
     for (auto [name, numel] : {std::pair{"a", 300}, std::pair{"b", 5000}, std::pair{"c", 1000}}) {
-      for (Role role : {Role::kExpAvg, Role::kExpAvgSq}) {
-        ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".", name, ".", role_name(role)), l,
-                                            role, numel, DType::kFloat32, Tier::kPinnedHost))
+      for (const char* state : {"exp_avg", "exp_avg_sq"}) {
+        ASSERT_TRUE(rt.register_tensor(spec(str_cat("l", l, ".", name, ".", state), l,
+                                            Role::kOptimizerState, numel, DType::kFloat32,
+                                            Tier::kPinnedHost))
                         .ok());
       }
     }
@@ -379,7 +386,7 @@ TEST(StagingTest, AWriteBackWaitsForComputeWhichCoversTheFetch) {
   ASSERT_NE(runtime, nullptr);
   Runtime& r = *runtime;
   TensorHandle m = *r.register_tensor(
-      spec("m", 0, Role::kExpAvg, kN, DType::kFloat32, Tier::kPinnedHost), payload.data());
+      spec("m", 0, Role::kOptimizerState, kN, DType::kFloat32, Tier::kPinnedHost), payload.data());
   ASSERT_TRUE(r.configure_staging(1, RoleSet::optimizer_states()).ok());
   ASSERT_TRUE(r.stage_layer(0).ok());  // the fetch stays queued: the device is deferred
   StreamHandle compute = r.compute_stream();
@@ -422,8 +429,8 @@ TEST(StagingTest, ARetriedUnstageStillGuardsTheSlotAgainstTheNextFetch) {
     ASSERT_NE(runtime, nullptr);
     Runtime& r = *runtime;
     for (int l = 0; l < 2; ++l) {
-      ASSERT_TRUE(r.register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, kN, DType::kFloat32,
-                                         Tier::kPinnedHost),
+      ASSERT_TRUE(r.register_tensor(spec(str_cat("m", l), l, Role::kOptimizerState, kN,
+                                         DType::kFloat32, Tier::kPinnedHost),
                                     (l == 0 ? first : second).data())
                       .ok());
     }
@@ -500,6 +507,103 @@ TEST(D1Test, TenThousandCyclesPerTierPairWithPayloadsThatChangeEveryCycle) {
       "mismatches\n",
       static_cast<long long>(cycles), sizes.size(), static_cast<long long>(mismatches));
   EXPECT_EQ(mismatches, 0);
+}
+
+}  // namespace
+}  // namespace strata::rt
+
+namespace strata::rt {
+namespace {
+
+// See Note [Step placement] in runtime/policy.h and Note [Hybrid placement] in
+// policies/layer_prefetch.cpp.
+StepCosts equal_layers(int layers, std::int64_t params) {
+  StepCosts costs;
+  costs.rates = {.link_h2d_gbps = 50,
+                 .link_d2h_gbps = 50,
+                 .link_both_gbps = 40,
+                 .host_params_per_s = 2e9,
+                 .host_memory_gbps = 100};
+  for (int l = 0; l < layers; ++l) {
+    costs.layers.push_back({.layer = l,
+                            .params = params,
+                            .state_bytes = 8,
+                            .grad_bytes = 4,
+                            .param_bytes = 4,
+                            .host_touch_bytes = 28});
+  }
+  return costs;
+}
+
+TEST(PlacementTest, OnlyHybridPlacesStepsAndItsHostLayersNeverStream) {
+  for (const char* name : {"keep_on_gpu", "bulk", "layer_prefetch"}) {
+    auto [rt, dev] = make_runtime(name);
+    EXPECT_FALSE(rt->places_steps()) << name;
+    EXPECT_EQ(rt->step_place(0), StepPlace::kGpu) << name;
+  }
+  PolicyConfig config{.prefetch_depth = 1};
+  config.hybrid_fraction = 0.5;  // of parameters on the GPU: the two highest layers go to the host
+  auto [rt, dev] = make_runtime("hybrid", config);
+  ASSERT_TRUE(rt->places_steps());
+  absl::StatusOr<std::string> line = rt->place_steps(equal_layers(4, 1000));
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_NE(line->find("2 of 4 layers"), std::string::npos) << *line;
+  EXPECT_NE(line->find("hybrid_fraction 0.5 forced"), std::string::npos) << *line;
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ(rt->step_place(l), l >= 2 ? StepPlace::kHost : StepPlace::kGpu) << l;
+    ASSERT_TRUE(
+        rt->register_tensor(spec(str_cat("l", l, ".m"), l, Role::kOptimizerState, 1000)).ok());
+  }
+  // Placing again once states exist is refused: the states a layer has depend on its place.
+  EXPECT_EQ(rt->place_steps(equal_layers(4, 1000)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // An optimizer step streams layers 0 and 1 only; 2 and 3 stay in pinned memory throughout.
+  ASSERT_TRUE(rt->prepare().ok());
+  ASSERT_TRUE(rt->begin_step().ok());
+  ASSERT_TRUE(rt->begin_optimizer_step().ok());
+  std::vector<int> staged;
+  for (int layer : rt->optimizer_layer_order()) {
+    if (rt->step_place(layer) == StepPlace::kHost) {
+      EXPECT_EQ(rt->info(rt->layer_tensors(layer, RoleSet::optimizer_states())[0])->tier,
+                Tier::kPinnedHost);
+      continue;
+    }
+    ASSERT_TRUE(
+        rt->acquire_layer(layer, RoleSet::optimizer_states(), Tier::kGpu, rt->compute_stream())
+            .ok());
+    staged.push_back(layer);
+    ASSERT_TRUE(rt->release_layer(layer, RoleSet::optimizer_states(), rt->compute_stream()).ok());
+  }
+  ASSERT_TRUE(rt->end_optimizer_step().ok());
+  ASSERT_TRUE(rt->end_step().ok());
+  EXPECT_EQ(staged, (std::vector<int>{0, 1}));
+  EXPECT_EQ(rt->stats().migrated_bytes_h2d, 2 * 4000);
+  for (int l = 2; l < 4; ++l) {
+    EXPECT_EQ(rt->info(rt->layer_tensors(l, RoleSet::optimizer_states())[0])->tier,
+              Tier::kPinnedHost);
+  }
+}
+
+TEST(PlacementTest, HybridRefusesWhatItCannotDo) {
+  auto refused = [](std::string policy, PolicyConfig config, std::string_view want) {
+    RuntimeOptions options;
+    options.policy = std::move(policy);
+    options.policy_config = config;
+    options.device = DeviceKind::kSimulated;
+    absl::StatusOr<std::unique_ptr<Runtime>> rt =
+        Runtime::create(std::move(options), policy::builtin_policies());
+    ASSERT_FALSE(rt.ok());
+    EXPECT_EQ(rt.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(rt.status().message()).find(want), std::string::npos) << rt.status();
+  };
+  PolicyConfig forced;
+  forced.hybrid_fraction = 0.5;
+  refused("layer_prefetch", forced, "only the hybrid policy");
+  PolicyConfig out_of_range;
+  out_of_range.hybrid_fraction = 1.5;
+  refused("hybrid", out_of_range, "not in [0, 1]");
+  PolicyConfig everything{.roles = RoleSet::all()};
+  refused("hybrid", everything, "use roles=optimizer_states");
 }
 
 }  // namespace

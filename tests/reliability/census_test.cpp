@@ -160,7 +160,7 @@ TEST(StagingCensusTest, Staging) {
   const StreamHandle s = rt->compute_stream();
   std::vector<TensorHandle> h;
   for (int l = 0; l < 3; ++l) {
-    TensorSpec t = spec(str_cat("m", l), l, Role::kExpAvg, 100 * (l + 1));
+    TensorSpec t = spec(str_cat("m", l), l, Role::kOptimizerState, 100 * (l + 1));
     t.home = Tier::kPinnedHost;
     h.push_back(*rt->register_tensor(t));
   }
@@ -188,7 +188,7 @@ TEST(StagingCensusTest, Staging) {
   ASSERT_TRUE(rt->release(h[0], s).ok());
   ASSERT_TRUE(rt->unstage_layer(0).ok());
   // A tensor registered after the ring was sized: its layer no longer fits a slot.
-  TensorSpec big = spec("m0.big", 0, Role::kExpAvgSq, 1000);
+  TensorSpec big = spec("m0.big", 0, Role::kOptimizerState, 1000);
   big.home = Tier::kPinnedHost;
   TensorHandle b = *rt->register_tensor(big);
   expect_refused("stage a layer larger than a slot", rt->stage_layer(0), kPrecondition,
@@ -277,10 +277,10 @@ TEST(PolicyCensusTest, LayerPrefetchBudgetSmallerThanOneLayer) {
   auto [rt, dev] = make_runtime("layer_prefetch", {}, false, 4 * kMiB);
   expect_refused(
       "a layer larger than layer_prefetch's GPU budget",
-      rt->register_tensor(spec("big.exp_avg", 0, Role::kExpAvg, 2 * 1024 * 1024)).status(),
+      rt->register_tensor(spec("big.exp_avg", 0, Role::kOptimizerState, 2 * 1024 * 1024)).status(),
       kInvalid,
       "layer_prefetch: the GPU budget (4.00 MiB) is smaller than one layer: layer 0 has "
-      "8.00 MiB of exp_avg,exp_avg_sq,master_param");
+      "8.00 MiB of optimizer_state");
   EXPECT_TRUE(rt->tensors().empty());
   for (Tier t : alloc::kAllTiers) EXPECT_EQ(rt->allocator().stats(t).allocated_bytes.current, 0);
 }

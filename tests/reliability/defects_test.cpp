@@ -406,10 +406,14 @@ TEST(DefectTest, HooksFromTwoThreadsAreSerialized) {
   std::vector<std::vector<unsigned char>> payload;
   std::vector<TensorHandle> handles;
   for (int l = 0; l < kHookLayers; ++l) {
-    for (Role r : {Role::kParameter, Role::kGradient, Role::kExpAvg, Role::kExpAvgSq}) {
-      payload.push_back(special_payload(4096 * (l + 1), 100 * l + static_cast<int>(r)));
+    const Role roles[] = {Role::kParameter, Role::kGradient, Role::kOptimizerState,
+                          Role::kOptimizerState};
+    for (int k = 0; k < 4; ++k) {
+      const Role r = roles[k];
+      payload.push_back(special_payload(4096 * (l + 1), 100 * l + k));
       handles.push_back(*rt->register_tensor(
-          spec(str_cat("l", l, ".", role_name(r)), l, r, 1024 * (l + 1)), payload.back().data()));
+          spec(str_cat("l", l, ".", k, ".", role_name(r)), l, r, 1024 * (l + 1)),
+          payload.back().data()));
     }
   }
   std::atomic<int> odd_errors{0};

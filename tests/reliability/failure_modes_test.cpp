@@ -56,9 +56,12 @@ TEST(FailureModeTest, UnregisterATensorOfAStagedLayer) {
   std::map<std::string, Bytes> want;
   std::map<std::string, TensorHandle> h;
   for (int l = 0; l < 3; ++l) {
-    for (Role r : {Role::kParameter, Role::kExpAvg, Role::kExpAvgSq}) {
-      const std::string name = str_cat("l", l, ".", role_name(r));
-      want[name] = special_payload(4000 * (l + 1), 10 * l + static_cast<int>(r));
+    const Role roles[] = {Role::kParameter, Role::kOptimizerState, Role::kOptimizerState};
+    const char* names[] = {"parameter", "exp_avg", "exp_avg_sq"};
+    for (int k = 0; k < 3; ++k) {
+      const Role r = roles[k];
+      const std::string name = str_cat("l", l, ".", names[k]);
+      want[name] = special_payload(4000 * (l + 1), 10 * l + k);
       h[name] = *rt->register_tensor(spec(name, l, r, 1000 * (l + 1)), want[name].data());
     }
   }

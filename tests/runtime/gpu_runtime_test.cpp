@@ -142,8 +142,10 @@ TEST_F(GpuRuntimeTest, GpuLayerPrefetchStepMakesNoHostWaitAndKeepsStatesExact) {
     constexpr int kLayers = 8;
     constexpr std::size_t kN = (std::size_t{3} << 20) + 7;  // floats per state, odd
     for (int l = 0; l < kLayers; ++l) {
-      ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kExpAvg, kN + l)).ok());
-      ASSERT_TRUE(rt->register_tensor(spec(str_cat("v", l), l, Role::kExpAvgSq, kN - l)).ok());
+      ASSERT_TRUE(
+          rt->register_tensor(spec(str_cat("m", l), l, Role::kOptimizerState, kN + l)).ok());
+      ASSERT_TRUE(
+          rt->register_tensor(spec(str_cat("v", l), l, Role::kOptimizerState, kN - l)).ok());
     }
     auto stream = static_cast<cudaStream_t>(rt->compute_stream());
     auto step = [&] {

@@ -36,10 +36,11 @@ TEST(RegistryTest, RegisterFindInfoUnregister) {
 TEST(RegistryTest, LayersRolesAndOrder) {
   auto [rt, dev] = make_runtime("bulk");
   for (int layer : {2, 0, 1}) {
-    for (Role role : {Role::kParameter, Role::kExpAvg, Role::kExpAvgSq}) {
-      ASSERT_TRUE(rt->register_tensor(
-                        spec(str_cat("l", layer, ".", role_name(role)), layer, role, 10 + layer))
-                      .ok());
+    for (auto [name, role] :
+         {std::pair{"parameter", Role::kParameter}, std::pair{"exp_avg", Role::kOptimizerState},
+          std::pair{"exp_avg_sq", Role::kOptimizerState}}) {
+      ASSERT_TRUE(
+          rt->register_tensor(spec(str_cat("l", layer, ".", name), layer, role, 10 + layer)).ok());
     }
   }
   EXPECT_EQ(rt->layers(), (std::vector<int>{0, 1, 2}));
@@ -86,7 +87,8 @@ TEST(MigrationTest, MigratesBetweenEveryTierPairBitExactly) {
 TEST(MigrationTest, InFlightUntilTheCopyEventCompletes) {
   auto [rt, dev] = make_runtime("bulk", {}, /*deferred=*/true);
   auto payload = special_payload(1 << 20, 3);
-  TensorHandle h = *rt->register_tensor(spec("t", 0, Role::kExpAvg, 1 << 18), payload.data());
+  TensorHandle h =
+      *rt->register_tensor(spec("t", 0, Role::kOptimizerState, 1 << 18), payload.data());
   void* source = rt->info(h)->data;
   ASSERT_TRUE(rt->migrate(h, Tier::kPinnedHost).ok());
   ASSERT_TRUE(rt->poll().ok());
@@ -112,7 +114,8 @@ TEST(MigrationTest, FailedDestinationLeavesTheTensorAtItsSource) {
   options.allocator.budgets[alloc::tier_index(Tier::kPinnedHost)] = 4 << 20;
   auto rt = *Runtime::create(std::move(options), policy::builtin_policies());
   auto payload = special_payload(8 << 20, 5);
-  TensorHandle h = *rt->register_tensor(spec("big", 0, Role::kExpAvg, 2 << 20), payload.data());
+  TensorHandle h =
+      *rt->register_tensor(spec("big", 0, Role::kOptimizerState, 2 << 20), payload.data());
   const TensorInfo before = *rt->info(h);
   absl::Status s = rt->migrate(h, Tier::kPinnedHost);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
@@ -134,7 +137,8 @@ TEST(GuardTest, AcquireWaitsOnTheGpuAndHoldsTheTensor) {
   auto [rt, dev] = make_runtime("bulk", {}, /*deferred=*/true);
   auto payload = special_payload(4096, 9);
   TensorHandle h = *rt->register_tensor(
-      spec("t", 0, Role::kExpAvg, 1024, DType::kFloat32, Tier::kPinnedHost), payload.data());
+      spec("t", 0, Role::kOptimizerState, 1024, DType::kFloat32, Tier::kPinnedHost),
+      payload.data());
   StreamHandle compute = rt->compute_stream();
   const std::int64_t syncs = rt->stats().host_syncs;  // registration waits once, to copy in
   absl::StatusOr<void*> p = rt->acquire(h, Tier::kGpu, compute);  // demand fetch
@@ -157,7 +161,7 @@ TEST(GuardTest, AcquireWaitsOnTheGpuAndHoldsTheTensor) {
 TEST(GuardTest, MoveAfterReleaseWaitsForTheComputeStream) {
   auto [rt, dev] = make_runtime("bulk", {}, /*deferred=*/true);
   std::vector<float> values(256, 1.0f);
-  TensorHandle h = *rt->register_tensor(spec("t", 0, Role::kExpAvg, 256), values.data());
+  TensorHandle h = *rt->register_tensor(spec("t", 0, Role::kOptimizerState, 256), values.data());
   StreamHandle compute = rt->compute_stream();
   void* p = *rt->acquire(h, Tier::kGpu, compute);
   // The compute stream writes 2.0 later than the host queues the move home.
@@ -203,7 +207,7 @@ TEST(GuardTest, ReleasesOnTwoStreamsAreBothWaitedFor) {
   // Two streams use the tensor; the later release must not drop the earlier stream's event.
   auto [rt, dev] = make_runtime("bulk", {}, /*deferred=*/true);
   std::vector<float> values(64, 1.0f);
-  TensorHandle h = *rt->register_tensor(spec("t", 0, Role::kExpAvg, 64), values.data());
+  TensorHandle h = *rt->register_tensor(spec("t", 0, Role::kOptimizerState, 64), values.data());
   StreamHandle s1 = *dev->create_stream();
   StreamHandle s2 = *dev->create_stream();
   void* p = *rt->acquire(h, Tier::kGpu, s1);
@@ -299,14 +303,15 @@ TEST(PolicyChoiceTest, InvalidParameters) {
 
 TEST(PolicyChoiceTest, GpuBudgetSmallerThanOneLayer) {
   auto [rt, dev] = make_runtime("layer_prefetch", {}, false, /*gpu_budget=*/8 << 20);
-  ASSERT_TRUE(rt->register_tensor(spec("l0.m", 0, Role::kExpAvg, 1 << 20)).ok());  // 4 MiB
-  absl::StatusOr<TensorHandle> v = rt->register_tensor(spec("l0.v", 0, Role::kExpAvgSq, 2 << 20));
+  ASSERT_TRUE(rt->register_tensor(spec("l0.m", 0, Role::kOptimizerState, 1 << 20)).ok());  // 4 MiB
+  absl::StatusOr<TensorHandle> v =
+      rt->register_tensor(spec("l0.v", 0, Role::kOptimizerState, 2 << 20));
   ASSERT_FALSE(v.ok());
   EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(
       v.status().message(),
       "layer_prefetch: the GPU budget (8.00 MiB) is smaller than one layer: layer 0 has 12.00 "
-      "MiB of exp_avg,exp_avg_sq,master_param");
+      "MiB of optimizer_state");
   EXPECT_EQ(rt->find("l0.v").status().code(), absl::StatusCode::kNotFound) << "registration undone";
   // Two slots of one 4 MiB layer fit 8 MiB exactly; a depth needing three does not.
   ASSERT_TRUE(rt->begin_optimizer_step().ok());
@@ -388,8 +393,9 @@ TEST_F(BadRuntimeInputTest, ReleaseWithoutAcquire) {
 TEST_F(BadRuntimeInputTest, UnstagedLayerIsANoOpAndUnknownRoleFails) {
   EXPECT_TRUE(rt_->unstage_layer(42).ok());
   EXPECT_EQ(parse_role("momentum").status().message(),
-            "unknown role 'momentum'; valid roles: parameter, gradient, exp_avg, exp_avg_sq, "
-            "master_param, other");
+            "unknown role 'momentum'; valid roles: parameter, gradient, optimizer_state, other (an "
+            "optimizer's states move together as optimizer_state; See Note [Roles] in "
+            "runtime/tensor.h)");
 }
 
 TEST(LeakTest, UnregisteringEverythingLeavesNoLiveBytes) {
@@ -399,9 +405,9 @@ TEST(LeakTest, UnregisteringEverythingLeavesNoLiveBytes) {
     all.push_back(
         *rt->register_tensor(spec(str_cat("l", layer, ".w"), layer, Role::kParameter, 999)));
     all.push_back(
-        *rt->register_tensor(spec(str_cat("l", layer, ".m"), layer, Role::kExpAvg, 5000)));
+        *rt->register_tensor(spec(str_cat("l", layer, ".m"), layer, Role::kOptimizerState, 5000)));
     all.push_back(
-        *rt->register_tensor(spec(str_cat("l", layer, ".v"), layer, Role::kExpAvgSq, 5000)));
+        *rt->register_tensor(spec(str_cat("l", layer, ".v"), layer, Role::kOptimizerState, 5000)));
   }
   testing::empty_optimizer_step(*rt);
   ASSERT_TRUE(rt->migrate(all[0], Tier::kPageableHost).ok());  // uses the bounce buffers

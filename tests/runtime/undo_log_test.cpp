@@ -51,7 +51,7 @@ TEST(UndoLogTest, ARestingTensorIsRolledBackOrCommittedExactly) {
       auto [rt, dev] = make_runtime("keep_on_gpu", config, /*deferred=*/true);
       const std::vector<unsigned char> before = pattern(1.0f), after = pattern(-3.0f);
       absl::StatusOr<TensorHandle> h =
-          rt->register_tensor(spec("w", 0, Role::kExpAvg, kN), before.data());
+          rt->register_tensor(spec("w", 0, Role::kOptimizerState, kN), before.data());
       ASSERT_TRUE(h.ok()) << h.status();
       ASSERT_TRUE(rt->wait_all().ok());
       const std::int64_t pinned = pinned_in_use(*rt);
@@ -97,7 +97,7 @@ TEST(UndoLogTest, AStagedTensorKeepsItsOldHomeBlockWithNoCopy) {
       before.push_back(pattern(static_cast<float>(layer)));
       after.push_back(pattern(10.0f + static_cast<float>(layer)));
       absl::StatusOr<TensorHandle> h = rt->register_tensor(
-          spec(str_cat("m", layer), layer, Role::kExpAvg, kN), before.back().data());
+          spec(str_cat("m", layer), layer, Role::kOptimizerState, kN), before.back().data());
       ASSERT_TRUE(h.ok()) << h.status();
       hs.push_back(*h);
     }
@@ -132,7 +132,7 @@ TEST(UndoLogTest, RefusalsKeepNothingAndChangeNothing) {
   auto [rt, dev] = make_runtime("keep_on_gpu");
   const std::vector<unsigned char> before = pattern(2.0f), after = pattern(7.0f);
   absl::StatusOr<TensorHandle> h =
-      rt->register_tensor(spec("w", 0, Role::kExpAvg, kN), before.data());
+      rt->register_tensor(spec("w", 0, Role::kOptimizerState, kN), before.data());
   ASSERT_TRUE(h.ok()) << h.status();
   const StreamHandle s = rt->compute_stream();
   EXPECT_EQ(rt->keep_for_undo(*h, s).code(), absl::StatusCode::kFailedPrecondition);

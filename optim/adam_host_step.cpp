@@ -1,0 +1,328 @@
+// optim/adam_host_step.cpp: Adam's layers whose step the policy put on the host (See Note [Step
+// placement] in runtime/policy.h): placing the steps at create, and stepping those layers around
+// the GPU layers' step.
+//
+// Note [Host-stepped layers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A layer stepped on the host keeps its states where they rest, in pinned memory, and moves only
+// its gradients out and its parameters back: at the start of the step its gradients are copied to
+// pinned buffers on a stream of their own, once the compute stream has produced them; then the GPU
+// layers' step is queued (their states stream as under layer_prefetch); then, on the host, layer
+// after layer as its gradients arrive, the host kernel steps the layer's states on the pool's
+// threads and its parameters are queued back to the GPU on another stream, which the compute
+// stream waits for before anything that follows the step. So the host kernel runs while the GPU
+// layers stream, and the step returns once the host is done.
+//
+// A float32 parameter stepped on the host keeps a float32 master copy there (master_param, as a
+// bfloat16 or float16 parameter does everywhere), which the host kernel steps and the GPU's
+// parameter is copied from: otherwise the parameter would have to come to the host at every step
+// too. As with every master copy (and as torchao's and DeepSpeed's offloaded optimizers do), the
+// master is the parameter's value: a write to the parameter on the GPU between steps is overwritten
+// by the next step; load it through the optimizer's state (load_state_dict) instead.
+//
+// The host kernel reads the step's grad_scale and found_inf and its bias corrections from the
+// device, copied to pinned memory in stream order before the gradients (See Note [Bias
+// corrections from the device] in adam_kernels.h), so a host-stepped layer's result is bitwise
+// the result of the same layer stepped on the GPU. A step found_inf skips is counted on the host
+// for these layers (See Note [Skipped steps] in adam_kernels.h). In an overlapped step (See Note
+// [Overlapped step] in adam.h) host-stepped layers are left for finish_step, which steps them with
+// the true scalars: they are never stepped speculatively and never need an undo.
+#include <algorithm>
+#include <map>
+#include <thread>
+#include <tuple>
+
+#include "base/status.h"
+#include "base/strings.h"
+#include "optim/adam.h"
+#include "optim/adam_kernels.h"
+#include "optim/step_rates.h"
+
+namespace strata::optim {
+namespace {
+
+// Host memory the host kernel reads and writes a parameter: master (or parameter), gradient and
+// both moments read; master and both moments written (a low-precision parameter's write is half).
+constexpr double kHostTouchBytes = 28;
+// Where a host slot's pinned buffers start: a cache line apart.
+constexpr std::size_t kAlign = 64;
+
+std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+ThreadPool& Adam::pool() {
+  if (cpu_pool_ == nullptr) {
+    const int threads = options_.cpu_threads > 0
+                            ? options_.cpu_threads
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    cpu_pool_ = std::make_shared<ThreadPool>(threads);
+  }
+  return *cpu_pool_;
+}
+
+absl::Status Adam::place_steps() {
+  std::map<int, rt::LayerCost> by_layer;
+  for (const ParamGroup& group : groups_) {
+    for (auto [param, grad] : group.params) {
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(param));
+      rt::DType grad_dtype = p.spec.dtype;
+      if (grad.valid()) {
+        STRATA_ASSIGN_OR_RETURN(rt::TensorInfo g, runtime_.info(grad));
+        grad_dtype = g.spec.dtype;
+      }
+      const double n = static_cast<double>(p.bytes / rt::dtype_size(p.spec.dtype));
+      rt::LayerCost& c = by_layer[p.spec.layer];
+      c.layer = p.spec.layer;
+      c.params += static_cast<std::int64_t>(n);
+      // Weighted sums, divided by the parameters below: bytes a parameter over the layer.
+      c.state_bytes += n * static_cast<double>(state_bytes(adam_states(group.hyper, p.spec.dtype)));
+      c.grad_bytes += n * static_cast<double>(rt::dtype_size(grad_dtype));
+      c.param_bytes += n * static_cast<double>(rt::dtype_size(p.spec.dtype));
+      c.host_touch_bytes += n * kHostTouchBytes;
+    }
+  }
+  rt::StepCosts costs;
+  for (auto& [layer, c] : by_layer) {
+    if (c.params > 0) {
+      const double n = static_cast<double>(c.params);
+      c.state_bytes /= n;
+      c.grad_bytes /= n;
+      c.param_bytes /= n;
+      c.host_touch_bytes /= n;
+    }
+    costs.layers.push_back(c);
+  }
+  // See Note [Measuring the step's rates] in step_rates.h; small on the simulated device, where the
+  // figures say nothing about a GPU anyway.
+  MeasureOptions measure;
+  if (runtime_.device().is_simulated()) {
+    measure = {
+        .link_bytes = 1 << 20, .adam_params = 1 << 16, .memory_bytes = 1 << 20, .repeats = 1};
+  }
+  STRATA_ASSIGN_OR_RETURN(costs.rates, measure_step_rates(runtime_, pool(), measure));
+  STRATA_ASSIGN_OR_RETURN(placement_, runtime_.place_steps(costs));
+  host_layers_.clear();
+  for (const rt::LayerCost& c : costs.layers) {
+    if (runtime_.step_place(c.layer) == rt::StepPlace::kHost) host_layers_.push_back(c.layer);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::make_host_buffers() {
+  if (host_layers_.empty()) return absl::OkStatus();
+  host_slots_.assign(slots_.size(), HostSlot{});
+  std::size_t count = 0;
+  std::size_t bytes = 0;
+  for (const Slot& s : slots_) {
+    if (!steps_on_host(s.layer)) continue;
+    ++count;
+    bytes += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.grad_type));
+    if (s.param_type != ElemType::kF32) {
+      bytes += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.param_type));
+    }
+  }
+  // grad_scale and found_inf, then two floats of bias corrections for each host slot at most.
+  const std::size_t head = aligned((4 + 2 * count) * sizeof(float));
+  STRATA_ASSIGN_OR_RETURN(host_buffer_,
+                          runtime_.allocator().allocate(
+                              rt::Tier::kPinnedHost, head + bytes,
+                              {.owner = "Adam: host-stepped layers' gradients and parameters"}));
+  host_scalars_ = static_cast<float*>(host_buffer_);
+  char* next = static_cast<char*>(host_buffer_) + head;
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (!steps_on_host(s.layer)) continue;
+    host_slots_[i].grad = next;
+    next += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.grad_type));
+    if (s.param_type != ElemType::kF32) {
+      host_slots_[i].param = next;
+      next += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.param_type));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
+                                    const float* found_inf) {
+  rt::Device& dev = runtime_.device();
+  if (host_d2h_ == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(host_d2h_, dev.create_stream());
+    STRATA_ASSIGN_OR_RETURN(host_h2d_, dev.create_stream());
+  }
+  const rt::StreamHandle compute = runtime_.compute_stream();
+  // One request per group and settled step t (See Note [Skipped steps] in adam_kernels.h): the
+  // host alone counts these slots' skipped steps, so t is known here.
+  std::vector<BiasRequest> requests;
+  std::map<std::pair<std::size_t, std::int64_t>, int> request_of;
+  for (int layer : layers) {
+    for (std::size_t index : by_layer_.at(layer)) {
+      if (skip_[index]) continue;
+      const Slot& s = slots_[index];
+      const std::int64_t t = s.steps + 1 - (skips_possible_ ? skipped_[index] : 0);
+      auto [it, added] = request_of.try_emplace({s.group, t}, static_cast<int>(requests.size()));
+      if (added) requests.push_back({adam_scalars(groups_[s.group].hyper, 1), t});
+      host_slots_[index].request = it->second;
+    }
+  }
+  float* bias = host_scalars_ + 4;
+  host_scalars_[0] = 1.0f;  // no grad_scale: 1; no found_inf: 0 (the reads below skip a null)
+  host_scalars_[1] = 0.0f;
+  if (dev.is_simulated()) {
+    // The simulated device's kernel is the host kernel: its bias corrections are the host's.
+    for (std::size_t r = 0; r < requests.size(); ++r) {
+      AdamScalars s = requests[r].scalars;
+      bias_corrections(s, requests[r].step);
+      bias[2 * r] = s.step_size;
+      bias[2 * r + 1] = s.bias_correction2_sqrt;
+    }
+  } else {
+#ifdef STRATA_HAS_CUDA
+    const auto stream = static_cast<cudaStream_t>(compute);
+    cudaError_t err =
+        adam_read_floats_cuda({grad_scale, found_inf, nullptr}, host_scalars_, stream);
+    for (std::size_t r = 0; r < requests.size() && err == cudaSuccess; r += kMaxBiasRequests) {
+      const int n = static_cast<int>(std::min<std::size_t>(kMaxBiasRequests, requests.size() - r));
+      err = adam_bias_corrections_cuda(requests.data() + r, n, bias + 2 * r, stream);
+    }
+    if (err != cudaSuccess) {
+      return absl::InternalError(str_cat("Adam: reading the step's scalars for the host failed: ",
+                                         cudaGetErrorString(err)));
+    }
+#else
+    return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
+#endif
+  }
+  // The gradients are final once the compute stream reaches here.
+  STRATA_ASSIGN_OR_RETURN(rt::EventHandle ready, dev.record(compute));
+  absl::Status waited = dev.stream_wait(host_d2h_, ready);
+  dev.release(ready);
+  STRATA_RETURN_IF_ERROR(waited);
+  for (int layer : layers) {
+    std::vector<rt::TensorHandle> held;
+    absl::Status s;
+    for (std::size_t index : by_layer_.at(layer)) {
+      if (skip_[index] || !s.ok()) continue;
+      const Slot& slot = slots_[index];
+      const void* src = slot.given_grad;
+      if (slot.grad.valid()) {
+        absl::StatusOr<void*> p = runtime_.acquire(slot.grad, rt::Tier::kGpu, host_d2h_);
+        if (!p.ok()) {
+          s = p.status();
+          continue;
+        }
+        held.push_back(slot.grad);
+        src = *p;
+      }
+      s = dev.copy_async(host_slots_[index].grad, src,
+                         static_cast<std::size_t>(slot.numel) * elem_size(slot.grad_type),
+                         host_d2h_);
+    }
+    if (!held.empty()) {
+      absl::Status r = runtime_.release(held, host_d2h_);
+      if (s.ok()) s = r;
+    }
+    STRATA_RETURN_IF_ERROR(s);
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle arrived, dev.record(host_d2h_));
+    host_arrived_.push_back(arrived);
+  }
+  if (dev.is_simulated()) {
+    // Read in stream order on the simulated device too: after the gradients, the compute stream's
+    // scalars are final.
+    float* scalars = host_scalars_;
+    STRATA_RETURN_IF_ERROR(dev.enqueue_host(host_d2h_, [scalars, grad_scale, found_inf] {
+      scalars[0] = grad_scale != nullptr ? *grad_scale : 1.0f;
+      scalars[1] = found_inf != nullptr ? *found_inf : 0.0f;
+    }));
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle read, dev.record(host_d2h_));
+    dev.release(host_arrived_.back());
+    host_arrived_.back() = read;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
+  rt::Device& dev = runtime_.device();
+  // The scalars arrive with the last layer's gradients on the simulated device.
+  STRATA_RETURN_IF_ERROR(
+      dev.synchronize(dev.is_simulated() ? host_arrived_.back() : host_arrived_.front()));
+  const float inv = 1.0f / host_scalars_[0];  // as the CUDA kernel takes it
+  const bool inf = host_scalars_[1] != 0.0f;
+  const float* bias = host_scalars_ + 4;
+  for (std::size_t k = 0; k < layers.size(); ++k) {
+    STRATA_RETURN_IF_ERROR(dev.synchronize(host_arrived_[k]));
+    std::vector<std::vector<AdamTensor>> per_group(groups_.size());
+    std::vector<std::size_t> stepped;
+    for (std::size_t index : by_layer_.at(layers[k])) {
+      if (skip_[index]) continue;
+      const Slot& s = slots_[index];
+      std::array<void*, 4> states = {};  // exp_avg, exp_avg_sq, max_exp_avg_sq, master
+      const std::array<rt::TensorHandle, 4> hs = {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq,
+                                                  s.master};
+      for (int j = 0; j < 4; ++j) {
+        if (!hs[j].valid()) continue;
+        STRATA_ASSIGN_OR_RETURN(states[j],
+                                runtime_.acquire(hs[j], rt::Tier::kPinnedHost, host_h2d_));
+        host_held_.push_back(hs[j]);
+      }
+      AdamTensor t;
+      t.master = static_cast<float*>(states[3]);
+      // A float32 parameter is its master here: the kernel writes it twice, the same value.
+      t.param = host_slots_[index].param != nullptr ? host_slots_[index].param : states[3];
+      t.grad = host_slots_[index].grad;
+      t.exp_avg = static_cast<float*>(states[0]);
+      t.exp_avg_sq = static_cast<float*>(states[1]);
+      t.max_exp_avg_sq = static_cast<float*>(states[2]);
+      t.numel = s.numel;
+      t.param_type = s.param_type;
+      t.grad_type = s.grad_type;
+      t.step = s.steps + 1;
+      t.skipped = skips_possible_ ? skipped_ + index : nullptr;
+      t.bias = bias + 2 * host_slots_[index].request;
+      per_group[s.group].push_back(t);
+      stepped.push_back(index);
+    }
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      if (per_group[g].empty()) continue;
+      if (inf) {
+        adam_count_skipped_cpu(per_group[g].data(), per_group[g].size());
+      } else {
+        adam_step_cpu(per_group[g].data(), per_group[g].size(), adam_scalars(groups_[g].hyper, 1),
+                      inv, &pool());
+      }
+    }
+    // The parameters go back to the GPU.
+    for (std::size_t index : stepped) {
+      Slot& s = slots_[index];
+      STRATA_ASSIGN_OR_RETURN(void* dst, runtime_.acquire(s.param, rt::Tier::kGpu, host_h2d_));
+      host_held_.push_back(s.param);
+      const void* src = host_slots_[index].param;
+      if (src == nullptr) {
+        STRATA_ASSIGN_OR_RETURN(rt::TensorInfo master, runtime_.info(s.master));
+        src = master.data;
+      }
+      STRATA_RETURN_IF_ERROR(dev.copy_async(
+          dst, src, static_cast<std::size_t>(s.numel) * elem_size(s.param_type), host_h2d_));
+      ++s.steps;
+      last_step_.push_back(s.param);
+    }
+    STRATA_RETURN_IF_ERROR(runtime_.release(host_held_, host_h2d_));
+    host_held_.clear();
+  }
+  // What follows the step on the compute stream waits for the parameters.
+  STRATA_ASSIGN_OR_RETURN(rt::EventHandle back, dev.record(host_h2d_));
+  absl::Status waited = dev.stream_wait(runtime_.compute_stream(), back);
+  dev.release(back);
+  return waited;
+}
+
+void Adam::end_host_steps() {
+  rt::Device& dev = runtime_.device();
+  for (int attempt = 0; attempt < 2 && !host_held_.empty(); ++attempt) {
+    if (runtime_.release(host_held_, host_h2d_).ok()) host_held_.clear();
+  }
+  for (rt::EventHandle e : host_arrived_) dev.release(e);
+  host_arrived_.clear();
+}
+
+}  // namespace strata::optim

@@ -1,0 +1,244 @@
+#include "optim/step_rates.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "base/status.h"
+#include "base/strings.h"
+#include "optim/adam_kernels.h"
+
+namespace strata::optim {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Memory from the runtime's allocator, given back when it goes.
+class Buffer {
+ public:
+  Buffer(rt::Runtime& runtime, rt::Tier tier) : runtime_(runtime), tier_(tier) {}
+  ~Buffer() {
+    if (ptr_ != nullptr) (void)runtime_.allocator().deallocate(tier_, ptr_);
+  }
+  absl::Status allocate(std::size_t bytes) {
+    STRATA_ASSIGN_OR_RETURN(
+        ptr_, runtime_.allocator().allocate(tier_, bytes, {.owner = "measure_step_rates"}));
+    return absl::OkStatus();
+  }
+  void* get() const { return ptr_; }
+  float* floats(std::size_t offset) const { return static_cast<float*>(ptr_) + offset; }
+
+ private:
+  rt::Runtime& runtime_;
+  rt::Tier tier_;
+  void* ptr_ = nullptr;
+};
+
+// Two streams of the device, destroyed when it goes.
+class Streams {
+ public:
+  explicit Streams(rt::Device& device) : device_(device) {}
+  ~Streams() {
+    for (rt::StreamHandle s : streams_) device_.destroy_stream(s);
+  }
+  absl::Status create(int n) {
+    for (int i = 0; i < n; ++i) {
+      STRATA_ASSIGN_OR_RETURN(rt::StreamHandle s, device_.create_stream());
+      streams_.push_back(s);
+    }
+    return absl::OkStatus();
+  }
+  rt::StreamHandle operator[](int i) const { return streams_[i]; }
+
+ private:
+  rt::Device& device_;
+  std::vector<rt::StreamHandle> streams_;
+};
+
+// Milliseconds from `start` to `end`, both timed events; releases them.
+absl::StatusOr<double> elapsed(rt::Device& device, rt::EventHandle start, rt::EventHandle end) {
+  absl::Status wait = device.synchronize(end);
+  absl::StatusOr<double> ms =
+      wait.ok() ? device.elapsed_ms(start, end) : absl::StatusOr<double>(wait);
+  device.release_timed(start);
+  device.release_timed(end);
+  return ms;
+}
+
+// `copies` copies of `bytes` on `stream`, each from src to dst.
+absl::Status queue_copies(rt::Device& device, void* dst, const void* src, std::size_t bytes,
+                          int copies, rt::StreamHandle stream) {
+  for (int i = 0; i < copies; ++i) {
+    STRATA_RETURN_IF_ERROR(device.copy_async(dst, src, bytes, stream));
+  }
+  return absl::OkStatus();
+}
+
+// Seconds of one direction's copy alone: the best of `repeats`.
+absl::StatusOr<double> time_copy(rt::Device& device, void* dst, const void* src, std::size_t bytes,
+                                 int repeats, rt::StreamHandle stream) {
+  double best = 0;
+  for (int r = 0; r < repeats; ++r) {
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle start, device.record_timed(stream));
+    STRATA_RETURN_IF_ERROR(device.copy_async(dst, src, bytes, stream));
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle end, device.record_timed(stream));
+    STRATA_ASSIGN_OR_RETURN(double ms, elapsed(device, start, end));
+    if (r == 0 || ms < best) best = ms;
+  }
+  return best / 1e3;
+}
+
+// Seconds until both directions' copies are done, started together: the best of `repeats`.
+absl::StatusOr<double> time_both(rt::Device& device, void* gpu_in, const void* host_out,
+                                 void* host_in, const void* gpu_out, std::size_t bytes, int repeats,
+                                 const Streams& s) {
+  double best = 0;
+  for (int r = 0; r < repeats; ++r) {
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle start, device.record_timed(s[0]));
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle go, device.record(s[0]));
+    STRATA_RETURN_IF_ERROR(device.stream_wait(s[1], go));
+    device.release(go);
+    STRATA_RETURN_IF_ERROR(device.copy_async(gpu_in, host_out, bytes, s[0]));
+    STRATA_RETURN_IF_ERROR(device.copy_async(host_in, gpu_out, bytes, s[1]));
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle joined, device.record(s[1]));
+    STRATA_RETURN_IF_ERROR(device.stream_wait(s[0], joined));
+    device.release(joined);
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle end, device.record_timed(s[0]));
+    STRATA_ASSIGN_OR_RETURN(double ms, elapsed(device, start, end));
+    if (r == 0 || ms < best) best = ms;
+  }
+  return best / 1e3;
+}
+
+// The host Adam kernel over n parameters at `base` (parameter, gradient, moments in turn).
+void host_adam(float* base, std::int64_t n, ThreadPool& pool) {
+  AdamTensor t;
+  t.param = base;
+  t.grad = base + n;
+  t.exp_avg = base + 2 * n;
+  t.exp_avg_sq = base + 3 * n;
+  t.numel = n;
+  adam_step_cpu(&t, 1, adam_scalars(AdamHyper{.weight_decay = 0.01}, 1), 1.0f, &pool);
+}
+
+double best_of(int repeats, const std::function<void()>& run) {
+  double best = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const Clock::time_point start = Clock::now();
+    run();
+    const double s = seconds_since(start);
+    if (r == 0 || s < best) best = s;
+  }
+  return best;
+}
+
+}  // namespace
+
+absl::StatusOr<rt::StepRates> measure_step_rates(rt::Runtime& runtime, ThreadPool& pool,
+                                                 const MeasureOptions& options) {
+  if (options.link_bytes == 0 || options.adam_params <= 0 || options.memory_bytes == 0 ||
+      options.repeats <= 0) {
+    return absl::InvalidArgumentError("measure_step_rates: every size and repeat must be positive");
+  }
+  rt::Device& device = runtime.device();
+  rt::StepRates rates;
+  rates.host_threads = pool.size();
+  const std::size_t bytes = options.link_bytes;
+  const int repeats = options.repeats + 1;  // the first run faults pages in
+  Buffer gpu(runtime, rt::Tier::kGpu), pinned(runtime, rt::Tier::kPinnedHost);
+  STRATA_RETURN_IF_ERROR(gpu.allocate(2 * bytes));
+  STRATA_RETURN_IF_ERROR(pinned.allocate(2 * bytes));
+  std::memset(pinned.get(), 1, 2 * bytes);
+  char* g = static_cast<char*>(gpu.get());
+  char* h = static_cast<char*>(pinned.get());
+  Streams streams(device);
+  STRATA_RETURN_IF_ERROR(streams.create(2));
+
+  // See Note [Measuring the step's rates].
+  STRATA_ASSIGN_OR_RETURN(double h2d, time_copy(device, g, h, bytes, repeats, streams[0]));
+  STRATA_ASSIGN_OR_RETURN(double d2h,
+                          time_copy(device, h + bytes, g + bytes, bytes, repeats, streams[1]));
+  STRATA_ASSIGN_OR_RETURN(double both,
+                          time_both(device, g, h, h + bytes, g + bytes, bytes, repeats, streams));
+  rates.link_h2d_gbps = static_cast<double>(bytes) / h2d / 1e9;
+  rates.link_d2h_gbps = static_cast<double>(bytes) / d2h / 1e9;
+  rates.link_both_gbps = static_cast<double>(bytes) / both / 1e9;
+
+  // Host memory: a copy between two pageable buffers split over the pool.
+  {
+    const std::size_t n = options.memory_bytes;
+    std::vector<char> src(n, 1), dst(n, 0);
+    const int parts = pool.size() * 4;
+    const std::size_t per = (n + parts - 1) / parts;
+    const double s = best_of(repeats, [&] {
+      pool.parallel_for(parts, [&](int part) {
+        const std::size_t begin = std::min(n, per * part);
+        const std::size_t end = std::min(n, begin + per);
+        std::memcpy(dst.data() + begin, src.data() + begin, end - begin);
+      });
+    });
+    rates.host_memory_gbps = 2.0 * static_cast<double>(n) / s / 1e9;
+  }
+
+  // The host kernel, alone and then while copies run both ways for longer than it does.
+  const std::int64_t n = options.adam_params;
+  Buffer adam(runtime, rt::Tier::kPinnedHost);
+  STRATA_RETURN_IF_ERROR(adam.allocate(4 * static_cast<std::size_t>(n) * sizeof(float)));
+  std::fill(adam.floats(0), adam.floats(4 * n), 0.5f);
+  const double alone = best_of(repeats, [&] { host_adam(adam.floats(0), n, pool); });
+  rates.host_params_per_s_alone = static_cast<double>(n) / alone;
+  // Enough copies each way to outlast the kernel twice over at the rate both directions get.
+  const int copies = std::clamp(static_cast<int>(2.0 * alone / both) + 2, 2, 256);
+  double loaded = 0;
+  for (int r = 0; r < repeats; ++r) {
+    STRATA_RETURN_IF_ERROR(queue_copies(device, g, h, bytes, copies, streams[0]));
+    STRATA_RETURN_IF_ERROR(queue_copies(device, h + bytes, g + bytes, bytes, copies, streams[1]));
+    const Clock::time_point start = Clock::now();
+    host_adam(adam.floats(0), n, pool);
+    const double s = seconds_since(start);
+    STRATA_RETURN_IF_ERROR(device.stream_synchronize(streams[0]));
+    STRATA_RETURN_IF_ERROR(device.stream_synchronize(streams[1]));
+    if (r == 0 || s < loaded) loaded = s;
+  }
+  rates.host_params_per_s = static_cast<double>(n) / loaded;
+
+#ifdef STRATA_HAS_CUDA
+  if (!device.is_simulated()) {
+    Buffer on_gpu(runtime, rt::Tier::kGpu);
+    STRATA_RETURN_IF_ERROR(on_gpu.allocate(4 * static_cast<std::size_t>(n) * sizeof(float)));
+    STRATA_RETURN_IF_ERROR(
+        device.copy_async(on_gpu.get(), adam.get(), 4 * n * sizeof(float), streams[0]));
+    AdamTensor t;
+    t.param = on_gpu.floats(0);
+    t.grad = on_gpu.floats(n);
+    t.exp_avg = on_gpu.floats(2 * n);
+    t.exp_avg_sq = on_gpu.floats(3 * n);
+    t.numel = n;
+    double best = 0;
+    for (int r = 0; r < repeats; ++r) {
+      STRATA_ASSIGN_OR_RETURN(rt::EventHandle start, device.record_timed(streams[0]));
+      const cudaError_t err =
+          adam_step_cuda(&t, 1, adam_scalars(AdamHyper{.weight_decay = 0.01}, 1), nullptr, nullptr,
+                         static_cast<cudaStream_t>(streams[0]));
+      if (err != cudaSuccess) {
+        device.release_timed(start);
+        return absl::InternalError(
+            str_cat("measure_step_rates: the GPU Adam kernel failed: ", cudaGetErrorString(err)));
+      }
+      STRATA_ASSIGN_OR_RETURN(rt::EventHandle end, device.record_timed(streams[0]));
+      STRATA_ASSIGN_OR_RETURN(double ms, elapsed(device, start, end));
+      if (r == 0 || ms < best) best = ms;
+    }
+    rates.gpu_params_per_s = static_cast<double>(n) / (best / 1e3);
+  }
+#endif
+  return rates;
+}
+
+}  // namespace strata::optim

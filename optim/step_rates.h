@@ -1,0 +1,45 @@
+// optim/step_rates.h: measures, on this machine, the rates that bound an optimizer step split
+// between the GPU and the host (rt::StepRates): the link each way and both ways at once, the host
+// Adam kernel on the given threads with the link idle and while it copies both ways, host memory
+// bandwidth, and the GPU Adam kernel.
+//
+// Note [Measuring the step's rates]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The rates are measured as the step will use them, not as a datasheet gives them: copies between
+// pinned host memory and GPU memory on the runtime's device, timed with device events; the host
+// kernel over pinned buffers on the pool the step uses, timed on the host, once alone and once
+// while copies run both ways for longer than it does (host Adam and DMA share host memory, so the
+// second rate is the one a hybrid step sees); host memory as a copy between two pageable buffers
+// split over the same pool. Each figure is the best of a few repeats (the first run of each also
+// faults its pages in). Buffers come from the runtime's allocator and go back before it returns,
+// so it must run before a budget is full; it waits on the device (host syncs), so at setup only.
+// On the simulated device the link figures are host copies: they say nothing about a GPU.
+//
+// Example:
+//   ThreadPool pool(16);
+//   STRATA_ASSIGN_OR_RETURN(rt::StepRates rates, measure_step_rates(runtime, pool, {}));
+//   std::printf("%s\n", rt::describe(rates).c_str());
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "base/thread_pool.h"
+#include "runtime/runtime.h"
+#include "runtime/step_costs.h"
+
+namespace strata::optim {
+
+struct MeasureOptions {
+  std::size_t link_bytes = std::size_t{256} << 20;    // per copy
+  std::int64_t adam_params = std::int64_t{1} << 24;   // host and GPU kernel runs
+  std::size_t memory_bytes = std::size_t{256} << 20;  // host memory copy
+  int repeats = 3;
+};
+
+[[nodiscard]] absl::StatusOr<rt::StepRates> measure_step_rates(rt::Runtime& runtime,
+                                                               ThreadPool& pool,
+                                                               const MeasureOptions& options);
+
+}  // namespace strata::optim

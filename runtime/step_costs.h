@@ -1,0 +1,53 @@
+// runtime/step_costs.h: what an optimizer step split between the GPU and the host costs: the rates
+// measured on this machine (optim/step_rates.h measures them) and each layer's share (the optimizer
+// knows it). A policy that places steps is handed both (ResidencyPolicy::on_place_steps) and
+// predicts from them (policies/step_cost_model.h).
+//
+// Example:
+//   StepCosts costs;
+//   costs.rates = {.link_h2d_gbps = 50, .link_d2h_gbps = 50, .link_both_gbps = 40,
+//                  .host_params_per_s = 2e9, .host_memory_gbps = 100};
+//   costs.layers.push_back({.layer = 0, .params = 1 << 24, .state_bytes = 8, .grad_bytes = 4,
+//                           .param_bytes = 4, .host_touch_bytes = 28});
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace strata::rt {
+
+// GB/s are 1e9 bytes a second. See Note [Hybrid cost model] in policies/step_cost_model.h.
+struct StepRates {
+  double link_h2d_gbps = 0;   // host to GPU, that direction alone
+  double link_d2h_gbps = 0;   // GPU to host, alone
+  double link_both_gbps = 0;  // each direction, both copying at once
+  // The host Adam kernel with the threads it may use, while the link copies both ways (it shares
+  // host memory with the copies).
+  double host_params_per_s = 0;
+  double host_params_per_s_alone = 0;  // the same with the link idle (reported, not modelled)
+  double host_memory_gbps = 0;         // host memory bandwidth (read + write) of a parallel copy
+  double gpu_params_per_s = 0;         // the GPU Adam kernel; 0: not measured (not modelled)
+  int host_threads = 0;                // threads the host kernel ran on
+};
+
+// One layer's share of an optimizer step. Byte figures are per parameter.
+struct LayerCost {
+  int layer = 0;
+  std::int64_t params = 0;
+  double state_bytes = 0;       // streamed each way: 8 for float32 moments, 12 with float32 masters
+  double grad_bytes = 0;        // the gradient sent GPU to host for a host step (its dtype's size)
+  double param_bytes = 0;       // the parameter sent host to GPU after a host step
+  double host_touch_bytes = 0;  // host memory the host kernel reads and writes (about 28 for Adam)
+};
+
+struct StepCosts {
+  StepRates rates;
+  std::vector<LayerCost> layers;
+};
+
+// One line: "link 53.1/54.0 GB/s (40.2 both ways), host Adam 1.9 G params/s on 16 threads (4.1
+// alone), host memory 118 GB/s, GPU Adam 40 G params/s".
+std::string describe(const StepRates& rates);
+
+}  // namespace strata::rt

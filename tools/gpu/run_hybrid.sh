@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The hybrid policy on a GPU (issue 38): the step's rates measured on this machine with the cost
+# model's predictions (strata_step_rates), the C1 test of hybrid against layer_prefetch in every
+# dtype with clipping (optim_overlap_gpu_test), compute-sanitizer memcheck over it, and the
+# optimizer step of strata-train's 24-block model under layer_prefetch and hybrid in alternating
+# rounds, float32 and bfloat16 (the hybrid's placement line gives the prediction beside the
+# measured step).
+#   tools/gpu/run_hybrid.sh OUT_DIR [ROUNDS]
+set -uo pipefail
+OUT=${1:?usage: tools/gpu/run_hybrid.sh OUT_DIR [ROUNDS]}
+ROUNDS=${2:-2}
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT"
+source tools/gpu/build.sh
+status=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+nproc >>"$OUT/gpu.txt"
+echo "== build"
+gpu_build "$OUT" strata_step_rates optim_overlap_gpu_test optim_kernel_test strata-train || exit 1
+echo "== strata_step_rates"
+"$BUILD/bin/strata_step_rates" --json="$OUT/rates.json" || status=1
+echo "== optim_overlap_gpu_test, optim_kernel_test (GPU)"
+{ "$BUILD/bin/optim_overlap_gpu_test" && "$BUILD/bin/optim_kernel_test" --gtest_filter='Gpu*'; } \
+  >"$OUT/gpu-tests.log" 2>&1 || status=1
+grep -E "^\[  (PASSED|FAILED) |OK \] .*Hybrid|FAILED \]" "$OUT/gpu-tests.log" | head -20
+echo "== compute-sanitizer memcheck: the hybrid C1 test"
+/usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 \
+  "$BUILD/bin/optim_overlap_gpu_test" --gtest_filter='*Hybrid*' >"$OUT/memcheck.log" 2>&1 ||
+  status=1
+grep -h "ERROR SUMMARY" "$OUT/memcheck.log"
+runs=""
+for ((r = 0; r < ROUNDS; ++r)); do
+  if ((r % 2 == 0)); then runs+="layer_prefetch,hybrid,"; else runs+="hybrid,layer_prefetch,"; fi
+done
+for dtype in float32 bfloat16; do
+  echo "== strata-train, $dtype: ${runs%,}"
+  "$BUILD/bin/strata-train" --compare --layers=24 --d_model=2048 --heads=16 --vocab=32000 \
+    --seq=512 --batch=8 --steps=5 --lr=1e-4 --dtype="$dtype" --runs="${runs%,}" \
+    --json="$OUT/train-$dtype.json" >"$OUT/train-$dtype.log" 2>&1 || status=1
+  grep -aE "\] hybrid: |^(layer_prefetch|hybrid) |identical" "$OUT/train-$dtype.log" | head -12
+done
+rm -f "$OUT/configure.log" "$OUT/build.log"
+exit $status
