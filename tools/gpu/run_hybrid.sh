@@ -32,12 +32,19 @@ runs=""
 for ((r = 0; r < ROUNDS; ++r)); do
   if ((r % 2 == 0)); then runs+="layer_prefetch,hybrid,"; else runs+="hybrid,layer_prefetch,"; fi
 done
+model="--layers=24 --d_model=2048 --heads=16 --vocab=32000 --seq=512 --batch=8 --steps=5 --lr=1e-4"
 for dtype in float32 bfloat16; do
-  echo "== strata-train, $dtype: ${runs%,}"
-  "$BUILD/bin/strata-train" --compare --layers=24 --d_model=2048 --heads=16 --vocab=32000 \
-    --seq=512 --batch=8 --steps=5 --lr=1e-4 --dtype="$dtype" --runs="${runs%,}" \
-    --json="$OUT/train-$dtype.json" >"$OUT/train-$dtype.log" 2>&1 || status=1
-  grep -aE "\] hybrid: |^(layer_prefetch|hybrid) |identical" "$OUT/train-$dtype.log" | head -12
+  echo "== strata-train, $dtype: ${runs%,}" | tee -a "$OUT/train.log"
+  "$BUILD/bin/strata-train" --compare $model --dtype="$dtype" --runs="${runs%,}" \
+    --json="$OUT/train-$dtype.json" >>"$OUT/train.log" 2>&1 || status=1
 done
+# Forced splits beside the cost model's choice: the prediction against the measured step.
+for forced in ${FORCED:-"float32:0.8 bfloat16:0.8 bfloat16:0.6"}; do
+  dtype=${forced%%:*} fraction=${forced##*:}
+  echo "== strata-train, $dtype, hybrid_fraction $fraction" | tee -a "$OUT/train.log"
+  "$BUILD/bin/strata-train" --compare $model --dtype="$dtype" --runs=hybrid,hybrid \
+    --strata_hybrid_fraction="$fraction" >>"$OUT/train.log" 2>&1 || status=1
+done
+grep -aE "^== |\] hybrid: |^(layer_prefetch|hybrid) +ok|identical" "$OUT/train.log"
 rm -f "$OUT/configure.log" "$OUT/build.log"
 exit $status
