@@ -3,9 +3,9 @@
 # model's predictions (strata_step_rates), the C1 test of hybrid against layer_prefetch in every
 # dtype with clipping (optim_overlap_gpu_test), compute-sanitizer memcheck over it, and the
 # optimizer step of strata-train's 24-block model under layer_prefetch and hybrid in alternating
-# rounds, float32 and bfloat16 (the hybrid's placement line gives the prediction beside the
-# measured step).
-#   tools/gpu/run_hybrid.sh OUT_DIR [ROUNDS]
+# rounds, float32 and bfloat16, then hybrid with forced splits (FORCED="dtype:fraction ...") (the
+# hybrid's placement line gives the cost model's prediction beside each measured step).
+#   [FORCED="bfloat16:0.6 ..."] tools/gpu/run_hybrid.sh OUT_DIR [ROUNDS]
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_hybrid.sh OUT_DIR [ROUNDS]}
 ROUNDS=${2:-2}
@@ -39,7 +39,7 @@ for dtype in float32 bfloat16; do
     --json="$OUT/train-$dtype.json" >>"$OUT/train.log" 2>&1 || status=1
 done
 # Forced splits beside the cost model's choice: the prediction against the measured step.
-for forced in ${FORCED:-"float32:0.8 bfloat16:0.8 bfloat16:0.6"}; do
+for forced in ${FORCED:-float32:0.8 bfloat16:0.8 bfloat16:0.6}; do
   dtype=${forced%%:*} fraction=${forced##*:}
   echo "== strata-train, $dtype, hybrid_fraction $fraction" | tee -a "$OUT/train.log"
   "$BUILD/bin/strata-train" --compare $model --dtype="$dtype" --runs=hybrid,hybrid \
