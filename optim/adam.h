@@ -159,6 +159,12 @@ class Adam {
   // steps (empty for a policy that does not), and the layers stepped on the host, ascending.
   const std::string& placement() const { return placement_; }
   const std::vector<int>& host_layers() const { return host_layers_; }
+  // Bytes the host-stepped layers' copies queued so far: gradients out, parameters back.
+  struct HostStepBytes {
+    std::int64_t d2h = 0;
+    std::int64_t h2d = 0;
+  };
+  HostStepBytes host_step_bytes() const { return host_step_bytes_; }
   // Whether step_layer began a step that finish_step has not completed.
   bool overlapped_step_open() const { return overlap_open_; }
   // Layers stepped during backward in the open (or last) overlapped step, in order.
@@ -330,7 +336,8 @@ class Adam {
     int request = 0;        // its bias corrections' index in host_bias_
   };
   std::vector<HostSlot> host_slots_;  // per slot; empty without host layers
-  void* host_buffer_ = nullptr;       // the pinned memory host_slots_ point into
+  HostStepBytes host_step_bytes_;
+  void* host_buffer_ = nullptr;  // the pinned memory host_slots_ point into
   rt::StreamHandle host_d2h_ = nullptr, host_h2d_ = nullptr;
   // This step's: per host layer, the event its gradients arrived by; what host steps hold.
   std::vector<rt::EventHandle> host_arrived_;

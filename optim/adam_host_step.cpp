@@ -214,9 +214,9 @@ absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float*
         held.push_back(slot.grad);
         src = *p;
       }
-      s = dev.copy_async(host_slots_[index].grad, src,
-                         static_cast<std::size_t>(slot.numel) * elem_size(slot.grad_type),
-                         host_d2h_);
+      const std::size_t bytes = static_cast<std::size_t>(slot.numel) * elem_size(slot.grad_type);
+      s = dev.copy_async(host_slots_[index].grad, src, bytes, host_d2h_);
+      if (s.ok()) host_step_bytes_.d2h += static_cast<std::int64_t>(bytes);
     }
     if (!held.empty()) {
       absl::Status r = runtime_.release(held, host_d2h_);
@@ -301,8 +301,9 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
         STRATA_ASSIGN_OR_RETURN(rt::TensorInfo master, runtime_.info(s.master));
         src = master.data;
       }
-      STRATA_RETURN_IF_ERROR(dev.copy_async(
-          dst, src, static_cast<std::size_t>(s.numel) * elem_size(s.param_type), host_h2d_));
+      const std::size_t bytes = static_cast<std::size_t>(s.numel) * elem_size(s.param_type);
+      STRATA_RETURN_IF_ERROR(dev.copy_async(dst, src, bytes, host_h2d_));
+      host_step_bytes_.h2d += static_cast<std::int64_t>(bytes);
       ++s.steps;
       last_step_.push_back(s.param);
     }

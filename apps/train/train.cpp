@@ -263,6 +263,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
         bridge::check(tracer->start(rt.compute_stream()));
       }
       const rt::RuntimeStats before = rt.stats();
+      const optim::Adam::HostStepBytes host_before = adam->host_step_bytes();
 
       // Gradient accumulation: each micro-batch's loss is divided by their number, as the mean
       // over the whole batch; the last micro-batch's hooks take the statistics (and overlap).
@@ -324,8 +325,13 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       r.loss_scale = static_cast<float>(read[2]);
       r.skipped = found_inf.defined() && read[3] != 0.0;
       r.redone = outcome == optim::Adam::StepOutcome::kRedone;
-      r.h2d_bytes = after.migrated_bytes_h2d - before.migrated_bytes_h2d;
-      r.d2h_bytes = after.migrated_bytes_d2h - before.migrated_bytes_d2h;
+      // The runtime's migrations and the host-stepped layers' copies (See Note [Host-stepped
+      // layers] in optim/adam_host_step.cpp).
+      const optim::Adam::HostStepBytes host_after = adam->host_step_bytes();
+      r.h2d_bytes =
+          after.migrated_bytes_h2d - before.migrated_bytes_h2d + host_after.h2d - host_before.h2d;
+      r.d2h_bytes =
+          after.migrated_bytes_d2h - before.migrated_bytes_d2h + host_after.d2h - host_before.d2h;
       const double h2d_ms = after.h2d_busy_ms - before.h2d_busy_ms;
       const double d2h_ms = after.d2h_busy_ms - before.d2h_busy_ms;
       if (h2d_ms > 0) r.h2d_gbps = (after.timed_bytes_h2d - before.timed_bytes_h2d) / h2d_ms / 1e6;
