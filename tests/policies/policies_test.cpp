@@ -515,7 +515,7 @@ TEST(D1Test, TenThousandCyclesPerTierPairWithPayloadsThatChangeEveryCycle) {
 namespace strata::rt {
 namespace {
 
-// See Note [Step placement] in runtime/policy.h and Note [Hybrid placement] in
+// See Note [Step placement] in runtime/policy.h and See Note [Hybrid placement] in
 // policies/layer_prefetch.cpp.
 StepCosts equal_layers(int layers, std::int64_t params) {
   StepCosts costs;
