@@ -1,5 +1,5 @@
 """Users' own training loops, each against torch.optim.AdamW on the same loop and data (CPU,
-simulated device, every policy): gradients the loop drops or replaces (model.zero_grad(),
+simulated device, every policy, hybrid with half the parameters stepped on the host): gradients the loop drops or replaces (model.zero_grad(),
 p.grad = ...), frozen LoRA base weights, an unused head, mixture-of-experts routing, torch.optim's
 keywords, GradScaler, the loop's own clipping and gradient accumulation under overlap, and a
 Hugging Face-shaped model attached with the layers found in its module tree."""
@@ -12,6 +12,12 @@ from models import POLICIES, Mlp, assert_bitwise, assert_close, batch, params_of
 from users import CausalLm, LoraMlp, Moe, TwoHeads, lm_batch
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
+# And hybrid with half the parameters stepped on the host (Note [Host-stepped layers]).
+LOOP_POLICIES = POLICIES + ["hybrid"]
+
+
+def policy_kw(policy):
+    return {"hybrid_fraction": 0.5} if policy == "hybrid" else {}
 
 
 def torch_opt(model):
@@ -20,7 +26,9 @@ def torch_opt(model):
 
 def strata_opt(policy, **kw):
     def make(model):
-        return strata.optim.AdamW(model.parameters(), policy=policy, **HYPER, **kw)
+        return strata.optim.AdamW(
+            model.parameters(), policy=policy, **HYPER, **policy_kw(policy), **kw
+        )
 
     return make
 
@@ -94,7 +102,7 @@ def plain_loop(model, opt, steps):
     return losses
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
 def test_frozen_lora_base_is_never_touched_and_has_no_state(policy):
     before = params_of(LoraMlp())
     want_losses, want_params, want_state = run(LoraMlp, torch_opt, hf_loop)
@@ -109,7 +117,7 @@ def test_frozen_lora_base_is_never_touched_and_has_no_state(policy):
     assert steps_of(state) == steps_of(want_state)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
 def test_an_unused_head_is_skipped_as_torch_skips_it(policy):
     before = params_of(TwoHeads())
     _, want_params, want_state = run(TwoHeads, torch_opt, plain_loop)
@@ -133,7 +141,7 @@ def moe_loop(model, opt, steps):
     return losses
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
 @pytest.mark.parametrize("overlap", ["none", "backward"])
 def test_experts_not_routed_keep_their_own_step_counts(policy, overlap):
     want_losses, want_params, want_state = run(Moe, torch_opt, moe_loop, steps=7)
@@ -144,7 +152,7 @@ def test_experts_not_routed_keep_their_own_step_counts(policy, overlap):
     assert steps_of(state) == steps_of(want_state)  # 4, 4, 3, 3 ... as each expert was routed
     # The per-parameter counts survive a round trip, into strata and into torch.
     model = Moe()
-    opt = strata.optim.AdamW(model.parameters(), policy=policy, **HYPER)
+    opt = strata.optim.AdamW(model.parameters(), policy=policy, **HYPER, **policy_kw(policy))
     opt.load_state_dict(want_state)
     assert steps_of(opt.state_dict()) == steps_of(want_state)
     opt.close()
@@ -224,7 +232,7 @@ def scaler_loop(inf_at=3, clip=False, accumulate=False):
     return loop
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
 @pytest.mark.parametrize(
     "clip,accumulate", [(False, False), (True, False), (False, True)], ids=["", "clip", "accum"]
 )
@@ -259,7 +267,7 @@ def test_a_skipped_step_changes_nothing():
     opt.close()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
 def test_the_loops_own_clipping_under_overlap_is_seen_and_the_step_redone(policy):
     outcomes = []
 
