@@ -110,6 +110,7 @@ def make_optimizer(args, kind, model, rank, device):
             overlap=args.overlap,
             max_grad_norm=args.max_grad_norm if clips_in_optimizer(args) else None,
             undo_on_gpu=args.undo_on_gpu,
+            hybrid_fraction=args.hybrid_fraction,
             **opt_kw,
         )
     if kind == "peer":  # the CPU step FSDP2's offload users run: torch's fused CPU AdamW
@@ -274,6 +275,13 @@ def main():
         "--undo_on_gpu",
         action="store_true",
         help="strata with overlap: keep the redo's copy of the float32 shards on the GPU",
+    )
+    p.add_argument(
+        "--hybrid_fraction",
+        type=float,
+        default=None,
+        help="strata with --policy=hybrid: the share of parameters stepped on the GPU (the rest on "
+        "the host); default: the cost model's choice",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", action="store_true", help="also FSDP2 + torch.optim.AdamW")

@@ -68,6 +68,23 @@ def test_policies_are_bitwise_equal(tmp_path, two_ranks, policy):
     assert report["strata"]["grad_norms"] == two_ranks["strata"]["grad_norms"]
 
 
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+def test_hybrid_with_half_the_units_on_the_host_is_bitwise_layer_prefetch(
+    tmp_path, two_ranks, overlap
+):
+    # Each rank steps its shards of half the fully_shard units on the host (Note [Host-stepped
+    # layers]); clipping is in the optimizer under overlap.
+    args = (*COMMON, "--policy=hybrid", "--hybrid_fraction=0.5", f"--overlap={overlap}")
+    report, _ = launch(tmp_path, f"hybrid-{overlap}", 2, *args)
+    if overlap == "none":
+        assert report["strata"]["losses"] == two_ranks["strata"]["losses"]
+        assert report["strata"]["grad_norms"] == two_ranks["strata"]["grad_norms"]
+    else:
+        ref, _ = launch(tmp_path, "lp-backward", 2, *COMMON, "--overlap=backward")
+        assert report["strata"]["losses"] == ref["strata"]["losses"]
+        assert report["strata"]["grad_norms"] == ref["strata"]["grad_norms"]
+
+
 def test_one_rank_trains_the_same_model(tmp_path, two_ranks):
     report, _ = launch(tmp_path, "one", 1, *COMMON)
     assert report["world_size"] == 1
