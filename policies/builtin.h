@@ -16,7 +16,7 @@
 //                   go to pinned memory, the optimizer's host kernel steps their states there, and
 //                   their parameters come back; the split comes from a cost model over rates
 //                   measured on the machine, or from hybrid_fraction (See Note [Hybrid placement]
-//                   in layer_prefetch.cpp).
+//                   in hybrid.cpp).
 //
 // Example:
 //   RuntimeOptions options;
@@ -40,7 +40,7 @@ absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_bulk(const rt::PolicyC
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_prefetch(const rt::PolicyConfig& c);
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_hybrid(const rt::PolicyConfig& c);
 // layer_prefetch that streams every layer, whatever the budget leaves (no resident layers;
-// See Note [Resident layers] in layer_prefetch.cpp): bulk's streaming step, after which bulk moves
+// See Note [Resident layers] in ring_plan.cpp): bulk's streaming step, after which bulk moves
 // everything to the host anyway.
 absl::StatusOr<std::unique_ptr<rt::ResidencyPolicy>> make_layer_streamer(const rt::PolicyConfig& c);
 

@@ -15,7 +15,7 @@ torch needs beside strata. After it, torch's caching allocator holds `reserved` 
 now plus the driver's free memory less that growth and a margin (a twentieth of the GPU, 1 GiB at
 least) for what the first step did not show: a longer batch, fragmentation, another library. Then
 layer_prefetch keeps as many whole layers resident as fit (See Note [Resident layers] in
-policies/layer_prefetch.cpp): they never cross the link again. The budget is set once, logged in
+policies/ring_plan.cpp): they never cross the link again. The budget is set once, logged in
 one line, and reported in Runtime.stats() as gpu_budget_bytes with gpu_budget_from "auto". On the
 simulated device there is no driver to ask: the memory comes from device_memory, which tests
 replace.

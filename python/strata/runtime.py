@@ -96,7 +96,7 @@ class Runtime:
             their size during backward), else in pinned host memory.
         hybrid_fraction: policy "hybrid" only: the share of parameters whose optimizer step runs
             on the GPU, in [0, 1], the rest on the host; None: the cost model's choice from rates
-            measured at setup (See Note [Hybrid placement] in policies/layer_prefetch.cpp).
+            measured at setup (See Note [Hybrid placement] in policies/hybrid.cpp).
     """
 
     def __init__(

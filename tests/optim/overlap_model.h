@@ -71,7 +71,7 @@ inline std::vector<Case> basic_cases() {
   return out;
 }
 
-// hybrid (See Note [Hybrid placement] in policies/layer_prefetch.cpp) in every dtype, with half
+// hybrid (See Note [Hybrid placement] in policies/hybrid.cpp) in every dtype, with half
 // the parameters stepped on the host, all of them, and the cost model's choice; each against
 // layer_prefetch streaming the same states (its reference()).
 inline std::vector<Case> hybrid_cases() {

@@ -270,7 +270,7 @@ TEST(ParameterStreamingTest, ParallelRootsWithBeforeBackwardTrainLikeKeepOnGpu) 
 }
 
 // What the ring leaves of the budget holds whole layers, which then never stream
-// (See Note [Resident layers] in policies/layer_prefetch.cpp); the numbers stay keep_on_gpu's.
+// (See Note [Resident layers] in policies/ring_plan.cpp); the numbers stay keep_on_gpu's.
 TEST(ParameterStreamingTest, LayersThatFitBesideTheRingStayOnTheGpu) {
   constexpr int kLayers = 8;
   constexpr std::size_t kN = 256 * 1024;  // 1 MiB tensors: 4 MiB a layer, two per small segment
@@ -371,7 +371,7 @@ TEST(ParameterStreamingTest, ABudgetSetBetweenStepsMakesLayersResident) {
 // A role registered after a first step (gradients, in a training loop that registers them once
 // backward made them; here the second moments, so that each layer's tensors keep train()'s order)
 // finds layers resident that settled without it (See Note [Ring under a budget] in
-// policies/layer_prefetch.cpp). The ring still gets its K + 1 slots, those layers going home first,
+// policies/ring_plan.cpp). The ring still gets its K + 1 slots, those layers going home first,
 // and training stays keep_on_gpu's.
 TEST(ParameterStreamingTest, ARoleRegisteredLaterDoesNotShrinkTheRing) {
   constexpr int kLayers = 8;

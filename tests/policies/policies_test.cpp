@@ -516,7 +516,7 @@ namespace strata::rt {
 namespace {
 
 // See Note [Step placement] in runtime/policy.h and See Note [Hybrid placement] in
-// policies/layer_prefetch.cpp.
+// policies/hybrid.cpp.
 StepCosts equal_layers(int layers, std::int64_t params) {
   StepCosts costs;
   costs.rates = {.link_h2d_gbps = 50,

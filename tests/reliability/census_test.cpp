@@ -248,12 +248,14 @@ absl::Status create_status(std::optional<std::string> policy, PolicyConfig confi
 }
 
 TEST(PolicyCensusTest, ChoiceAndConfiguration) {
-  expect_refused("an unknown policy", create_status("fastest", {}), kInvalid,
-                 "unknown policy 'fastest'; valid policies: bulk, keep_on_gpu, layer_prefetch "
-                 "(policy chosen by RuntimeOptions::policy)");
-  expect_refused("an empty policy name", create_status("", {}), kInvalid,
-                 "empty policy name; valid policies: bulk, keep_on_gpu, layer_prefetch (policy "
-                 "chosen by RuntimeOptions::policy)");
+  expect_refused(
+      "an unknown policy", create_status("fastest", {}), kInvalid,
+      "unknown policy 'fastest'; valid policies: bulk, hybrid, keep_on_gpu, layer_prefetch "
+      "(policy chosen by RuntimeOptions::policy)");
+  expect_refused(
+      "an empty policy name", create_status("", {}), kInvalid,
+      "empty policy name; valid policies: bulk, hybrid, keep_on_gpu, layer_prefetch (policy "
+      "chosen by RuntimeOptions::policy)");
   expect_refused("a negative prefetch depth",
                  create_status("layer_prefetch", {.prefetch_depth = -1}), kInvalid,
                  "layer_prefetch: prefetch depth -1 is negative; use 0 (no prefetch) or more "

@@ -254,9 +254,10 @@ TEST(PolicyChoiceTest, OptionThenFlagThenEnvironmentThenDefault) {
   EXPECT_EQ(choose_policy_name(std::nullopt).source, "--strata_policy");
   RuntimeOptions options;
   options.device = DeviceKind::kSimulated;
-  EXPECT_EQ(Runtime::create(std::move(options), policy::builtin_policies()).status().message(),
-            "empty policy name; valid policies: bulk, keep_on_gpu, layer_prefetch (policy chosen "
-            "by --strata_policy)");
+  EXPECT_EQ(
+      Runtime::create(std::move(options), policy::builtin_policies()).status().message(),
+      "empty policy name; valid policies: bulk, hybrid, keep_on_gpu, layer_prefetch (policy chosen "
+      "by --strata_policy)");
   absl::SetFlag(&FLAGS_strata_policy, PolicyFlag{});
   unsetenv("STRATA_POLICY");
 }
@@ -268,19 +269,20 @@ TEST(PolicyChoiceTest, UnknownAndEmptyNamesListTheValidOnes) {
   auto rt = Runtime::create(std::move(options), policy::builtin_policies());
   ASSERT_FALSE(rt.ok());
   EXPECT_EQ(rt.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(rt.status().message(),
-            "unknown policy 'lazy'; valid policies: bulk, keep_on_gpu, layer_prefetch (policy "
-            "chosen by RuntimeOptions::policy)");
+  EXPECT_EQ(
+      rt.status().message(),
+      "unknown policy 'lazy'; valid policies: bulk, hybrid, keep_on_gpu, layer_prefetch (policy "
+      "chosen by RuntimeOptions::policy)");
   setenv("STRATA_POLICY", "", 1);
   RuntimeOptions from_env;
   from_env.device = DeviceKind::kSimulated;
   rt = Runtime::create(std::move(from_env), policy::builtin_policies());
   unsetenv("STRATA_POLICY");
   ASSERT_FALSE(rt.ok());
-  EXPECT_EQ(
-      rt.status().message(),
-      "empty policy name; valid policies: bulk, keep_on_gpu, layer_prefetch (policy chosen by "
-      "STRATA_POLICY)");
+  EXPECT_EQ(rt.status().message(),
+            "empty policy name; valid policies: bulk, hybrid, keep_on_gpu, layer_prefetch (policy "
+            "chosen by "
+            "STRATA_POLICY)");
 }
 
 TEST(PolicyChoiceTest, InvalidParameters) {

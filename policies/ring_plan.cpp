@@ -1,0 +1,134 @@
+// policies/ring_plan.cpp: LayerPrefetch's layout under the GPU budget: which layers stream, how
+// many slots the staging ring takes, and which layers stay resident (policies/layer_prefetch.h).
+#include <algorithm>
+
+#include "base/status.h"
+#include "base/strings.h"
+#include "base/units.h"
+#include "policies/layer_prefetch.h"
+
+namespace strata::policy {
+namespace internal {
+
+// Note [Resident layers]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A GPU budget says how much of the GPU strata may use. The ring takes K + 1 layers of it; with
+// what the main pool has left, whole layers move there at the start of a step, in ascending order,
+// as many as fit, and stay: they never stream, which saves their bytes on the link at every step
+// (forward, backward and the optimizer step alike). Without a budget every layer streams: nothing
+// says how much of the GPU strata may take. A layer only partly on the GPU streams the rest
+// (stage_layer copies only what is not there). Tensors registered later compete with the resident
+// layers for the main pool.
+
+std::vector<int> LayerPrefetch::streamed_layers(const rt::PolicyContext& rt, RoleSet roles) const {
+  std::vector<int> out;
+  for (int layer : rt.layers()) {
+    if (on_host(layer)) continue;
+    for (rt::TensorHandle h : rt.layer_tensors(layer, roles)) {
+      absl::StatusOr<rt::TensorInfo> info = rt.info(h);
+      if (info.ok() && info->bytes > 0 && !resident(*info)) {
+        out.push_back(layer);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+// Note [Ring under a budget]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Once per change in the registry, the ring takes as many slots as fit the GPU budget beside what
+// the main pool holds, K + 1 at most and one at least (fewer slots prefetch less but stream the
+// same bytes); a budget in which not even one slot fits is an error here, at setup. Then whole
+// layers move into what is left (See Note [Resident layers]), in ascending order, as many as fit
+// (the allocator refuses what would pass the budget). Nothing may be staged meanwhile. The ring
+// comes first: when layers made resident by an earlier settle leave it fewer than K + 1 slots,
+// they go home and the slots are counted again. Otherwise a role registered after a first step
+// (gradients, in a loop that registers them once backward made them) would find the main pool
+// full of the layers that settled without it, and the ring cut down to what is left: fewer layers
+// prefetched, and in an overlapped step each fetch waiting for a write-back to free its slot.
+absl::Status LayerPrefetch::settle(rt::PolicyContext& rt) {
+  if (settled_) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(reset(rt));
+  absl::Status fit = fit_ring(rt);
+  if (!fit.ok() || slots_cap_ < wanted_slots(rt)) {
+    STRATA_ASSIGN_OR_RETURN(const bool moved, unsettle_residents(rt));
+    if (moved) fit = fit_ring(rt);
+  }
+  if (!fit.ok()) {
+    return absl::Status(fit.code(),
+                        str_cat("layer_prefetch: the GPU budget (", format_bytes(rt.gpu_budget()),
+                                ") has no room for even one staging slot beside "
+                                "what stays on the GPU: ",
+                                fit.message()));
+  }
+  if (keep_resident_layers_ && rt.gpu_budget() != alloc::kNoBudget) {
+    STRATA_RETURN_IF_ERROR(settle_residents(rt));
+  }
+  settled_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status LayerPrefetch::settle_residents(rt::PolicyContext& rt) {
+  bool moved = false;
+  for (int layer : rt.layers()) {
+    if (on_host(layer)) continue;  // See Note [Hybrid placement]
+    for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+      if (info.bytes == 0 || resident(info)) continue;
+      absl::Status s = rt.migrate(h, rt::Tier::kGpu);
+      // No room left (a segment would pass the budget): the rest of this layer streams.
+      if (s.code() == absl::StatusCode::kResourceExhausted) break;
+      STRATA_RETURN_IF_ERROR(s);
+      moved = true;
+    }
+  }
+  if (!moved) return absl::OkStatus();
+  // One host wait, at setup: the ring's slot count and the forward order are computed from where
+  // the tensors are.
+  STRATA_RETURN_IF_ERROR(rt.wait_all());
+  parameter_layers_.reset();
+  return configure(rt);
+}
+
+std::size_t LayerPrefetch::wanted_slots(const rt::PolicyContext& rt) const {
+  return std::min<std::size_t>(
+      config().prefetch_depth + 1,
+      std::max<std::size_t>(streamed_layers(rt, config().roles).size(), 1));
+}
+
+absl::Status LayerPrefetch::fit_ring(rt::PolicyContext& rt) {
+  absl::Status fit;
+  for (std::size_t slots = wanted_slots(rt); slots >= 1; --slots) {
+    slots_cap_ = slots;
+    fit = configure(rt);
+    if (fit.code() != absl::StatusCode::kResourceExhausted) break;
+  }
+  return fit;
+}
+
+absl::StatusOr<bool> LayerPrefetch::unsettle_residents(rt::PolicyContext& rt) {
+  bool moved = false;
+  for (int layer : rt.layers()) {
+    for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+      if (info.bytes == 0 || !resident(info)) continue;
+      STRATA_RETURN_IF_ERROR(rt.migrate(h, placement(info.spec)));
+      moved = true;
+    }
+  }
+  if (!moved) return false;
+  parameter_layers_.reset();
+  STRATA_RETURN_IF_ERROR(rt.wait_all());  // one host wait, at setup, as settle_residents'
+  return true;
+}
+
+absl::Status LayerPrefetch::configure(rt::PolicyContext& rt) {
+  const std::size_t layers = streamed_layers(rt, config().roles).size();
+  slots_ = std::max<std::size_t>(1, std::min(slots_cap_, std::max<std::size_t>(layers, 1)));
+  return rt.configure_staging(static_cast<int>(slots_), config().roles);
+}
+
+}  // namespace internal
+
+}  // namespace strata::policy
