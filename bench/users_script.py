@@ -12,6 +12,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
   strata          strata.optim.AdamW(model.parameters()): the README's one line, defaults only
   strata_auto     strata.optim.AdamW(model.parameters(), gpu_budget="auto"): after the first
                   step, the layers whose states fit what the GPU has free stay there
+  strata_hybrid   strata.optim.AdamW(model.parameters(), policy="hybrid"): the cost model places
+                  each block's step on the GPU (streamed) or the host, from rates measured at setup
   strata_tuned    strata.optim.AdamW(model.parameters(), model=model, prefetch_depth=3,
                   overlap="backward", max_grad_norm=1.0): the step inside backward, clipping
                   in the optimizer
@@ -51,6 +53,7 @@ APPROACHES = [
     "torchao",
     "strata",
     "strata_auto",
+    "strata_hybrid",
     "strata_tuned",
     "deepspeed",
     "fsdp2",
@@ -163,6 +166,11 @@ def one_run(args):
             import strata
 
             opt = strata.optim.AdamW(model.parameters(), lr=1e-4, gpu_budget="auto")
+        elif args.one == "strata_hybrid":
+            import strata
+
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, policy="hybrid")
+            print(f"placement: {opt._adam.placement()}", file=sys.stderr)
         elif args.one == "deepspeed":
             import deepspeed
 
