@@ -170,7 +170,6 @@ def one_run(args):
             import strata
 
             opt = strata.optim.AdamW(model.parameters(), lr=1e-4, policy="hybrid")
-            print(f"placement: {opt._adam.placement()}", file=sys.stderr)
         elif args.one == "deepspeed":
             import deepspeed
 
@@ -257,6 +256,7 @@ def one_run(args):
         out["strata_steps_redone"] = getattr(opt, "steps_redone", None)
         out["strata_layers"] = opt.runtime.num_layers
         out["prefetch_depth"] = opt.runtime.prefetch_depth
+        out["strata_placement"] = opt._adam.placement()  # the hybrid's split and prediction
         opt.close()
     print("RESULT " + json.dumps(out), flush=True)
     if fsdp or engine is not None:
