@@ -138,10 +138,9 @@ double best_of(int repeats, const std::function<void()>& run) {
   return best;
 }
 
-}  // namespace
-
-absl::StatusOr<rt::StepRates> measure_step_rates(rt::Runtime& runtime, ThreadPool& pool,
-                                                 const MeasureOptions& options) {
+// measure_step_rates with its buffers; they go back to the allocator when it returns.
+absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
+                                      const MeasureOptions& options) {
   if (options.link_bytes == 0 || options.adam_params <= 0 || options.memory_bytes == 0 ||
       options.repeats <= 0) {
     return absl::InvalidArgumentError("measure_step_rates: every size and repeat must be positive");
@@ -210,16 +209,19 @@ absl::StatusOr<rt::StepRates> measure_step_rates(rt::Runtime& runtime, ThreadPoo
 
 #ifdef STRATA_HAS_CUDA
   if (!device.is_simulated()) {
+    // Fewer parameters than the host's run: the GPU kernel is fast, and its buffers take GPU
+    // memory.
+    const std::int64_t gn = std::min<std::int64_t>(n, std::int64_t{1} << 22);
+    const std::size_t gpu_bytes = 4 * static_cast<std::size_t>(gn) * sizeof(float);
     Buffer on_gpu(runtime, rt::Tier::kGpu);
-    STRATA_RETURN_IF_ERROR(on_gpu.allocate(4 * static_cast<std::size_t>(n) * sizeof(float)));
-    STRATA_RETURN_IF_ERROR(
-        device.copy_async(on_gpu.get(), adam.get(), 4 * n * sizeof(float), streams[0]));
+    STRATA_RETURN_IF_ERROR(on_gpu.allocate(gpu_bytes));
+    STRATA_RETURN_IF_ERROR(device.copy_async(on_gpu.get(), adam.get(), gpu_bytes, streams[0]));
     AdamTensor t;
     t.param = on_gpu.floats(0);
-    t.grad = on_gpu.floats(n);
-    t.exp_avg = on_gpu.floats(2 * n);
-    t.exp_avg_sq = on_gpu.floats(3 * n);
-    t.numel = n;
+    t.grad = on_gpu.floats(gn);
+    t.exp_avg = on_gpu.floats(2 * gn);
+    t.exp_avg_sq = on_gpu.floats(3 * gn);
+    t.numel = gn;
     double best = 0;
     for (int r = 0; r < repeats; ++r) {
       STRATA_ASSIGN_OR_RETURN(rt::EventHandle start, device.record_timed(streams[0]));
@@ -235,9 +237,23 @@ absl::StatusOr<rt::StepRates> measure_step_rates(rt::Runtime& runtime, ThreadPoo
       STRATA_ASSIGN_OR_RETURN(double ms, elapsed(device, start, end));
       if (r == 0 || ms < best) best = ms;
     }
-    rates.gpu_params_per_s = static_cast<double>(n) / (best / 1e3);
+    rates.gpu_params_per_s = static_cast<double>(gn) / (best / 1e3);
   }
 #endif
+  return rates;
+}
+
+}  // namespace
+
+absl::StatusOr<rt::StepRates> measure_step_rates(rt::Runtime& runtime, ThreadPool& pool,
+                                                 const MeasureOptions& options) {
+  absl::StatusOr<rt::StepRates> rates = measure(runtime, pool, options);
+  // The buffers' segments go back to the driver: they would otherwise stay in strata's pools, on
+  // the GPU and pinned, for the whole run.
+  for (rt::Tier tier : {rt::Tier::kGpu, rt::Tier::kPinnedHost}) {
+    absl::StatusOr<std::size_t> trimmed = runtime.allocator().trim(tier);
+    if (rates.ok() && !trimmed.ok()) return trimmed.status();
+  }
   return rates;
 }
 

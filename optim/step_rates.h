@@ -12,7 +12,9 @@
 // second rate is the one a hybrid step sees); host memory as a copy between two pageable buffers
 // split over the same pool. Each figure is the best of a few repeats (the first run of each also
 // faults its pages in). Buffers come from the runtime's allocator and go back before it returns,
-// so it must run before a budget is full; it waits on the device (host syncs), so at setup only.
+// their segments to the driver too (the GPU and pinned tiers are trimmed), so it must run before a
+// budget is full and leaves no memory behind; it waits on the device (host syncs), so at setup
+// only.
 // On the simulated device the link figures are host copies: they say nothing about a GPU.
 //
 // Example:
@@ -32,8 +34,8 @@
 namespace strata::optim {
 
 struct MeasureOptions {
-  std::size_t link_bytes = std::size_t{256} << 20;    // per copy
-  std::int64_t adam_params = std::int64_t{1} << 24;   // host and GPU kernel runs
+  std::size_t link_bytes = std::size_t{64} << 20;     // per copy
+  std::int64_t adam_params = std::int64_t{1} << 24;   // the host kernel's runs (the GPU's: 2^22)
   std::size_t memory_bytes = std::size_t{256} << 20;  // host memory copy
   int repeats = 3;
 };
