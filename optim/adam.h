@@ -323,8 +323,11 @@ class Adam {
   absl::Status begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
                                 const float* found_inf);
   absl::Status finish_host_steps(const std::vector<int>& layers);
-  // Releases what the host steps hold and the events they recorded (also after a failure).
+  // Releases the events the host steps recorded (also after a failure).
   void end_host_steps();
+  // A tensor's address where it rests on `tier`, for a host step (See Note [Host steps hold
+  // nothing] in adam_host_step.cpp); kFailedPrecondition when it is elsewhere or moving.
+  absl::StatusOr<void*> resting_address(rt::TensorHandle h, rt::Tier tier) const;
 
   rt::Runtime& runtime_;
   AdamOptions options_;
@@ -339,9 +342,8 @@ class Adam {
   HostStepBytes host_step_bytes_;
   void* host_buffer_ = nullptr;  // the pinned memory host_slots_ point into
   rt::StreamHandle host_d2h_ = nullptr, host_h2d_ = nullptr;
-  // This step's: per host layer, the event its gradients arrived by; what host steps hold.
+  // This step's: per host layer, the event its gradients arrived by.
   std::vector<rt::EventHandle> host_arrived_;
-  std::vector<rt::TensorHandle> host_held_;
   // Pinned: the step's grad_scale and found_inf as the host kernel reads them, then 2 floats of
   // bias corrections per request (See Note [Bias corrections from the device] in adam_kernels.h).
   float* host_scalars_ = nullptr;

@@ -51,6 +51,26 @@ std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * 
 
 }  // namespace
 
+// Note [Host steps hold nothing]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A host step reads and writes its tensors where they rest, by address, without acquiring them:
+// under hybrid nothing moves a parameter, a gradient or a host-stepped layer's states during a step
+// (its policy streams only the GPU layers' states), and every copy the step queues is done or
+// ordered before the compute stream's next work when the step returns (the host waited for the
+// gradients; the compute stream waits for the parameters). Holding them would add a release per
+// tensor that can fail, and a failed release leaves a tensor held, so a device error in a host
+// step would fail every later hook.
+absl::StatusOr<void*> Adam::resting_address(rt::TensorHandle h, rt::Tier tier) const {
+  STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(h));
+  if (info.in_flight || info.staged || info.tier != tier) {
+    return absl::FailedPreconditionError(
+        str_cat("Adam: a host step needs '", info.spec.name, "' resting on ",
+                alloc::tier_name(tier), ", and it is ", info.in_flight ? "moving" : "staged or on ",
+                info.in_flight || info.staged ? "" : alloc::tier_name(info.tier)));
+  }
+  return info.data;
+}
+
 ThreadPool& Adam::pool() {
   if (cpu_pool_ == nullptr) {
     const int threads = options_.cpu_threads > 0
@@ -199,30 +219,17 @@ absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float*
   dev.release(ready);
   STRATA_RETURN_IF_ERROR(waited);
   for (int layer : layers) {
-    std::vector<rt::TensorHandle> held;
-    absl::Status s;
     for (std::size_t index : by_layer_.at(layer)) {
-      if (skip_[index] || !s.ok()) continue;
+      if (skip_[index]) continue;
       const Slot& slot = slots_[index];
       const void* src = slot.given_grad;
-      if (slot.grad.valid()) {
-        absl::StatusOr<void*> p = runtime_.acquire(slot.grad, rt::Tier::kGpu, host_d2h_);
-        if (!p.ok()) {
-          s = p.status();
-          continue;
-        }
-        held.push_back(slot.grad);
-        src = *p;
+      if (slot.grad.valid()) {  // See Note [Host steps hold nothing]
+        STRATA_ASSIGN_OR_RETURN(src, resting_address(slot.grad, rt::Tier::kGpu));
       }
       const std::size_t bytes = static_cast<std::size_t>(slot.numel) * elem_size(slot.grad_type);
-      s = dev.copy_async(host_slots_[index].grad, src, bytes, host_d2h_);
-      if (s.ok()) host_step_bytes_.d2h += static_cast<std::int64_t>(bytes);
+      STRATA_RETURN_IF_ERROR(dev.copy_async(host_slots_[index].grad, src, bytes, host_d2h_));
+      host_step_bytes_.d2h += static_cast<std::int64_t>(bytes);
     }
-    if (!held.empty()) {
-      absl::Status r = runtime_.release(held, host_d2h_);
-      if (s.ok()) s = r;
-    }
-    STRATA_RETURN_IF_ERROR(s);
     STRATA_ASSIGN_OR_RETURN(rt::EventHandle arrived, dev.record(host_d2h_));
     host_arrived_.push_back(arrived);
   }
@@ -261,9 +268,7 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
                                                   s.master};
       for (int j = 0; j < 4; ++j) {
         if (!hs[j].valid()) continue;
-        STRATA_ASSIGN_OR_RETURN(states[j],
-                                runtime_.acquire(hs[j], rt::Tier::kPinnedHost, host_h2d_));
-        host_held_.push_back(hs[j]);
+        STRATA_ASSIGN_OR_RETURN(states[j], resting_address(hs[j], rt::Tier::kPinnedHost));
       }
       AdamTensor t;
       t.master = static_cast<float*>(states[3]);
@@ -291,24 +296,25 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
                       inv, &pool());
       }
     }
-    // The parameters go back to the GPU.
+    // The layer is stepped: its states are. Its parameters go back to the GPU; a copy that cannot
+    // be queued is tried once more (See Note [A failed step] in adam.cpp for what a failure says).
     for (std::size_t index : stepped) {
-      Slot& s = slots_[index];
-      STRATA_ASSIGN_OR_RETURN(void* dst, runtime_.acquire(s.param, rt::Tier::kGpu, host_h2d_));
-      host_held_.push_back(s.param);
+      ++slots_[index].steps;
+      last_step_.push_back(slots_[index].param);
+    }
+    for (std::size_t index : stepped) {
+      const Slot& s = slots_[index];
+      STRATA_ASSIGN_OR_RETURN(void* dst, resting_address(s.param, rt::Tier::kGpu));
       const void* src = host_slots_[index].param;
       if (src == nullptr) {
-        STRATA_ASSIGN_OR_RETURN(rt::TensorInfo master, runtime_.info(s.master));
-        src = master.data;
+        STRATA_ASSIGN_OR_RETURN(src, resting_address(s.master, rt::Tier::kPinnedHost));
       }
       const std::size_t bytes = static_cast<std::size_t>(s.numel) * elem_size(s.param_type);
-      STRATA_RETURN_IF_ERROR(dev.copy_async(dst, src, bytes, host_h2d_));
+      absl::Status copied = dev.copy_async(dst, src, bytes, host_h2d_);
+      if (!copied.ok()) copied = dev.copy_async(dst, src, bytes, host_h2d_);
+      STRATA_RETURN_IF_ERROR(copied);
       host_step_bytes_.h2d += static_cast<std::int64_t>(bytes);
-      ++s.steps;
-      last_step_.push_back(s.param);
     }
-    STRATA_RETURN_IF_ERROR(runtime_.release(host_held_, host_h2d_));
-    host_held_.clear();
   }
   // What follows the step on the compute stream waits for the parameters.
   STRATA_ASSIGN_OR_RETURN(rt::EventHandle back, dev.record(host_h2d_));
@@ -319,9 +325,6 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
 
 void Adam::end_host_steps() {
   rt::Device& dev = runtime_.device();
-  for (int attempt = 0; attempt < 2 && !host_held_.empty(); ++attempt) {
-    if (runtime_.release(host_held_, host_h2d_).ok()) host_held_.clear();
-  }
   for (rt::EventHandle e : host_arrived_) dev.release(e);
   host_arrived_.clear();
 }

@@ -87,7 +87,8 @@ AdamRig make_adam_rig(const std::string& policy, PolicyConfig config, std::uint6
 }
 
 // An Adam step whose k-th device call fails (every kind, once or as a sticky error, every k of one
-// step, under bulk over budget and layer_prefetch, on the deferred device with random completion)
+// step, under bulk over budget, layer_prefetch and hybrid with a layer stepped on the host, on the
+// deferred device with random completion)
 // returns a typed error, leaves no tensor held or staged, and every layer's bytes are the
 // fault-free run's: after the step for the layers it stepped, before it for the others (all of them
 // when it rolled its counters back; See Note [A failed step] in optim/adam.cpp). The next steps
@@ -99,6 +100,8 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
   const std::vector<std::pair<std::string, PolicyConfig>> policies = {
       {"bulk", {.roles = RoleSet::optimizer_states(), .offload_after_step = true}},
       {"layer_prefetch", {.prefetch_depth = 1}},
+      // Layer 1 of 3 (bfloat16, with its master) stepped on the host.
+      {"hybrid", {.prefetch_depth = 1, .hybrid_fraction = 0.5}},
   };
   using LayerBytes = std::map<int, std::map<std::string, Bytes>>;
   struct Outcome {
@@ -200,6 +203,7 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
 
   const std::vector<Site> sites = device_sites();
   int injections = 0, failed_steps = 0, exact_retries = 0, partial = 0, failures = 0;
+  int stale_parameters = 0;
   for (const auto& [policy, config] : policies) {
     const Outcome reference = run(policy, config, std::nullopt, 0);
     ASSERT_TRUE(reference.problems.empty()) << policy << ": " << reference.problems.front();
@@ -216,6 +220,23 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
           const bool stepped =
               std::find(o.stepped.begin(), o.stepped.end(), layer) != o.stepped.end();
           const LayerBytes& want = stepped ? reference.after_second : reference.after_first;
+          // See Note [Host-stepped layers] in optim/adam_host_step.cpp: a layer stepped on the
+          // host whose parameter copy back could not be queued (a sticky device error, where
+          // nothing else can be copied either) has its states stepped and its GPU parameter as it
+          // was; the step's error says to restore a checkpoint. Exactly that, nothing else.
+          const std::string param = str_cat("a", layer);
+          if (policy == "hybrid" && site.kind == Site::kSticky && stepped &&
+              tensors.at(param) == reference.after_first.at(layer).at(param)) {
+            std::map<std::string, Bytes> expected = want.at(layer);
+            expected[param] = reference.after_first.at(layer).at(param);
+            if (tensors != expected) {
+              problems.push_back(str_cat("layer ", layer,
+                                         " (stepped on the host, its parameter "
+                                         "left) differs from the fault-free run"));
+            }
+            ++stale_parameters;
+            continue;
+          }
           if (tensors != want.at(layer)) {
             problems.push_back(str_cat("layer ", layer, " (", stepped ? "stepped" : "not stepped",
                                        ") differs from the fault-free run"));
@@ -236,8 +257,9 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
   }
   std::printf(
       "Adam step faults: %d injections, %d failed steps (%d rolled back and retried exactly, %d "
-      "partly stepped), every layer checked, failures: %d\n",
-      injections, failed_steps, exact_retries, partial, failures);
+      "partly stepped; %d host-stepped layers left their GPU parameter under a sticky error), "
+      "every layer checked, failures: %d\n",
+      injections, failed_steps, exact_retries, partial, stale_parameters, failures);
 }
 
 // The overlapped step under faults (See Note [Overlapped step] in optim/adam.h): the second of
