@@ -16,7 +16,9 @@
 
 #include "optim/adam_kernels.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// ThreadSanitizer's runtime is not up when the loader resolves the clones (an ifunc), so a
+// ThreadSanitizer build has the baseline only.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define STRATA_HOST_CLONES __attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
 #else
 #define STRATA_HOST_CLONES
