@@ -146,7 +146,7 @@ void run(FuzzedDataProvider& in) {
         rt::TensorSpec spec;
         spec.name = name;
         spec.layer = in.ConsumeIntegralInRange<int>(0, 3);
-        spec.role = static_cast<Role>(in.ConsumeIntegralInRange<int>(0, kNumRoles - 1));
+        spec.role = static_cast<Role>(in.ConsumeIntegralInRange<int>(0, rt::kNumRoles - 1));
         spec.dtype = rt::DType::kUInt8;
         spec.shape = {in.ConsumeIntegralInRange<std::int64_t>(0, 300000)};
         spec.home = in.ConsumeBool() ? Tier::kGpu : Tier::kPinnedHost;
