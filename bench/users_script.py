@@ -17,6 +17,11 @@ zero_grad() after every step. The approaches (--approaches, all by default):
   strata_tuned    strata.optim.AdamW(model.parameters(), model=model, prefetch_depth=3,
                   overlap="backward", max_grad_norm=1.0): the step inside backward, clipping
                   in the optimizer
+  strata_int8, strata_bf16, strata_tuned_int8
+                  strata and strata_tuned with state_dtype="int8" or "bfloat16": the moments
+                  stored and streamed compressed (See Note [Compressed moments])
+  torchao_8bit    torchao's AdamW8bit, every state on the GPU (its 8-bit moments are GPU
+                  tensors; it does not offload)
   deepspeed       DeepSpeed ZeRO-Offload as its users configure it: ZeRO stage 2 with
                   offload_optimizer to pinned CPU memory (its CPU Adam), bf16 (bfloat16
                   parameters and gradients on the GPU, float32 masters and moments on the host),
@@ -55,6 +60,10 @@ APPROACHES = [
     "strata_auto",
     "strata_hybrid",
     "strata_tuned",
+    "strata_int8",
+    "strata_bf16",
+    "strata_tuned_int8",
+    "torchao_8bit",
     "deepspeed",
     "fsdp2",
     "fsdp2_offload",
@@ -170,6 +179,18 @@ def one_run(args):
             import strata
 
             opt = strata.optim.AdamW(model.parameters(), lr=1e-4, policy="hybrid")
+        elif args.one in ("strata_int8", "strata_bf16"):
+            import strata
+
+            moments = "int8" if args.one == "strata_int8" else "bfloat16"
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, state_dtype=moments)
+        elif args.one == "torchao_8bit":
+            try:
+                from torchao.optim import AdamW8bit
+            except ImportError:
+                from torchao.prototype.low_bit_optim import AdamW8bit
+
+            opt = AdamW8bit(model.parameters(), lr=1e-4)
         elif args.one == "deepspeed":
             import deepspeed
 
@@ -190,7 +211,7 @@ def one_run(args):
                 model=model, model_parameters=model.parameters(), config=config
             )
             clip_in_loop = False
-        elif args.one == "strata_tuned":
+        elif args.one in ("strata_tuned", "strata_tuned_int8"):
             import strata
 
             opt = strata.optim.AdamW(
@@ -200,6 +221,7 @@ def one_run(args):
                 prefetch_depth=3,
                 overlap="backward",
                 max_grad_norm=1.0,
+                state_dtype="int8" if args.one == "strata_tuned_int8" else "float32",
             )
             clip_in_loop = False
         else:

@@ -31,7 +31,7 @@ set(strata_public_headers
     allocator/tier.h allocator/tiered_allocator.h allocator/upstream.h
     runtime/device.h runtime/policy.h runtime/runtime.h runtime/step_costs.h runtime/tensor.h
     policies/builtin.h policies/step_cost_model.h
-    optim/adam.h optim/adam_kernels.h optim/adam_math.h optim/state_decl.h
+    optim/adam.h optim/adam_kernels.h optim/adam_math.h optim/state_codec.h optim/state_decl.h
     optim/step_rates.h)
 if(STRATA_WITH_TORCH)
   list(APPEND strata_public_headers bridge/grad_stats.h bridge/model_hooks.h bridge/scalar_reader.h

@@ -64,9 +64,16 @@ absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_
 }  // namespace
 
 std::vector<StateDecl> adam_states(const AdamHyper& hyper, rt::DType param_dtype,
-                                   rt::StepPlace place) {
+                                   rt::StepPlace place, StateType moments) {
   std::vector<StateDecl> out = {{.name = "exp_avg", .suffix = "exp_avg"},
                                 {.name = "exp_avg_sq", .suffix = "exp_avg_sq"}};
+  for (StateDecl& d : out) {  // See Note [Compressed moments] in state_codec.h
+    if (moments == StateType::kBF16) d.dtype = rt::DType::kBFloat16;
+    if (moments == StateType::kI8) {
+      d.dtype = rt::DType::kUInt8;
+      d.int8_blocks = true;
+    }
+  }
   if (hyper.amsgrad) out.push_back({.name = "max_exp_avg_sq", .suffix = "max_exp_avg_sq"});
   if (param_dtype != rt::DType::kFloat32 || place == rt::StepPlace::kHost) {
     // See Note [Mixed precision] in adam_math.h and Note [Host-stepped layers] in
@@ -143,8 +150,14 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   std::unique_ptr<Adam> adam(new Adam(runtime, std::move(options)));
   std::set<std::uint64_t> seen;
   // Check everything first, so a bad input registers nothing.
+  const StateType moments = adam->options_.state_dtype;
   for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
     STRATA_RETURN_IF_ERROR(check_hyper(adam->groups_[g].hyper, g));
+    if (adam->groups_[g].hyper.amsgrad && moments != StateType::kF32) {
+      return absl::InvalidArgumentError(
+          str_cat("Adam: group ", g, " has amsgrad, which needs float32 moments; state_dtype is ",
+                  state_dtype_name(moments), ": use state_dtype float32 or turn amsgrad off"));
+    }
     for (auto [param, grad] : adam->groups_[g].params) {
       STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime.info(param));
       if (!grad.valid() && !adam->options_.gradients_given) {
@@ -175,9 +188,10 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
         return absl::InvalidArgumentError(
             str_cat("Adam: parameter '", p.spec.name, "' is listed twice"));
       }
-      const std::size_t numel = p.bytes / rt::dtype_size(p.spec.dtype);
-      const std::size_t states = state_bytes(adam_states(adam->groups_[g].hyper, p.spec.dtype));
-      adam->step_bytes_[p.spec.layer] += p.bytes + d.bytes + states * numel;
+      const auto numel = static_cast<std::int64_t>(p.bytes / rt::dtype_size(p.spec.dtype));
+      const std::int64_t states = state_bytes(
+          adam_states(adam->groups_[g].hyper, p.spec.dtype, rt::StepPlace::kGpu, moments), numel);
+      adam->step_bytes_[p.spec.layer] += p.bytes + d.bytes + static_cast<std::size_t>(states);
     }
   }
   // The policy places each layer's step before any state is registered (See Note [Step placement]
@@ -205,10 +219,12 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       slot.grad_type = *elem_type(d.spec.dtype);
       slot.param_name = p.spec.name;
       slot.grad_name = d.spec.name;
+      slot.seed = state_seed(p.spec.name.data(), p.spec.name.size());
       // See Note [Declared states] in state_decl.h.
       const rt::StepPlace place =
           adam->steps_on_host(slot.layer) ? rt::StepPlace::kHost : rt::StepPlace::kGpu;
-      for (const StateDecl& decl : adam_states(adam->groups_[g].hyper, p.spec.dtype, place)) {
+      for (const StateDecl& decl :
+           adam_states(adam->groups_[g].hyper, p.spec.dtype, place, moments)) {
         std::vector<float> initial;
         if (decl.from_parameter) {
           // The master copy starts as the parameter's values, exactly (every bfloat16 and float16
@@ -228,6 +244,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
         spec.role = rt::Role::kOptimizerState;
         spec.state = decl.name;
         spec.dtype = decl.dtype;
+        if (decl.int8_blocks) spec.shape = {state_bytes(decl, slot.numel)};
         STRATA_ASSIGN_OR_RETURN(
             rt::TensorHandle h,
             runtime.register_tensor(spec, decl.from_parameter ? initial.data() : nullptr));
@@ -407,12 +424,14 @@ AdamTensor Adam::kernel_tensor(std::size_t index, const std::array<void*, 6>& pt
   AdamTensor t;
   t.param = ptrs[0];
   t.grad = ptrs[1];
-  t.exp_avg = static_cast<float*>(ptrs[2]);
-  t.exp_avg_sq = static_cast<float*>(ptrs[3]);
+  t.exp_avg = ptrs[2];
+  t.exp_avg_sq = ptrs[3];
   t.max_exp_avg_sq = static_cast<float*>(ptrs[4]);
   t.master = static_cast<float*>(ptrs[5]);
   t.param_type = s.param_type;
   t.grad_type = s.grad_type;
+  t.state_type = options_.state_dtype;
+  t.seed = s.seed;
   t.numel = s.numel;
   t.step = s.steps + 1;
   t.skipped = skips_possible_ ? skipped_ + index : nullptr;

@@ -73,8 +73,11 @@ struct AdamTensor;  // optim/adam_kernels.h
 // float32 exp_avg and exp_avg_sq, max_exp_avg_sq with amsgrad, and master_param (from the
 // parameter) for a bfloat16 or float16 parameter, and for a float32 one stepped on the host (See
 // Note [Host-stepped layers] in adam_host_step.cpp).
+// exp_avg and exp_avg_sq are stored as `moments` says (See Note [Compressed moments] in
+// state_codec.h).
 std::vector<StateDecl> adam_states(const AdamHyper& hyper, rt::DType param_dtype,
-                                   rt::StepPlace place = rt::StepPlace::kGpu);
+                                   rt::StepPlace place = rt::StepPlace::kGpu,
+                                   StateType moments = StateType::kF32);
 
 struct ParamGroup {
   // (parameter, its gradient), both registered with the runtime: float32, bfloat16 or float16
@@ -99,6 +102,9 @@ struct AdamOptions {
   // [Host-stepped layers] in adam_host_step.cpp), started once (See Note [Persistent host threads]
   // in base/thread_pool.h); 0: as many as the machine has.
   int cpu_threads = 0;
+  // How exp_avg and exp_avg_sq are stored, on every tier and on the link (See Note [Compressed
+  // moments] in state_codec.h); compressed moments do not take amsgrad.
+  StateType state_dtype = StateType::kF32;
 };
 
 class Adam {
@@ -233,6 +239,20 @@ class Adam {
   // stream after it.
   [[nodiscard]] absl::Status save(std::ostream& out);
   [[nodiscard]] absl::Status load(std::istream& in);
+  StateType state_dtype() const { return options_.state_dtype; }
+
+  // A parameter's states as float32 values, one a parameter element each, by declared name
+  // (torch's state dict: compressed moments decoded), read from whichever tier holds them.
+  [[nodiscard]] absl::StatusOr<std::vector<std::pair<std::string, std::vector<float>>>>
+  read_state_values(rt::TensorHandle param) const;
+  // Writes the states named in `values` (numel float32 values each; the others are left as they
+  // are), compressed moments encoded to the nearest code (decoded values come back exactly: See
+  // Note [Compressed moments]). kInvalidArgument, and nothing written, for a name the parameter
+  // has no state under or a size that is not the parameter's; a failed write puts back what it
+  // wrote.
+  [[nodiscard]] absl::Status write_state_values(
+      rt::TensorHandle param,
+      const std::vector<std::pair<std::string, std::vector<float>>>& values);
 
  private:
   struct Slot {
@@ -247,6 +267,8 @@ class Adam {
     std::int64_t steps = 0;
     // This step's gradient, when grad is not registered (See Note [Gradients given at each step]).
     const void* given_grad = nullptr;
+    // The key of its compressed moments' rounding (state_seed of the parameter's name).
+    std::uint32_t seed = 0;
     // The optimizer's state tensors of this parameter, valid or not, in checkpoint order.
     std::array<rt::TensorHandle, 4> states() const {
       return {exp_avg, exp_avg_sq, max_exp_avg_sq, master};

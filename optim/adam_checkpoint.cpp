@@ -1,14 +1,17 @@
-// optim/adam_checkpoint.cpp: Adam::save and Adam::load.
+// optim/adam_checkpoint.cpp: Adam::save and Adam::load, and a parameter's states as float32 values
+// for torch's state dict (read_state_values, write_state_values).
 //
 // Checkpoints are files users download and share, so load trusts nothing in them
 // (See Note [Untrusted checkpoints]).
 //
 // Format (little-endian, as the machine writes it):
-//   "STRATA-ADAM-4\n", u32 groups, per group {i64 step, f64 lr, beta1, beta2, eps, weight_decay,
-//   u8 decoupled, amsgrad, maximize}, u32 parameters, per parameter in the optimizer's order
-//   {i64 step} (See Note [Per-parameter steps] in adam.h; the group's step is the most of its
-//   parameters'), u32 tensors, per tensor {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of
-//   everything before it.
+//   "STRATA-ADAM-5\n", u8 state dtype (how the moments are stored: 0 float32, 1 bfloat16, 2 int8,
+//   as the bytes that follow hold them: See Note [Compressed moments] in state_codec.h), u32
+//   groups, per group {i64 step, f64 lr, beta1, beta2, eps, weight_decay, u8 decoupled, amsgrad,
+//   maximize}, u32 parameters, per parameter in the optimizer's order {i64 step} (See Note
+//   [Per-parameter steps] in adam.h; the group's step is the most of its parameters'), u32 tensors,
+//   per tensor {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of everything before it.
+// Version 4 ("STRATA-ADAM-4\n") had no state dtype: its moments are float32.
 // Version 3 ("STRATA-ADAM-3\n") had no per-parameter steps: each parameter takes its group's.
 // Version 2 ("STRATA-ADAM-2\n") stored the hyperparameters as f32, and version 1
 // ("STRATA-ADAM-1\n") as the 24 raw bytes of the float32 AdamHyper of its day (the f32 fields, the
@@ -31,6 +34,7 @@ constexpr std::string_view kMagic1 = "STRATA-ADAM-1\n";
 constexpr std::string_view kMagic2 = "STRATA-ADAM-2\n";
 constexpr std::string_view kMagic3 = "STRATA-ADAM-3\n";
 constexpr std::string_view kMagic4 = "STRATA-ADAM-4\n";
+constexpr std::string_view kMagic5 = "STRATA-ADAM-5\n";
 // Reads grow their buffers in pieces of this size as the bytes arrive, so what a file claims
 // costs nothing until it is there.
 constexpr std::size_t kReadPiece = 64 * 1024;
@@ -131,7 +135,8 @@ bool read_hyper(Reader& r, int version, AdamHyper& h, bool& bools_ok) {
 
 absl::Status Adam::save(std::ostream& out) {
   Writer w(out);
-  w.bytes(kMagic4.data(), kMagic4.size());
+  w.bytes(kMagic5.data(), kMagic5.size());
+  w.pod(static_cast<std::uint8_t>(options_.state_dtype));
   w.pod(static_cast<std::uint32_t>(groups_.size()));
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const AdamHyper& h = groups_[g].hyper;
@@ -191,16 +196,30 @@ absl::Status Adam::save(std::ostream& out) {
 absl::Status Adam::load(std::istream& in) {
   Reader r(in);
   char magic[14];
-  static_assert(sizeof(magic) == kMagic4.size() && sizeof(magic) == kMagic3.size() &&
-                sizeof(magic) == kMagic2.size() && sizeof(magic) == kMagic1.size());
+  static_assert(sizeof(magic) == kMagic5.size() && sizeof(magic) == kMagic4.size() &&
+                sizeof(magic) == kMagic3.size() && sizeof(magic) == kMagic2.size() &&
+                sizeof(magic) == kMagic1.size());
   if (!r.bytes(magic, sizeof(magic))) return truncated();
   const std::string_view got(magic, sizeof(magic));
-  const int version = got == kMagic4   ? 4
+  const int version = got == kMagic5   ? 5
+                      : got == kMagic4 ? 4
                       : got == kMagic3 ? 3
                       : got == kMagic2 ? 2
                       : got == kMagic1 ? 1
                                        : 0;
   if (version == 0) return truncated();
+  std::uint8_t moments = 0;
+  if (version >= 5 && !r.pod(moments)) return truncated();
+  if (moments > static_cast<std::uint8_t>(StateType::kI8)) {
+    return corrupt(str_cat("state dtype ", static_cast<int>(moments), " is none strata knows"));
+  }
+  if (moments != static_cast<std::uint8_t>(options_.state_dtype)) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam checkpoint holds ", state_dtype_name(static_cast<StateType>(moments)),
+                " moments; this optimizer stores them as ", state_dtype_name(options_.state_dtype),
+                ": make it with state_dtype ", state_dtype_name(static_cast<StateType>(moments)),
+                " to resume, or load a state dict in torch's format, which converts"));
+  }
   std::uint32_t groups = 0;
   if (!r.pod(groups)) return truncated();
   if (groups != groups_.size()) {
@@ -308,6 +327,73 @@ absl::Status Adam::load(std::istream& in) {
   STRATA_RETURN_IF_ERROR(reset_skipped());
   for (std::size_t i = 0; i < slots_.size(); ++i) slots_[i].steps = slot_steps[i];
   for (std::uint32_t g = 0; g < groups; ++g) groups_[g].hyper = hypers[g];
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, std::vector<float>>>> Adam::read_state_values(
+    rt::TensorHandle param) const {
+  STRATA_ASSIGN_OR_RETURN(std::size_t index, slot_of(param));
+  const Slot& s = slots_[index];
+  std::vector<std::pair<std::string, std::vector<float>>> out;
+  std::vector<unsigned char> raw;
+  for (rt::TensorHandle h : s.states()) {
+    if (!h.valid()) continue;
+    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(h));
+    std::vector<float> values(static_cast<std::size_t>(s.numel));
+    if (info.spec.dtype == rt::DType::kFloat32) {
+      STRATA_RETURN_IF_ERROR(runtime_.read(h, values.data()));
+    } else {  // a compressed moment (See Note [Compressed moments] in state_codec.h)
+      raw.resize(info.bytes);
+      STRATA_RETURN_IF_ERROR(runtime_.read(h, raw.data()));
+      decode_moment(options_.state_dtype, info.spec.state == "exp_avg_sq", raw.data(), s.numel,
+                    values.data());
+    }
+    out.emplace_back(info.spec.state, std::move(values));
+  }
+  return out;
+}
+
+absl::Status Adam::write_state_values(
+    rt::TensorHandle param, const std::vector<std::pair<std::string, std::vector<float>>>& values) {
+  STRATA_ASSIGN_OR_RETURN(std::size_t index, slot_of(param));
+  const Slot& s = slots_[index];
+  // Every name and size first, then the bytes each state will hold.
+  std::vector<std::pair<rt::TensorHandle, std::vector<unsigned char>>> writes;
+  for (const auto& [name, v] : values) {
+    rt::TensorHandle found;
+    for (rt::TensorHandle h : s.states()) {
+      if (h.valid() && runtime_.info(h)->spec.state == name) found = h;
+    }
+    if (!found.valid()) {
+      return absl::InvalidArgumentError(
+          str_cat("Adam: parameter '", s.param_name, "' has no state '", name, "'"));
+    }
+    if (static_cast<std::int64_t>(v.size()) != s.numel) {
+      return absl::InvalidArgumentError(str_cat("Adam: state '", name, "' of ", v.size(),
+                                                " elements for parameter '", s.param_name, "' of ",
+                                                s.numel));
+    }
+    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(found));
+    std::vector<unsigned char> bytes(info.bytes);
+    if (info.spec.dtype == rt::DType::kFloat32) {
+      std::memcpy(bytes.data(), v.data(), bytes.size());
+    } else {
+      encode_moment(options_.state_dtype, name == "exp_avg_sq", v.data(), s.numel, bytes.data());
+    }
+    writes.emplace_back(found, std::move(bytes));
+  }
+  // All or nothing, as load: what a failed write changed goes back.
+  std::vector<std::vector<unsigned char>> previous(writes.size());
+  for (std::size_t i = 0; i < writes.size(); ++i) {
+    previous[i].resize(writes[i].second.size());
+    STRATA_RETURN_IF_ERROR(runtime_.read(writes[i].first, previous[i].data()));
+  }
+  for (std::size_t i = 0; i < writes.size(); ++i) {
+    absl::Status status = runtime_.write(writes[i].first, writes[i].second.data());
+    if (status.ok()) continue;
+    for (std::size_t j = 0; j < i; ++j) (void)runtime_.write(writes[j].first, previous[j].data());
+    return status;
+  }
   return absl::OkStatus();
 }
 

@@ -51,31 +51,114 @@ inline void store(void* base, std::int64_t i, float v) {
   }
 }
 
-// adam_element with its branches resolved (See Note [The host kernel's loops]).
-template <ElemType P, ElemType G, bool kMaster, Decay D, bool kMaximize>
+// adam_element with its branches resolved (See Note [The host kernel's loops]): p, m and v in
+// float32, g as loaded.
+template <Decay D, bool kMaximize>
+inline void update(float& p, float g, float& m, float& v, const AdamScalars& s, float inv,
+                   float decay) {
+  g = g * inv;
+  if constexpr (kMaximize) g = -g;
+  if constexpr (D == Decay::kDecoupled) p = fmaf(decay, p, p);
+  if constexpr (D == Decay::kCoupled) g = fmaf(p, s.weight_decay, g);
+  m = fmaf(s.beta1, m, fmaf(-s.beta1, g, g));
+  const float g2 = g * g;
+  v = fmaf(s.beta2, v, fmaf(-s.beta2, g2, g2));
+  const float denom = sqrtf(v) / s.bias_correction2_sqrt + s.eps;
+  p -= s.step_size * m / denom;
+}
+
+// Float32 or bfloat16 moments (See Note [Compressed moments] in state_codec.h).
+template <ElemType P, ElemType G, bool kMaster, Decay D, bool kMaximize, StateType S>
 void run_loop(const AdamTensor& x, std::int64_t lo, std::int64_t hi, const AdamScalars& s,
               float inv) {
   float* __restrict master = x.master;
   void* __restrict param = x.param;
   const void* __restrict grad = x.grad;
-  float* __restrict m = x.exp_avg;
-  float* __restrict v = x.exp_avg_sq;
   const float decay = -(s.lr * s.weight_decay);
-  for (std::int64_t i = lo; i < hi; ++i) {
-    float p = kMaster ? master[i] : load<P>(param, i);
-    float g = load<G>(grad, i) * inv;
-    if constexpr (kMaximize) g = -g;
-    if constexpr (D == Decay::kDecoupled) p = fmaf(decay, p, p);
-    if constexpr (D == Decay::kCoupled) g = fmaf(p, s.weight_decay, g);
-    const float mi = fmaf(s.beta1, m[i], fmaf(-s.beta1, g, g));
-    const float g2 = g * g;
-    const float vi = fmaf(s.beta2, v[i], fmaf(-s.beta2, g2, g2));
-    m[i] = mi;
-    v[i] = vi;
-    const float denom = sqrtf(vi) / s.bias_correction2_sqrt + s.eps;
-    p -= s.step_size * mi / denom;
-    if constexpr (kMaster) master[i] = p;
-    store<P>(param, i, p);
+  if constexpr (S == StateType::kF32) {
+    float* __restrict m = static_cast<float*>(x.exp_avg);
+    float* __restrict v = static_cast<float*>(x.exp_avg_sq);
+    for (std::int64_t i = lo; i < hi; ++i) {
+      float p = kMaster ? master[i] : load<P>(param, i);
+      float mi = m[i], vi = v[i];
+      update<D, kMaximize>(p, load<G>(grad, i), mi, vi, s, inv, decay);
+      m[i] = mi;
+      v[i] = vi;
+      if constexpr (kMaster) master[i] = p;
+      store<P>(param, i, p);
+    }
+  } else {
+    std::uint16_t* __restrict m = static_cast<std::uint16_t*>(x.exp_avg);
+    std::uint16_t* __restrict v = static_cast<std::uint16_t*>(x.exp_avg_sq);
+    for (std::int64_t i = lo; i < hi; ++i) {
+      float p = kMaster ? master[i] : load<P>(param, i);
+      float mi = bf16_to_float(m[i]), vi = bf16_to_float(v[i]);
+      update<D, kMaximize>(p, load<G>(grad, i), mi, vi, s, inv, decay);
+      const std::uint32_t r = state_random_bits(x.seed, x.step, i);
+      m[i] = float_to_bf16_stochastic(mi, r);
+      v[i] = float_to_bf16_stochastic(vi, r >> 16);
+      if constexpr (kMaster) master[i] = p;
+      store<P>(param, i, p);
+    }
+  }
+}
+
+// Int8 moments, block by block: [lo, hi) starts on a block and ends on one or at numel (See
+// split_range). Each block's moments are decoded, stepped, their new absmax taken, and encoded;
+// the padding past numel is zeros, as the CUDA kernel writes it.
+template <ElemType P, ElemType G, bool kMaster, Decay D, bool kMaximize>
+void run_loop_int8(const AdamTensor& x, std::int64_t lo, std::int64_t hi, const AdamScalars& s,
+                   float inv) {
+  float* __restrict master = x.master;
+  void* __restrict param = x.param;
+  const void* __restrict grad = x.grad;
+  std::uint8_t* __restrict cm = static_cast<std::uint8_t*>(x.exp_avg);
+  std::uint8_t* __restrict cv = static_cast<std::uint8_t*>(x.exp_avg_sq);
+  float* __restrict sm = int8_scales(x.exp_avg, x.numel);
+  float* __restrict sv = int8_scales(x.exp_avg_sq, x.numel);
+  const float decay = -(s.lr * s.weight_decay);
+  float mb[kStateBlock], vb[kStateBlock];
+  for (std::int64_t b0 = lo; b0 < hi; b0 += kStateBlock) {
+    const std::int64_t block = b0 / kStateBlock;
+    const std::int64_t n = std::min<std::int64_t>(kStateBlock, x.numel - b0);
+    const float scale_m = sm[block], scale_v = sv[block];
+    for (std::int64_t k = 0; k < n; ++k) {
+      const std::int64_t i = b0 + k;
+      float p = kMaster ? master[i] : load<P>(param, i);
+      float mi = decode_exp_avg(cm[i]) * scale_m, vi = decode_exp_avg_sq(cv[i]) * scale_v;
+      update<D, kMaximize>(p, load<G>(grad, i), mi, vi, s, inv, decay);
+      mb[k] = mi;
+      vb[k] = vi;
+      if constexpr (kMaster) master[i] = p;
+      store<P>(param, i, p);
+    }
+    float am = 0.0f, av = 0.0f;
+    for (std::int64_t k = 0; k < n; ++k) {
+      am = absmax_of(am, mb[k]);
+      av = absmax_of(av, vb[k]);
+    }
+    for (std::int64_t k = 0; k < n; ++k) {
+      cm[b0 + k] =
+          encode_exp_avg(relative_to(mb[k], am), state_random_bits(x.seed, x.step, b0 + k, 0));
+      cv[b0 + k] =
+          encode_exp_avg_sq(relative_to(vb[k], av), state_random_bits(x.seed, x.step, b0 + k, 1));
+    }
+    for (std::int64_t k = n; k < kStateBlock; ++k) cm[b0 + k] = cv[b0 + k] = 0;
+    sm[block] = am;
+    sv[block] = av;
+  }
+}
+
+template <ElemType P, ElemType G, bool kMaster, Decay D, bool kMaximize>
+void run_state(const AdamTensor& x, std::int64_t lo, std::int64_t hi, const AdamScalars& s,
+               float inv) {
+  switch (x.state_type) {
+    case StateType::kBF16:
+      return run_loop<P, G, kMaster, D, kMaximize, StateType::kBF16>(x, lo, hi, s, inv);
+    case StateType::kI8:
+      return run_loop_int8<P, G, kMaster, D, kMaximize>(x, lo, hi, s, inv);
+    default:
+      return run_loop<P, G, kMaster, D, kMaximize, StateType::kF32>(x, lo, hi, s, inv);
   }
 }
 
@@ -87,14 +170,14 @@ void run_typed(const AdamTensor& x, std::int64_t lo, std::int64_t hi, const Adam
                                          : Decay::kCoupled;
   const bool max = s.maximize;
   if (d == Decay::kNone) {
-    max ? run_loop<P, G, kMaster, Decay::kNone, true>(x, lo, hi, s, inv)
-        : run_loop<P, G, kMaster, Decay::kNone, false>(x, lo, hi, s, inv);
+    max ? run_state<P, G, kMaster, Decay::kNone, true>(x, lo, hi, s, inv)
+        : run_state<P, G, kMaster, Decay::kNone, false>(x, lo, hi, s, inv);
   } else if (d == Decay::kDecoupled) {
-    max ? run_loop<P, G, kMaster, Decay::kDecoupled, true>(x, lo, hi, s, inv)
-        : run_loop<P, G, kMaster, Decay::kDecoupled, false>(x, lo, hi, s, inv);
+    max ? run_state<P, G, kMaster, Decay::kDecoupled, true>(x, lo, hi, s, inv)
+        : run_state<P, G, kMaster, Decay::kDecoupled, false>(x, lo, hi, s, inv);
   } else {
-    max ? run_loop<P, G, kMaster, Decay::kCoupled, true>(x, lo, hi, s, inv)
-        : run_loop<P, G, kMaster, Decay::kCoupled, false>(x, lo, hi, s, inv);
+    max ? run_state<P, G, kMaster, Decay::kCoupled, true>(x, lo, hi, s, inv)
+        : run_state<P, G, kMaster, Decay::kCoupled, false>(x, lo, hi, s, inv);
   }
 }
 
@@ -102,7 +185,7 @@ void run_typed(const AdamTensor& x, std::int64_t lo, std::int64_t hi, const Adam
 STRATA_HOST_CLONES void run_tensor(const AdamTensor& x, std::int64_t lo, std::int64_t hi,
                                    const AdamScalars& s, float inv) {
   const bool master = x.master != nullptr;
-  if (!s.amsgrad) {
+  if (!s.amsgrad || x.state_type != StateType::kF32) {  // amsgrad needs float32 moments
     const ElemType p = x.param_type, g = x.grad_type;
     using E = ElemType;
     if (!master && p == E::kF32 && g == E::kF32)
@@ -117,6 +200,11 @@ STRATA_HOST_CLONES void run_tensor(const AdamTensor& x, std::int64_t lo, std::in
       return run_typed<E::kF16, E::kF16, true>(x, lo, hi, s, inv);
     if (master && p == E::kF16 && g == E::kF32)
       return run_typed<E::kF16, E::kF32, true>(x, lo, hi, s, inv);
+    // Int8 moments have no element-by-element path: the pairs above are every pair Adam accepts.
+  }
+  if (x.state_type == StateType::kBF16) {
+    for (std::int64_t i = lo; i < hi; ++i) adam_bf16_state_element(x, i, s, inv);
+    return;
   }
   for (std::int64_t i = lo; i < hi; ++i) adam_tensor_element(x, i, s, inv);
 }
@@ -127,18 +215,28 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
   std::int64_t base = 0;
   for (std::size_t t = 0; t < count && base < end; ++t) {
     const AdamTensor& x = tensors[t];
-    const std::int64_t lo = std::max<std::int64_t>(begin - base, 0);
-    const std::int64_t hi = std::min<std::int64_t>(end - base, x.numel);
+    std::int64_t lo = std::max<std::int64_t>(begin - base, 0);
+    std::int64_t hi = std::min<std::int64_t>(end - base, x.numel);
+    if (x.state_type == StateType::kI8) {
+      // A block belongs to the part its first element falls in.
+      lo = std::min(x.numel, (lo + kStateBlock - 1) / kStateBlock * kStateBlock);
+      if (hi < x.numel) hi = (hi + kStateBlock - 1) / kStateBlock * kStateBlock;
+      hi = std::min(hi, x.numel);
+    }
     if (lo < hi) {
       AdamScalars own = s;
+      // The settled step (See Note [Skipped steps]): the bias corrections' and the rounding's.
+      AdamTensor settled = x;
+      settled.step = settled_step(x);
+      settled.skipped = nullptr;
       if (x.bias != nullptr) {
         // See Note [Bias corrections from the device] in adam_kernels.h.
         own.step_size = x.bias[0];
         own.bias_correction2_sqrt = x.bias[1];
       } else {
-        bias_corrections(own, settled_step(x));  // See Note [Skipped steps]
+        bias_corrections(own, settled.step);
       }
-      run_tensor(x, lo, hi, own, inv);
+      run_tensor(settled, lo, hi, own, inv);
     }
     base += x.numel;
   }

@@ -63,8 +63,8 @@ __device__ __forceinline__ std::uint32_t to_low(float v, ElemType type) {
 __device__ __forceinline__ void update_low4(const AdamTensor& x, std::int64_t i,
                                             const AdamScalars& s, float inv) {
   float4 pm = *reinterpret_cast<float4*>(x.master + i);
-  float4 mm = *reinterpret_cast<float4*>(x.exp_avg + i);
-  float4 vv = *reinterpret_cast<float4*>(x.exp_avg_sq + i);
+  float4 mm = *reinterpret_cast<float4*>(static_cast<float*>(x.exp_avg) + i);
+  float4 vv = *reinterpret_cast<float4*>(static_cast<float*>(x.exp_avg_sq) + i);
   float g[4];
   load4(x.grad, x.grad_type, i, g);
   adam_element(pm.x, g[0], mm.x, vv.x, nullptr, s, inv);
@@ -72,8 +72,8 @@ __device__ __forceinline__ void update_low4(const AdamTensor& x, std::int64_t i,
   adam_element(pm.z, g[2], mm.z, vv.z, nullptr, s, inv);
   adam_element(pm.w, g[3], mm.w, vv.w, nullptr, s, inv);
   *reinterpret_cast<float4*>(x.master + i) = pm;
-  *reinterpret_cast<float4*>(x.exp_avg + i) = mm;
-  *reinterpret_cast<float4*>(x.exp_avg_sq + i) = vv;
+  *reinterpret_cast<float4*>(static_cast<float*>(x.exp_avg) + i) = mm;
+  *reinterpret_cast<float4*>(static_cast<float*>(x.exp_avg_sq) + i) = vv;
   const uint2 packed = {to_low(pm.x, x.param_type) | (to_low(pm.y, x.param_type) << 16),
                         to_low(pm.z, x.param_type) | (to_low(pm.w, x.param_type) << 16)};
   *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(x.param) + i) = packed;
@@ -82,7 +82,7 @@ __device__ __forceinline__ void update_low4(const AdamTensor& x, std::int64_t i,
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(Meta meta, AdamScalars s, const float* grad_scale, const float* found_inf) {
   const int t = meta.block_tensor[blockIdx.x];
-  const AdamTensor& x = meta.t[t];
+  AdamTensor x = meta.t[t];
   if (found_inf != nullptr && *found_inf != 0.0f) {
     // The tensor's first block counts the skip, once per tensor and step (See Note [Skipped steps]
     // in adam_kernels.h).
@@ -96,25 +96,77 @@ __global__ void __launch_bounds__(kThreads)
     // match its (the host's pow may differ in the last place); the skipped count lives in pinned
     // host memory (See Note [Skipped steps] in adam_kernels.h). One read per block.
     __shared__ float step_size, bias_correction2_sqrt;
+    __shared__ std::int64_t settled_t;
     if (threadIdx.x == 0) {
       AdamScalars settled = s;
-      bias_corrections(settled, settled_step(x));
+      settled_t = settled_step(x);
+      bias_corrections(settled, settled_t);
       step_size = settled.step_size;
       bias_correction2_sqrt = settled.bias_correction2_sqrt;
     }
     __syncthreads();
     s.step_size = step_size;
     s.bias_correction2_sqrt = bias_correction2_sqrt;
+    // Compressed moments draw their rounding for the settled step (See Note [Compressed moments]
+    // in state_codec.h).
+    x.step = settled_t;
+    x.skipped = nullptr;
   }
   const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
   const std::int64_t begin = static_cast<std::int64_t>(meta.block_chunk[blockIdx.x]) * kChunk;
   const std::int64_t end = begin + kChunk < x.numel ? begin + kChunk : x.numel;
+  if (x.state_type == StateType::kI8) {
+    // A warp a block of moments, eight elements a lane, lane + 32k, so that each load and store of
+    // the warp is contiguous (See Note [Compressed moments] in state_codec.h); the chunk is a whole
+    // number of blocks.
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+    const int warp = static_cast<int>(threadIdx.x) >> 5;
+    constexpr int kPerLane = kStateBlock / 32;
+    float* scales_m = int8_scales(x.exp_avg, x.numel);
+    float* scales_v = int8_scales(x.exp_avg_sq, x.numel);
+    for (std::int64_t b0 = begin + warp * kStateBlock; b0 < end;
+         b0 += static_cast<std::int64_t>(kThreads / 32) * kStateBlock) {
+      const std::int64_t block = b0 / kStateBlock;
+      const float scale_m = scales_m[block], scale_v = scales_v[block];
+      float m[kPerLane], v[kPerLane];
+      float am = 0.0f, av = 0.0f;
+      for (int k = 0; k < kPerLane; ++k) {
+        adam_int8_state_update(x, b0 + lane + 32 * k, scale_m, scale_v, s, inv, m[k], v[k]);
+        am = absmax_of(am, m[k]);
+        av = absmax_of(av, v[k]);
+      }
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        am = absmax_of(am, __shfl_xor_sync(0xffffffffu, am, offset));
+        av = absmax_of(av, __shfl_xor_sync(0xffffffffu, av, offset));
+      }
+      for (int k = 0; k < kPerLane; ++k) {
+        const std::int64_t i = b0 + lane + 32 * k;
+        if (i < x.numel) {
+          encode_int8_moments(x, i, m[k], v[k], am, av);
+        } else {  // the last block's padding
+          static_cast<std::uint8_t*>(x.exp_avg)[i] = 0;
+          static_cast<std::uint8_t*>(x.exp_avg_sq)[i] = 0;
+        }
+      }
+      if (lane == 0) {
+        scales_m[block] = am;
+        scales_v[block] = av;
+      }
+    }
+    return;
+  }
+  if (x.state_type == StateType::kBF16) {
+    for (std::int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+      adam_bf16_state_element(x, j, s, inv);
+    }
+    return;
+  }
   float* p = static_cast<float*>(x.param);
   const float* g = static_cast<const float*>(x.grad);
-  float* m = x.exp_avg;
-  float* v = x.exp_avg_sq;
+  float* m = static_cast<float*>(x.exp_avg);
+  float* v = static_cast<float*>(x.exp_avg_sq);
   std::int64_t i = begin + threadIdx.x * 4;
-  if (meta.vec_low[t] && !s.amsgrad) {
+  if (meta.vec_low[t] && !s.amsgrad && x.state_type == StateType::kF32) {
     for (; i + 3 < end; i += static_cast<std::int64_t>(blockDim.x) * 4) update_low4(x, i, s, inv);
     const std::int64_t tail = begin + ((end - begin) & ~std::int64_t{3});
     for (std::int64_t j = tail + threadIdx.x; j < end; j += blockDim.x) {
@@ -122,7 +174,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  if (meta.vec[t] && !s.amsgrad) {
+  if (meta.vec[t] && !s.amsgrad) {  // float32 moments: the paths above returned
     for (; i + 3 < end; i += static_cast<std::int64_t>(blockDim.x) * 4) {
       float4 pp = *reinterpret_cast<float4*>(p + i);
       const float4 gg = *reinterpret_cast<const float4*>(g + i);

@@ -96,7 +96,9 @@ absl::Status Adam::place_steps() {
       c.layer = p.spec.layer;
       c.params += static_cast<std::int64_t>(n);
       // Weighted sums, divided by the parameters below: bytes a parameter over the layer.
-      c.state_bytes += n * static_cast<double>(state_bytes(adam_states(group.hyper, p.spec.dtype)));
+      c.state_bytes += static_cast<double>(state_bytes(
+          adam_states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype),
+          static_cast<std::int64_t>(n)));
       c.grad_bytes += n * static_cast<double>(rt::dtype_size(grad_dtype));
       c.param_bytes += n * static_cast<double>(rt::dtype_size(p.spec.dtype));
       c.host_touch_bytes += n * kHostTouchBytes;
@@ -263,26 +265,18 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
     for (std::size_t index : by_layer_.at(layers[k])) {
       if (skip_[index]) continue;
       const Slot& s = slots_[index];
-      std::array<void*, 4> states = {};  // exp_avg, exp_avg_sq, max_exp_avg_sq, master
-      const std::array<rt::TensorHandle, 4> hs = {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq,
-                                                  s.master};
-      for (int j = 0; j < 4; ++j) {
+      // In AdamTensor's order: the parameter and gradient in their pinned buffers, the states
+      // where they rest. A float32 parameter is its master here: the kernel writes it twice, the
+      // same value.
+      std::array<void*, 6> ptrs = {};
+      ptrs[1] = host_slots_[index].grad;
+      const std::array<rt::TensorHandle, 6> hs = s.kernel_tensors();
+      for (int j = 2; j < 6; ++j) {
         if (!hs[j].valid()) continue;
-        STRATA_ASSIGN_OR_RETURN(states[j], resting_address(hs[j], rt::Tier::kPinnedHost));
+        STRATA_ASSIGN_OR_RETURN(ptrs[j], resting_address(hs[j], rt::Tier::kPinnedHost));
       }
-      AdamTensor t;
-      t.master = static_cast<float*>(states[3]);
-      // A float32 parameter is its master here: the kernel writes it twice, the same value.
-      t.param = host_slots_[index].param != nullptr ? host_slots_[index].param : states[3];
-      t.grad = host_slots_[index].grad;
-      t.exp_avg = static_cast<float*>(states[0]);
-      t.exp_avg_sq = static_cast<float*>(states[1]);
-      t.max_exp_avg_sq = static_cast<float*>(states[2]);
-      t.numel = s.numel;
-      t.param_type = s.param_type;
-      t.grad_type = s.grad_type;
-      t.step = s.steps + 1;
-      t.skipped = skips_possible_ ? skipped_ + index : nullptr;
+      ptrs[0] = host_slots_[index].param != nullptr ? host_slots_[index].param : ptrs[5];
+      AdamTensor t = kernel_tensor(index, ptrs);
       t.bias = bias + 2 * host_slots_[index].request;
       per_group[s.group].push_back(t);
       stepped.push_back(index);

@@ -1,6 +1,7 @@
-// optim/adam_kernels.h: Adam / AdamW over lists of tensors, on the CPU and on the GPU: float32
-// moments, and float32, bfloat16 or float16 parameters (through a float32 master copy) and
-// gradients (See Note [Mixed precision] in adam_math.h).
+// optim/adam_kernels.h: Adam / AdamW over lists of tensors, on the CPU and on the GPU: float32,
+// bfloat16 or int8 moments (See Note [Compressed moments] in state_codec.h), and float32, bfloat16
+// or float16 parameters (through a float32 master copy) and gradients (See Note [Mixed precision]
+// in adam_math.h).
 //
 // The tensor-list launcher is kept apart from the per-element math (optim/adam_math.h). The CUDA
 // kernel walks many tensors in one launch (apex's multi_tensor_apply idea: each block takes a chunk
@@ -23,6 +24,7 @@
 
 #include "base/thread_pool.h"
 #include "optim/adam_math.h"
+#include "optim/state_codec.h"
 
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -33,15 +35,20 @@ namespace strata::optim {
 struct AdamTensor {
   void* param = nullptr;       // of param_type
   const void* grad = nullptr;  // of grad_type
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
-  float* max_exp_avg_sq = nullptr;  // amsgrad only
+  // The moments, stored as state_type says: float32 or bfloat16 elements, or an int8 tensor's
+  // codes and scales (int8_state_bytes).
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  float* max_exp_avg_sq = nullptr;  // amsgrad only (float32 moments only)
   std::int64_t numel = 0;
   // A bfloat16 or float16 parameter's float32 master copy, which the step updates and the parameter
   // is rounded from (See Note [Mixed precision] in adam_math.h); null for float32.
   float* master = nullptr;
   ElemType param_type = ElemType::kF32;
   ElemType grad_type = ElemType::kF32;
+  StateType state_type = StateType::kF32;
+  // The key of the moments' stochastic rounding (state_seed of the parameter's name).
+  std::uint32_t seed = 0;
   // The parameter's own step count (See Note [Per-parameter steps] in adam.h), this step included.
   //
   // Note [Skipped steps]
@@ -62,14 +69,66 @@ STRATA_HD std::int64_t settled_step(const AdamTensor& x) {
   return x.skipped != nullptr ? x.step - *x.skipped : x.step;
 }
 
-// One element of a tensor's step, the same on the CPU and the GPU.
+// One element of a tensor with float32 moments, the same on the CPU and the GPU.
 STRATA_HD void adam_tensor_element(const AdamTensor& x, std::int64_t i, const AdamScalars& s,
                                    float inv_grad_scale) {
   float p = x.master != nullptr ? x.master[i] : load_elem(x.param, x.param_type, i);
-  adam_element(p, load_elem(x.grad, x.grad_type, i), x.exp_avg[i], x.exp_avg_sq[i],
+  adam_element(p, load_elem(x.grad, x.grad_type, i), static_cast<float*>(x.exp_avg)[i],
+               static_cast<float*>(x.exp_avg_sq)[i],
                x.max_exp_avg_sq != nullptr ? x.max_exp_avg_sq + i : nullptr, s, inv_grad_scale);
   if (x.master != nullptr) x.master[i] = p;
   store_elem(x.param, x.param_type, i, p);
+}
+
+// One element of a tensor with bfloat16 moments (See Note [Compressed moments] in state_codec.h).
+// Its rounding is drawn for step x.step, which the kernels set to the settled step first (See Note
+// [Skipped steps]): a step found_inf skipped draws nothing, and a run resumed from a checkpoint
+// (which saves settled counts) draws what the run that was not stopped drew.
+STRATA_HD void adam_bf16_state_element(const AdamTensor& x, std::int64_t i, const AdamScalars& s,
+                                       float inv_grad_scale) {
+  auto* m16 = static_cast<std::uint16_t*>(x.exp_avg);
+  auto* v16 = static_cast<std::uint16_t*>(x.exp_avg_sq);
+  float p = x.master != nullptr ? x.master[i] : load_elem(x.param, x.param_type, i);
+  float m = bf16_to_float(m16[i]), v = bf16_to_float(v16[i]);
+  adam_element(p, load_elem(x.grad, x.grad_type, i), m, v, nullptr, s, inv_grad_scale);
+  const std::uint32_t r = state_random_bits(x.seed, x.step, i);
+  m16[i] = float_to_bf16_stochastic(m, r);
+  v16[i] = float_to_bf16_stochastic(v, r >> 16);
+  if (x.master != nullptr) x.master[i] = p;
+  store_elem(x.param, x.param_type, i, p);
+}
+
+// An int8 moment's scales, after its codes.
+STRATA_HD float* int8_scales(void* state, std::int64_t numel) {
+  return reinterpret_cast<float*>(static_cast<std::uint8_t*>(state) +
+                                  state_blocks(numel) * kStateBlock);
+}
+
+// Element i of an int8-moment tensor, up to the moments' encoding: p stepped and stored, and the
+// new moments left in m and v in float32 for the block's absmax and encode_int8_moments. An element
+// past numel (padding of the last block) gives m = v = 0 and touches nothing.
+STRATA_HD void adam_int8_state_update(const AdamTensor& x, std::int64_t i, float scale_m,
+                                      float scale_v, const AdamScalars& s, float inv_grad_scale,
+                                      float& m, float& v) {
+  if (i >= x.numel) {
+    m = v = 0.0f;
+    return;
+  }
+  m = decode_exp_avg(static_cast<const std::uint8_t*>(x.exp_avg)[i]) * scale_m;
+  v = decode_exp_avg_sq(static_cast<const std::uint8_t*>(x.exp_avg_sq)[i]) * scale_v;
+  float p = x.master != nullptr ? x.master[i] : load_elem(x.param, x.param_type, i);
+  adam_element(p, load_elem(x.grad, x.grad_type, i), m, v, nullptr, s, inv_grad_scale);
+  if (x.master != nullptr) x.master[i] = p;
+  store_elem(x.param, x.param_type, i, p);
+}
+
+// Encodes element i's new moments against its block's new absmaxes.
+STRATA_HD void encode_int8_moments(const AdamTensor& x, std::int64_t i, float m, float v,
+                                   float absmax_m, float absmax_v) {
+  static_cast<std::uint8_t*>(x.exp_avg)[i] =
+      encode_exp_avg(relative_to(m, absmax_m), state_random_bits(x.seed, x.step, i, 0));
+  static_cast<std::uint8_t*>(x.exp_avg_sq)[i] =
+      encode_exp_avg_sq(relative_to(v, absmax_v), state_random_bits(x.seed, x.step, i, 1));
 }
 
 // Splits the elements of all tensors over the pool's threads (nullptr: the calling thread only;

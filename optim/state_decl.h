@@ -15,12 +15,17 @@
 // Example:
 //   for (const StateDecl& d : adam_states(hyper, rt::DType::kBFloat16)) ...;
 //   // exp_avg, exp_avg_sq (float32 zeros), master_param (float32, from the parameter)
+//   STRATA_ASSIGN_OR_RETURN(StateType t, parse_state_dtype("int8"));
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "optim/state_codec.h"
 #include "runtime/tensor.h"
 
 namespace strata::optim {
@@ -31,9 +36,18 @@ struct StateDecl {
   rt::DType dtype = rt::DType::kFloat32;
   // Starts as the parameter's values converted to `dtype` (a master copy); else zeros.
   bool from_parameter = false;
+  // Stored as int8 codes and a float32 scale per block (See Note [Compressed moments] in
+  // state_codec.h): a 1-d uint8 tensor of int8_state_bytes(numel) bytes, not the parameter's shape.
+  bool int8_blocks = false;
 };
 
-// Bytes a parameter's declared states take together, per element of the parameter.
-std::size_t state_bytes(const std::vector<StateDecl>& states);
+// Bytes a state of a parameter of `numel` elements takes, and all of a parameter's together.
+std::int64_t state_bytes(const StateDecl& state, std::int64_t numel);
+std::int64_t state_bytes(const std::vector<StateDecl>& states, std::int64_t numel);
+
+// How moments are stored, by the name users give (state_dtype): "float32", "bfloat16" or "int8";
+// kInvalidArgument naming the choices for any other.
+absl::StatusOr<StateType> parse_state_dtype(std::string_view name);
+std::string_view state_dtype_name(StateType type);
 
 }  // namespace strata::optim

@@ -90,23 +90,16 @@ bool GptImpl::decays(const std::string& name) {
 }
 
 torch::Tensor synthetic_batch(const GptConfig& config, std::uint64_t seed, int step) {
-  // SplitMix64 on (seed, step): the same tokens everywhere, without torch's generators.
-  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(step);
-  auto next = [&state] {
-    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
+  BatchRandom random(seed, step);
   torch::Tensor out = torch::empty({config.batch, config.seq + 1}, torch::kInt64);
   auto a = out.accessor<std::int64_t, 2>();
   for (std::int64_t b = 0; b < config.batch; ++b) {
     // Each sequence has its own stride; one token in eight is noise.
-    const std::int64_t stride = 1 + static_cast<std::int64_t>(next() % 7);
-    std::int64_t token = static_cast<std::int64_t>(next() % config.vocab);
+    const std::int64_t stride = 1 + static_cast<std::int64_t>(random.next() % 7);
+    std::int64_t token = static_cast<std::int64_t>(random.next() % config.vocab);
     for (std::int64_t t = 0; t <= config.seq; ++t) {
       a[b][t] = token;
-      const std::uint64_t r = next();
+      const std::uint64_t r = random.next();
       token = (r % 8 == 0) ? static_cast<std::int64_t>((r >> 8) % config.vocab)
                            : (token * 3 + stride) % config.vocab;
     }

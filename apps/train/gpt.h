@@ -75,6 +75,23 @@ class GptImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Gpt);
 
+// SplitMix64 over (seed, step): the random numbers a step's batch is drawn from, the same on every
+// machine, without torch's generators.
+class BatchRandom {
+ public:
+  BatchRandom(std::uint64_t seed, int step)
+      : state_(seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(step)) {}
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
 // The step's batch, [batch, seq + 1] int64 on the CPU, the same for a given (seed, step) on every
 // machine: sequences that follow a noisy affine rule over the vocabulary, so the loss has something
 // to learn. Inputs are [:, :-1], targets [:, 1:].

@@ -41,9 +41,11 @@
 #include "absl/strings/str_split.h"
 #include "allocator/upstream.h"
 #include "apps/train/report.h"
+#include "apps/train/text_data.h"
 #include "apps/train/train.h"
 #include "base/strings.h"
 #include "base/units.h"
+#include "optim/state_decl.h"
 #include "policies/builtin.h"
 #include "runtime/policy.h"
 
@@ -60,6 +62,12 @@ ABSL_FLAG(std::string, strata_roles, "optimizer_states",
           "what bulk moves and layer_prefetch streams: optimizer_states, or all (parameters and "
           "gradients too, for a model larger than the GPU budget), or a list of roles such as "
           "parameter,optimizer_state");
+ABSL_FLAG(std::string, state_dtype, "float32",
+          "how strata's Adam stores exp_avg and exp_avg_sq: float32, bfloat16 (stochastically "
+          "rounded) or int8 (a float32 scale per block of 256), on every tier and on the link");
+ABSL_FLAG(std::string, text_dir, "",
+          "train on real text: the bytes of the *.py files in this directory (e.g. the Python "
+          "standard library's), up to 64 MiB, instead of the synthetic data; needs --vocab=256");
 ABSL_FLAG(int, steps, 20, "training steps");
 ABSL_FLAG(int64_t, layers, 4, "transformer blocks");
 ABSL_FLAG(int64_t, d_model, 128, "model width");
@@ -207,6 +215,15 @@ int run(int argc, char** argv) {
         "--layers, --d_model, --heads, --seq and --batch must be positive and "
         "--vocab at least 2");
   }
+  if (const std::string dir = absl::GetFlag(FLAGS_text_dir); !dir.empty()) {
+    if (m.vocab != 256) return usage_error("--text_dir trains on bytes: it needs --vocab=256");
+    absl::StatusOr<TextCorpus> text = TextCorpus::load(dir, std::int64_t{64} << 20);
+    if (!text.ok()) return usage_error(std::string(text.status().message()));
+    if (text->size() <= m.seq) return usage_error("--text_dir: fewer bytes than one sequence");
+    std::printf("text: %lld bytes of %d files in %s\n", static_cast<long long>(text->size()),
+                text->files(), dir.c_str());
+    o.text = std::make_shared<const TextCorpus>(std::move(*text));
+  }
   if (m.d_model % m.heads != 0) {
     return usage_error(str_cat("--heads (", m.heads, ") must divide --d_model (", m.d_model, ")"));
   }
@@ -230,6 +247,13 @@ int run(int argc, char** argv) {
   if (o.phase_switch_every < 0) return usage_error("--phase_switch_every must be 0 or more");
   o.undo_on_gpu = absl::GetFlag(FLAGS_strata_undo_on_gpu);
   if (const double f = absl::GetFlag(FLAGS_strata_hybrid_fraction); f >= 0) o.hybrid_fraction = f;
+  if (absl::StatusOr<optim::StateType> t =
+          optim::parse_state_dtype(absl::GetFlag(FLAGS_state_dtype));
+      t.ok()) {
+    o.state_dtype = *t;
+  } else {
+    return usage_error(str_cat("--state_dtype: ", t.status().message()));
+  }
   if (const std::string where = absl::GetFlag(FLAGS_strata_step_stream); where == "compute") {
     o.step_on_own_stream = false;
   } else if (where != "own") {

@@ -8,6 +8,7 @@
 
 #include "base/strings.h"
 #include "base/units.h"
+#include "optim/state_decl.h"
 
 namespace strata::apps {
 namespace {
@@ -314,6 +315,8 @@ std::string to_json(const Report& report) {
       ", \"phase_switch_every\": ", o.phase_switch_every,
       ", \"gpu_memory\": ", json_quoted(alloc::device_method_name(o.gpu_memory)),
       ", \"dtype\": ", json_quoted(dtype_name(o.dtype)),
+      ", \"state_dtype\": ", json_quoted(optim::state_dtype_name(o.state_dtype)),
+      ", \"text\": ", o.text != nullptr ? "true" : "false",
       ", \"clip_grad_norm\": ", exact(o.clip_grad_norm),
       ", \"overlap\": ", json_quoted(rt::overlap_name(o.overlap)),
       ", \"grad_accum\": ", o.grad_accum,

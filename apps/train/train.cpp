@@ -83,7 +83,9 @@ struct Batch {
 // Micro-batch `micro` of `step` (1-based; one per step without accumulation: micro 0).
 Batch batch_for(const TrainOptions& o, int step, int micro = 0) {
   const int index = (step - 1) * o.grad_accum + micro + 1;
-  torch::Tensor tokens = synthetic_batch(o.model, o.seed, index).to(device_of(o));
+  torch::Tensor tokens = (o.text != nullptr ? o.text->batch(o.model, o.seed, index)
+                                            : synthetic_batch(o.model, o.seed, index))
+                             .to(device_of(o));
   return {tokens.slice(1, 0, -1), tokens.slice(1, 1)};
 }
 
@@ -189,6 +191,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     binding.register_gradients(*model, rt::Tier::kGpu);
 
     optim::AdamOptions ao;
+    ao.state_dtype = o.state_dtype;
     ao.groups.resize(2);
     ao.groups[0].hyper = {.lr = o.lr, .weight_decay = o.weight_decay, .decoupled = true};
     ao.groups[1].hyper = {.lr = o.lr, .weight_decay = 0.0, .decoupled = true};

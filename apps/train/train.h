@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -25,6 +26,8 @@
 #include "allocator/tier.h"
 #include "allocator/upstream.h"
 #include "apps/train/gpt.h"
+#include "apps/train/text_data.h"
+#include "optim/state_codec.h"
 #include "runtime/policy.h"
 #include "runtime/tensor.h"
 
@@ -61,6 +64,10 @@ struct TrainOptions {
   bool undo_on_gpu = false;
   // hybrid: the share of parameters stepped on the GPU, forced; unset: the cost model's choice.
   std::optional<double> hybrid_fraction;
+  // Real text to train on (--text_dir); null: synthetic_batch.
+  std::shared_ptr<const TextCorpus> text;
+  // How strata's Adam stores the moments (See Note [Compressed moments] in optim/state_codec.h).
+  optim::StateType state_dtype = optim::StateType::kF32;
   // Micro-batches per step (gradient accumulation), each of `model.batch` sequences.
   int grad_accum = 1;
   // Where a step's time ends (See Note [Step end] in apps/train/torch_device.h).

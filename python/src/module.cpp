@@ -20,8 +20,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -245,10 +247,12 @@ class Adam {
   using Group =
       std::pair<std::vector<std::pair<torch::Tensor, std::optional<torch::Tensor>>>, py::dict>;
 
-  Adam(std::shared_ptr<Runtime> runtime, const std::vector<Group>& groups, int cpu_threads)
+  Adam(std::shared_ptr<Runtime> runtime, const std::vector<Group>& groups, int cpu_threads,
+       const std::string& state_dtype)
       : runtime_(std::move(runtime)) {
     optim::AdamOptions o;
     if (cpu_threads > 0) o.cpu_threads = cpu_threads;
+    o.state_dtype = bridge::unwrap(optim::parse_state_dtype(state_dtype));
     for (const auto& [params, hyper] : groups) {
       optim::ParamGroup g;
       g.hyper = hyper_of(hyper);
@@ -368,33 +372,43 @@ class Adam {
   // The parameter's states as CPU float32 tensors, by the names Adam declared them under
   // ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"), read from whichever tier holds
   // them.
+  // A parameter's states as float32 tensors shaped like it, compressed moments decoded (See Note
+  // [Compressed moments] in optim/state_codec.h).
   py::dict read_state(const torch::Tensor& param) {
+    std::vector<std::pair<std::string, std::vector<float>>> values;
+    {
+      py::gil_scoped_release release;
+      values = bridge::unwrap(adam_->read_state_values(runtime_->binding().handle(param)));
+    }
     py::dict out;
-    for (rt::TensorHandle h : bridge::unwrap(adam_->state(runtime_->binding().handle(param)))) {
-      const rt::TensorInfo info = bridge::unwrap(runtime_->rt().info(h));
+    for (auto& [name, v] : values) {
       torch::Tensor host = torch::empty(param.sizes(), torch::kFloat);
-      {
-        py::gil_scoped_release release;
-        bridge::check(runtime_->rt().read(h, host.data_ptr()));
-      }
-      out[py::str(info.spec.state)] = host;
+      std::memcpy(host.data_ptr(), v.data(), v.size() * sizeof(float));
+      out[py::str(name)] = host;
     }
     return out;
   }
 
   void write_state(const torch::Tensor& param, const py::dict& values) {
-    for (rt::TensorHandle h : bridge::unwrap(adam_->state(runtime_->binding().handle(param)))) {
-      const rt::TensorInfo info = bridge::unwrap(runtime_->rt().info(h));
-      const std::string& key = info.spec.state;
-      if (!values.contains(key)) continue;
-      torch::Tensor t = values[py::str(key)].cast<torch::Tensor>().to(torch::kFloat).contiguous();
-      if (t.numel() * 4 != static_cast<std::int64_t>(info.bytes)) {
-        bridge::check(absl::InvalidArgumentError(str_cat(
-            "state '", key, "' of ", t.numel(), " elements for a parameter of ", info.bytes / 4)));
-      }
-      py::gil_scoped_release release;
-      bridge::check(runtime_->rt().write(h, t.cpu().data_ptr()));
+    std::vector<std::pair<std::string, std::vector<float>>> in;
+    for (auto [key, value] : values) {
+      torch::Tensor t = value.cast<torch::Tensor>().to(torch::kFloat).contiguous().cpu();
+      std::vector<float> v(static_cast<std::size_t>(t.numel()));
+      std::memcpy(v.data(), t.data_ptr(), v.size() * sizeof(float));
+      in.emplace_back(key.cast<std::string>(), std::move(v));
     }
+    const rt::TensorHandle h = runtime_->binding().handle(param);
+    // Only the states this parameter has: a master_param given for one without a master is not
+    // an error (torch's state dicts of float32 parameters never have one).
+    std::vector<std::string> have;
+    for (rt::TensorHandle s : bridge::unwrap(adam_->state(h))) {
+      have.push_back(bridge::unwrap(runtime_->rt().info(s)).spec.state);
+    }
+    std::erase_if(in, [&](const auto& kv) {
+      return std::find(have.begin(), have.end(), kv.first) == have.end();
+    });
+    py::gil_scoped_release release;
+    bridge::check(adam_->write_state_values(h, in));
   }
 
   std::size_t num_groups() const { return adam_->num_groups(); }
@@ -584,7 +598,8 @@ PYBIND11_MODULE(_strata, m) {
            [](Runtime& r) { return r.rt().allocator().format_leak_report(); });
 
   py::class_<Adam>(m, "Adam")
-      .def(py::init<std::shared_ptr<Runtime>, const std::vector<Adam::Group>&, int>())
+      .def(py::init<std::shared_ptr<Runtime>, const std::vector<Adam::Group>&, int,
+                    const std::string&>())
       .def("step", &Adam::step)
       .def("placement", &Adam::placement)
       .def("set_step_in_backward", &Adam::set_step_in_backward)

@@ -13,6 +13,12 @@
 
 The math is torch's fused AdamW kernel's, in float32 with float64 hyperparameters; bfloat16 and
 float16 parameters are stepped through float32 master weights (saved under "master_param").
+state_dtype="bfloat16" or "int8" stores the moments compressed, on every tier and on the link
+(See Note [Compressed moments] in optim/state_codec.h); the state dict holds them decoded to
+float32, in torch's format, and loads back into the same bytes:
+
+    opt = strata.optim.AdamW(model.parameters(), lr=3e-4, policy="layer_prefetch",
+                             state_dtype="int8")
 
 Stepping during backward (overlap="backward"): each layer is stepped as soon as its gradients are
 final, while backward goes on, and step() validates it; clipping then belongs to the optimizer
@@ -145,8 +151,20 @@ class Adam(torch.optim.Optimizer):
         hybrid_fraction: Optional[float] = None,
         device: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
+        state_dtype: str = "float32",
     ):
         _check_hyper(lr, betas, eps, weight_decay)
+        if state_dtype not in ("float32", "bfloat16", "int8"):
+            raise ValueError(
+                f"strata.optim.{self._name}: state_dtype={state_dtype!r} is not one strata stores "
+                "moments in; use 'float32', 'bfloat16' or 'int8'"
+            )
+        if amsgrad and state_dtype != "float32":
+            raise ValueError(
+                f"strata.optim.{self._name}: amsgrad needs float32 moments; state_dtype is "
+                f"{state_dtype!r}: use state_dtype='float32' or amsgrad=False"
+            )
+        self._state_dtype = state_dtype
         for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
             if value:
                 raise ValueError(
@@ -265,7 +283,7 @@ class Adam(torch.optim.Optimizer):
                     )
                 pairs.append((param_t, grad_t))
             groups.append((pairs, self._hyper(g)))
-        self._adam = _strata.Adam(runtime._rt, groups, 0)
+        self._adam = _strata.Adam(runtime._rt, groups, 0, state_dtype)
         runtime._before_layer_done = self._prepare_layer
         if self._owns_runtime:
             budget_text = (
@@ -617,7 +635,9 @@ class Adam(torch.optim.Optimizer):
                 plan.append(pending)
             how.append("layer_bytes")
         elif rest:
-            more, found = plan_layers(rest, self._named, model, budget, 3, amsgrad)
+            more, found = plan_layers(
+                rest, self._named, model, budget, 3, amsgrad, self._state_dtype
+            )
             plan += more
             how.append(found)
         return plan, " and ".join(how)
@@ -640,7 +660,7 @@ class Adam(torch.optim.Optimizer):
 
     def _layer_state_bytes(self, layer: list) -> int:
         amsgrad = any(g["amsgrad"] for g in self.param_groups)
-        return sum(state_bytes(p, amsgrad) for _, p in layer)
+        return sum(state_bytes(p, amsgrad, self._state_dtype) for _, p in layer)
 
     # Prefetch depth from the budget: 3 without one; with one, as many slots of the largest layer's
     # states as fit beside the parameters (and FSDP2's gradients) strata keeps on the GPU, less one,
@@ -670,7 +690,8 @@ class Adam(torch.optim.Optimizer):
         rt = self._runtime
         _log.info(
             "strata.optim.%s: policy %s (%s), %d layers from %s, largest layer's states %.1f MiB "
-            "(%.0f%% of %.1f MiB), prefetch depth %d (%s), GPU budget %s, overlap %s",
+            "(%.0f%% of %.1f MiB, moments in %s), prefetch depth %d (%s), GPU budget %s, "
+            "overlap %s",
             self._name,
             rt.policy,
             source,
@@ -679,6 +700,7 @@ class Adam(torch.optim.Optimizer):
             largest / 2**20,
             100 * largest / total,
             total / 2**20,
+            self._state_dtype,
             rt.prefetch_depth,
             depth_from,
             budget,
@@ -976,6 +998,11 @@ class AdamW(Adam):
             (parameters, FSDP2's float32 shards) on the GPU while the budget has room, instead
             of copying them to pinned host memory over the link. None (default): on when a
             gpu_budget in bytes is given (without one nothing bounds the copies).
+        state_dtype: how the moments (exp_avg, exp_avg_sq) are stored: "float32" (default),
+            "bfloat16" (stochastically rounded) or "int8" (a float32 scale per block of 256), on
+            every tier and on the link; the step is float32 either way, and the state dict holds
+            them decoded to float32 (See Note [Compressed moments] in optim/state_codec.h).
+            Compressed moments take no amsgrad.
         hybrid_fraction: with policy="hybrid", the share of parameters whose step runs on the
             GPU (the rest on the host, their states in pinned memory); None: the cost model
             chooses from rates measured at setup, and an INFO line says what it chose.

@@ -509,6 +509,12 @@ def test_census_of_bad_inputs_from_users_loops(capsys):
         state["state"][first]["step"] = torch.tensor(step)
         opt.load_state_dict(state)
 
+    def short_moments():
+        state = opt.state_dict()
+        first = next(iter(state["state"]))
+        state["state"][first]["exp_avg"] = torch.zeros(3)
+        return state
+
     frozen = LoraMlp()
     cases = [
         (
@@ -548,6 +554,24 @@ def test_census_of_bad_inputs_from_users_loops(capsys):
             lambda: strata.optim.AdamW(Mlp().parameters(), max_grad_norm=0.0),
             ValueError,
             "max_grad_norm",
+        ),
+        (
+            "a state_dtype strata does not store moments in",
+            lambda: strata.optim.AdamW(Mlp().parameters(), state_dtype="fp8"),
+            ValueError,
+            "'float32', 'bfloat16' or 'int8'",
+        ),
+        (
+            "amsgrad with compressed moments",
+            lambda: strata.optim.AdamW(Mlp().parameters(), amsgrad=True, state_dtype="bfloat16"),
+            ValueError,
+            "amsgrad needs float32 moments",
+        ),
+        (
+            "a state dict whose moments are not the parameter's size",
+            lambda: opt.load_state_dict(short_moments()),
+            ValueError,
+            "has 3 elements",
         ),
     ]
     for name, call, error, message in cases:

@@ -457,8 +457,8 @@ TEST_F(GpuMixedPrecisionTest, GpuAgreesWithTheCpuKernelAndRoundsAlikeForEveryDty
         ASSERT_EQ(p16[i], want) << k << " element " << i;
       }
     }
-    EXPECT_LE(near(download(t.exp_avg, n), x.m), 1.0) << k;
-    EXPECT_LE(near(download(t.exp_avg_sq, n), x.v), 1.0) << k;
+    EXPECT_LE(near(download(static_cast<const float*>(t.exp_avg), n), x.m), 1.0) << k;
+    EXPECT_LE(near(download(static_cast<const float*>(t.exp_avg_sq), n), x.v), 1.0) << k;
   }
   for (void* p : owned) cudaFree(p);
 }

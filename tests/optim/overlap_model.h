@@ -38,7 +38,8 @@ struct Case {
   rt::DType dtype = rt::DType::kFloat32;
   int micro_batches = 1;
   std::size_t gpu_budget = alloc::kNoBudget;
-  std::size_t numel = 1024;  // elements of each parameter
+  std::size_t numel = 1024;                 // elements of each parameter
+  StateType state_dtype = StateType::kF32;  // See Note [Compressed moments] in state_codec.h
 };
 
 // keep_on_gpu, bulk, layer_prefetch with every role and with the states only, in every dtype; then
@@ -119,7 +120,8 @@ inline std::string describe(const Case& c) {
       c.policy, " roles ", c.config.roles.to_string(), " ", rt::dtype_name(c.dtype),
       " micro-batches ", c.micro_batches, c.gpu_budget == alloc::kNoBudget ? "" : " with a budget",
       c.config.undo_on_gpu ? " undo on the GPU" : "",
-      c.config.hybrid_fraction ? str_cat(" hybrid_fraction ", *c.config.hybrid_fraction) : "");
+      c.config.hybrid_fraction ? str_cat(" hybrid_fraction ", *c.config.hybrid_fraction) : "",
+      " moments ", state_dtype_name(c.state_dtype));
 }
 
 inline ElemType elem(rt::DType d) {
@@ -165,6 +167,7 @@ inline std::unique_ptr<LoopModel> make_loop_model(rt::Runtime& runtime, const Ca
   const ElemType type = elem(c.dtype);
   const std::size_t esize = rt::dtype_size(c.dtype);
   AdamOptions o;
+  o.state_dtype = c.state_dtype;
   o.groups.resize(2);
   o.groups[0].hyper = {.lr = 1e-2f, .weight_decay = 0.01f, .decoupled = true};
   o.groups[1].hyper = {.lr = 5e-3f, .weight_decay = 0.0f, .decoupled = true};

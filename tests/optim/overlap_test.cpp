@@ -252,5 +252,45 @@ TEST(OverlapTest, HybridStepIsBitwiseTheLayerPrefetchStep) {
   }
 }
 
+// See Note [Compressed moments] in optim/state_codec.h: with bfloat16 and int8 moments (1044
+// elements a parameter: a part block at the end), the overlapped step is bitwise the sequential
+// one under every policy, redone steps and the inf step included (the rounding is drawn again for
+// the same step), and a hybrid run, whose host layers' moments the host kernel steps, is bitwise
+// layer_prefetch's.
+TEST(OverlapTest, CompressedMomentsStepBitwiseAlikeOverlappedAndOnTheHost) {
+  constexpr int kSteps = 12;
+  for (StateType moments : {StateType::kBF16, StateType::kI8}) {
+    std::vector<Case> overlapped;
+    const rt::PolicyConfig all{.prefetch_depth = 1, .roles = RoleSet::all()};
+    const rt::PolicyConfig states{.prefetch_depth = 1, .roles = RoleSet::optimizer_states()};
+    rt::PolicyConfig bulk_all = all;
+    bulk_all.offload_after_step = true;
+    overlapped.push_back({"keep_on_gpu", {}, DType::kFloat32});
+    overlapped.push_back({"bulk", bulk_all, DType::kBFloat16});
+    overlapped.push_back({"layer_prefetch", all, DType::kFloat16});
+    overlapped.push_back({"layer_prefetch", states, DType::kBFloat16});
+    for (Case& setup : overlapped) {
+      setup.numel = 1044;
+      setup.state_dtype = moments;
+      SCOPED_TRACE(describe(setup));
+      Outcomes seq, ovl;
+      const Bytes want = train(setup, /*overlap=*/false, kSteps, 1, &seq);
+      expect_same(want, train(setup, /*overlap=*/true, kSteps, 2, &ovl), seq, ovl, kSteps);
+    }
+    for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+      rt::PolicyConfig c = states;
+      c.hybrid_fraction = 0.5;
+      Case setup{"hybrid", c, d};
+      setup.numel = 1044;
+      setup.state_dtype = moments;
+      SCOPED_TRACE(describe(setup));
+      Outcomes ref, seq, ovl;
+      const Bytes want = train(reference(setup), /*overlap=*/false, kSteps, 1, &ref);
+      expect_same_tensors(want, train(setup, /*overlap=*/false, kSteps, 2, &seq));
+      expect_same_tensors(want, train(setup, /*overlap=*/true, kSteps, 3, &ovl));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata::optim

@@ -191,11 +191,13 @@ TEST_F(AdamCensusTest, SetLrAndStep) {
   before_ = bytes_of(rt());
 }
 
-// The checkpoint format (adam_checkpoint.cpp): header 14 bytes, group count, per group 51 bytes
+// The checkpoint format (adam_checkpoint.cpp): header 14 bytes, the state dtype (1 byte), group
+// count, per group 51 bytes
 // (step, five float64 hyperparameters, three flags), parameter count, per parameter its step,
 // tensor count, then per tensor {name length, name, size, bytes}, then the checksum. The optimizer
 // here has one parameter.
-constexpr std::size_t kGroupAt = 18;
+constexpr std::size_t kDTypeAt = 14;
+constexpr std::size_t kGroupAt = 19;
 constexpr std::size_t kFlagsAt = kGroupAt + 48;
 constexpr std::size_t kParamsAt = kGroupAt + 51;
 constexpr std::size_t kCountAt = kParamsAt + 4 + 8;
@@ -235,8 +237,18 @@ TEST_F(AdamCensusTest, CheckpointsThatLie) {
   flipped[good.size() / 2] ^= 0x40;
   expect_refused("Adam checkpoint: a bad checksum", load(flipped), kDataLoss,
                  "Adam checkpoint: checksum mismatch (corrupt)");
-  expect_refused("Adam checkpoint: another group count", load(edited<std::uint32_t>(good, 14, 3)),
-                 kInvalid, "Adam checkpoint has 3 parameter groups; this optimizer has 1");
+  expect_refused("Adam checkpoint: another group count",
+                 load(edited<std::uint32_t>(good, kDTypeAt + 1, 3)), kInvalid,
+                 "Adam checkpoint has 3 parameter groups; this optimizer has 1");
+  // See Note [Compressed moments] in optim/state_codec.h.
+  expect_refused("Adam checkpoint: a state dtype strata does not know",
+                 load(edited<std::uint8_t>(good, kDTypeAt, 9)), kDataLoss,
+                 "Adam checkpoint is corrupt: state dtype 9 is none strata knows");
+  expect_refused("Adam checkpoint: moments stored otherwise than the optimizer's",
+                 load(edited<std::uint8_t>(good, kDTypeAt, 2)), kInvalid,
+                 "Adam checkpoint holds int8 moments; this optimizer stores them as float32: make "
+                 "it with state_dtype int8 to resume, or load a state dict in torch's format, "
+                 "which converts");
   expect_refused("Adam checkpoint: a negative step counter",
                  load(edited<std::int64_t>(good, kGroupAt, -5)), kDataLoss,
                  "Adam checkpoint is corrupt: group 0 has a negative step counter");
