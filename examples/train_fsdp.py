@@ -111,6 +111,7 @@ def make_optimizer(args, kind, model, rank, device):
             max_grad_norm=args.max_grad_norm if clips_in_optimizer(args) else None,
             undo_on_gpu=args.undo_on_gpu,
             hybrid_fraction=args.hybrid_fraction,
+            state_dtype=args.state_dtype,
             **opt_kw,
         )
     if kind == "peer":  # the CPU step FSDP2's offload users run: torch's fused CPU AdamW
@@ -282,6 +283,12 @@ def main():
         default=None,
         help="strata with --policy=hybrid: the share of parameters stepped on the GPU (the rest on "
         "the host); default: the cost model's choice",
+    )
+    p.add_argument(
+        "--state_dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "int8"],
+        help="strata: how the moments are stored (on every tier and on the link)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", action="store_true", help="also FSDP2 + torch.optim.AdamW")

@@ -41,9 +41,12 @@
 namespace strata::optim {
 namespace {
 
-// Host memory the host kernel reads and writes a parameter: master (or parameter), gradient and
-// both moments read; master and both moments written (a low-precision parameter's write is half).
-constexpr double kHostTouchBytes = 28;
+// Host memory the host kernel reads and writes a parameter: its float32 master (or parameter) read
+// and written, its gradient read, both moments read and written (`moment_bytes` each, as stored:
+// See Note [Compressed moments] in state_codec.h), and a low-precision parameter written.
+double host_touch_bytes(double grad_bytes, double param_bytes, double moment_bytes) {
+  return 8 + grad_bytes + 4 * moment_bytes + (param_bytes < 4 ? param_bytes : 0);
+}
 // Where a host slot's pinned buffers start: a cache line apart.
 constexpr std::size_t kAlign = 64;
 
@@ -96,12 +99,18 @@ absl::Status Adam::place_steps() {
       c.layer = p.spec.layer;
       c.params += static_cast<std::int64_t>(n);
       // Weighted sums, divided by the parameters below: bytes a parameter over the layer.
-      c.state_bytes += static_cast<double>(state_bytes(
-          adam_states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype),
-          static_cast<std::int64_t>(n)));
-      c.grad_bytes += n * static_cast<double>(rt::dtype_size(grad_dtype));
-      c.param_bytes += n * static_cast<double>(rt::dtype_size(p.spec.dtype));
-      c.host_touch_bytes += n * kHostTouchBytes;
+      const std::vector<StateDecl> states =
+          adam_states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype);
+      const auto numel = static_cast<std::int64_t>(n);
+      c.state_bytes += static_cast<double>(state_bytes(states, numel));
+      const double grad_bytes = static_cast<double>(rt::dtype_size(grad_dtype));
+      const double param_bytes = static_cast<double>(rt::dtype_size(p.spec.dtype));
+      c.grad_bytes += n * grad_bytes;
+      c.param_bytes += n * param_bytes;
+      // states[0] is exp_avg, stored as both moments are.
+      c.host_touch_bytes +=
+          n * host_touch_bytes(grad_bytes, param_bytes,
+                               static_cast<double>(state_bytes(states[0], numel)) / n);
     }
   }
   rt::StepCosts costs;
@@ -122,6 +131,7 @@ absl::Status Adam::place_steps() {
     measure = {
         .link_bytes = 1 << 20, .adam_params = 1 << 16, .memory_bytes = 1 << 20, .repeats = 1};
   }
+  measure.moments = options_.state_dtype;
   STRATA_ASSIGN_OR_RETURN(costs.rates, measure_step_rates(runtime_, pool(), measure));
   STRATA_ASSIGN_OR_RETURN(placement_, runtime_.place_steps(costs));
   host_layers_.clear();

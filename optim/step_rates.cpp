@@ -116,14 +116,21 @@ absl::StatusOr<double> time_both(rt::Device& device, void* gpu_in, const void* h
   return best / 1e3;
 }
 
-// The host Adam kernel over n parameters at `base` (parameter, gradient, moments in turn).
-void host_adam(float* base, std::int64_t n, ThreadPool& pool) {
+// The Adam kernels' view of n float32 parameters at `base` (parameter, gradient, moments in turn,
+// n floats each: room for the moments however they are stored).
+AdamTensor adam_tensor(float* base, std::int64_t n, StateType moments) {
   AdamTensor t;
   t.param = base;
   t.grad = base + n;
   t.exp_avg = base + 2 * n;
   t.exp_avg_sq = base + 3 * n;
   t.numel = n;
+  t.state_type = moments;
+  return t;
+}
+
+void host_adam(float* base, std::int64_t n, StateType moments, ThreadPool& pool) {
+  const AdamTensor t = adam_tensor(base, n, moments);
   adam_step_cpu(&t, 1, adam_scalars(AdamHyper{.weight_decay = 0.01}, 1), 1.0f, &pool);
 }
 
@@ -190,7 +197,8 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
   Buffer adam(runtime, rt::Tier::kPinnedHost);
   STRATA_RETURN_IF_ERROR(adam.allocate(4 * static_cast<std::size_t>(n) * sizeof(float)));
   std::fill(adam.floats(0), adam.floats(4 * n), 0.5f);
-  const double alone = best_of(repeats, [&] { host_adam(adam.floats(0), n, pool); });
+  const double alone =
+      best_of(repeats, [&] { host_adam(adam.floats(0), n, options.moments, pool); });
   rates.host_params_per_s_alone = static_cast<double>(n) / alone;
   // Enough copies each way to outlast the kernel twice over at the rate both directions get.
   const int copies = std::clamp(static_cast<int>(2.0 * alone / both) + 2, 2, 256);
@@ -199,7 +207,7 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
     STRATA_RETURN_IF_ERROR(queue_copies(device, g, h, bytes, copies, streams[0]));
     STRATA_RETURN_IF_ERROR(queue_copies(device, h + bytes, g + bytes, bytes, copies, streams[1]));
     const Clock::time_point start = Clock::now();
-    host_adam(adam.floats(0), n, pool);
+    host_adam(adam.floats(0), n, options.moments, pool);
     const double s = seconds_since(start);
     STRATA_RETURN_IF_ERROR(device.stream_synchronize(streams[0]));
     STRATA_RETURN_IF_ERROR(device.stream_synchronize(streams[1]));
@@ -216,12 +224,7 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
     Buffer on_gpu(runtime, rt::Tier::kGpu);
     STRATA_RETURN_IF_ERROR(on_gpu.allocate(gpu_bytes));
     STRATA_RETURN_IF_ERROR(device.copy_async(on_gpu.get(), adam.get(), gpu_bytes, streams[0]));
-    AdamTensor t;
-    t.param = on_gpu.floats(0);
-    t.grad = on_gpu.floats(gn);
-    t.exp_avg = on_gpu.floats(2 * gn);
-    t.exp_avg_sq = on_gpu.floats(3 * gn);
-    t.numel = gn;
+    const AdamTensor t = adam_tensor(on_gpu.floats(0), gn, options.moments);
     double best = 0;
     for (int r = 0; r < repeats; ++r) {
       STRATA_ASSIGN_OR_RETURN(rt::EventHandle start, device.record_timed(streams[0]));

@@ -28,6 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "base/thread_pool.h"
+#include "optim/state_codec.h"
 #include "runtime/runtime.h"
 #include "runtime/step_costs.h"
 
@@ -38,6 +39,8 @@ struct MeasureOptions {
   std::int64_t adam_params = std::int64_t{1} << 24;   // the host kernel's runs (the GPU's: 2^22)
   std::size_t memory_bytes = std::size_t{256} << 20;  // host memory copy
   int repeats = 3;
+  // How the kernels' moments are stored: the step's Adam rates are those of its own kernels.
+  StateType moments = StateType::kF32;
 };
 
 [[nodiscard]] absl::StatusOr<rt::StepRates> measure_step_rates(rt::Runtime& runtime,

@@ -85,6 +85,29 @@ def test_hybrid_with_half_the_units_on_the_host_is_bitwise_layer_prefetch(
         assert report["strata"]["grad_norms"] == ref["strata"]["grad_norms"]
 
 
+def test_int8_moments_are_bitwise_alike_across_policies_overlap_and_a_checkpoint(tmp_path):
+    # See Note [Compressed moments] in optim/state_codec.h: each rank's shards stored as int8.
+    int8 = (*COMMON, "--state_dtype=int8")
+    want, _ = launch(tmp_path, "int8-lp", 2, *int8, "--policy=layer_prefetch")
+    for name, flags in (
+        ("int8-bulk", ("--policy=bulk",)),
+        ("int8-hybrid", ("--policy=hybrid", "--hybrid_fraction=0.5")),
+    ):
+        report, _ = launch(tmp_path, name, 2, *int8, *flags)
+        assert report["strata"]["losses"] == want["strata"]["losses"], name
+    overlapped, _ = launch(tmp_path, "int8-bw", 2, *int8, "--overlap=backward")
+    sequential, _ = launch(tmp_path, "int8-none", 2, *int8, "--overlap=none")
+    assert overlapped["strata"]["losses"] == sequential["strata"]["losses"]
+    # Saved after half the steps and loaded on the same two ranks: the shards' blocks are the same,
+    # so the state dict's float32 moments load back into the same bytes, and the run goes on
+    # bitwise.
+    half = STEPS // 2
+    ckpt = tmp_path / "int8-ckpt"
+    launch(tmp_path, "int8-a", 2, *int8, f"--steps={half}", f"--save={ckpt}")
+    rest, _ = launch(tmp_path, "int8-b", 2, *int8, f"--steps={STEPS - half}", f"--load={ckpt}")
+    assert rest["strata"]["losses"] == want["strata"]["losses"][half:]
+
+
 def test_one_rank_trains_the_same_model(tmp_path, two_ranks):
     report, _ = launch(tmp_path, "one", 1, *COMMON)
     assert report["world_size"] == 1

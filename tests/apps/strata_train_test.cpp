@@ -270,6 +270,45 @@ TEST(StrataTrainTest, PhaseSwitchesUnderEveryPolicyFreeTheGpuAndKeepTheLosses) {
   EXPECT_TRUE(contains(bad.output, "--phase_switch_every must be 0 or more")) << bad.output;
 }
 
+// See Note [Compressed moments] in optim/state_codec.h: int8 and bfloat16 moments train bitwise
+// alike under every policy, hybrid included, with phase switches and without; the JSON says how
+// the moments were stored; a state dtype strata does not know, and --text_dir without bytes to
+// train on, are usage errors.
+TEST(StrataTrainTest, CompressedMomentsTrainIdenticallyAcrossPoliciesAndPhaseSwitches) {
+  for (const char* moments : {"int8", "bfloat16"}) {
+    SCOPED_TRACE(moments);
+    const std::string model =
+        str_cat("--compare --steps=4 --layers=3 --dtype=bfloat16 ",
+                "--runs=bulk,keep_on_gpu,layer_prefetch,hybrid ", "--state_dtype=", moments, " ");
+    const std::string switched = ::testing::TempDir() + "/switched-" + moments + ".json";
+    Outcome o = run_train(model + "--phase_switch_every=2 --json=" + switched);
+    ASSERT_EQ(o.exit_code, 0) << o.output;
+    const std::string plain = ::testing::TempDir() + "/plain-" + moments + ".json";
+    Outcome r = run_train(model + "--json=" + plain);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::string got = read_file(switched), want = read_file(plain);
+    EXPECT_TRUE(contains(got, "\"losses_identical_across_policies\": true")) << got;
+    EXPECT_TRUE(contains(got, str_cat("\"state_dtype\": \"", moments, "\""))) << got;
+    for (const char* run : {"bulk", "keep_on_gpu", "layer_prefetch", "hybrid"}) {
+      EXPECT_EQ(step_fields(got, run, "loss"), step_fields(want, run, "loss")) << run;
+    }
+  }
+  Outcome bad = run_train("--state_dtype=fp8");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output,
+                       "state_dtype 'fp8' is not one strata stores moments in; use "
+                       "float32, bfloat16 or int8"))
+      << bad.output;
+  bad = run_train("--text_dir=/nonexistent-strata-dir --vocab=256");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "--text_dir: no *.py files in '/nonexistent-strata-dir'"))
+      << bad.output;
+  bad = run_train("--text_dir=/tmp --vocab=100");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "--text_dir trains on bytes: it needs --vocab=256"))
+      << bad.output;
+}
+
 // Issue "Train the way LLMs are trained": bfloat16 and float16 with float32 master weights,
 // clipping by global norm (and float16's dynamic loss scaling), every role streamed: the strata
 // policies agree bitwise, and each step's norm is PyTorch's clip_grad_norm_'s within 1e-6.

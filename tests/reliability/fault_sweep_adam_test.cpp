@@ -51,7 +51,8 @@ struct AdamRig {
   }
 };
 AdamRig make_adam_rig(const std::string& policy, PolicyConfig config, std::uint64_t seed,
-                      int layers, std::size_t numel, std::size_t gpu_budget = alloc::kNoBudget) {
+                      int layers, std::size_t numel, std::size_t gpu_budget = alloc::kNoBudget,
+                      optim::StateType moments = optim::StateType::kF32) {
   AdamRig rig;
   auto inner = std::make_unique<SimulatedDevice>();
   inner->set_deferred(true);
@@ -81,13 +82,15 @@ AdamRig make_adam_rig(const std::string& policy, PolicyConfig config, std::uint6
     params.push_back({p, g});
   }
   optim::AdamOptions o;
+  o.state_dtype = moments;
   o.groups.push_back({.params = params, .hyper = {.lr = 1e-2f, .weight_decay = 0.01f}});
   rig.adam = *optim::Adam::create(*rig.rt, o);
   return rig;
 }
 
 // An Adam step whose k-th device call fails (every kind, once or as a sticky error, every k of one
-// step, under bulk over budget, layer_prefetch and hybrid with a layer stepped on the host, on the
+// step, under bulk over budget, layer_prefetch and hybrid with a layer stepped on the host, the
+// last two also with int8 moments (See Note [Compressed moments] in optim/state_codec.h), on the
 // deferred device with random completion)
 // returns a typed error, leaves no tensor held or staged, and every layer's bytes are the
 // fault-free run's: after the step for the layers it stepped, before it for the others (all of them
@@ -97,11 +100,18 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
   constexpr int kAdamLayers = 3;
   constexpr std::size_t kNumel = 100000;
   constexpr std::uint64_t kSeed = 11;
-  const std::vector<std::pair<std::string, PolicyConfig>> policies = {
+  struct Setup {
+    std::string policy;
+    PolicyConfig config;
+    optim::StateType moments = optim::StateType::kF32;
+  };
+  const std::vector<Setup> policies = {
       {"bulk", {.roles = RoleSet::optimizer_states(), .offload_after_step = true}},
       {"layer_prefetch", {.prefetch_depth = 1}},
       // Layer 1 of 3 (bfloat16, with its master) stepped on the host.
       {"hybrid", {.prefetch_depth = 1, .hybrid_fraction = 0.5}},
+      {"layer_prefetch", {.prefetch_depth = 1}, optim::StateType::kI8},
+      {"hybrid", {.prefetch_depth = 1, .hybrid_fraction = 0.5}, optim::StateType::kI8},
   };
   using LayerBytes = std::map<int, std::map<std::string, Bytes>>;
   struct Outcome {
@@ -112,12 +122,12 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
     std::vector<std::string> problems;
   };
   // Two steps, the fault armed for the second; then a third step, disarmed.
-  auto run = [&](const std::string& policy, PolicyConfig config, std::optional<Site> site,
-                 std::int64_t k) {
+  auto run = [&](const Setup& setup, std::optional<Site> site, std::int64_t k) {
     Outcome out;
+    const std::string& policy = setup.policy;
     // Bulk over budget (See Note [Bulk over budget]): its states stream a layer at a time.
-    AdamRig rig = make_adam_rig(policy, config, kSeed, kAdamLayers, kNumel,
-                                policy == "bulk" ? 6 * kMiB : alloc::kNoBudget);
+    AdamRig rig = make_adam_rig(policy, setup.config, kSeed, kAdamLayers, kNumel,
+                                policy == "bulk" ? 6 * kMiB : alloc::kNoBudget, setup.moments);
     std::unique_ptr<Runtime>& rt = rig.rt;
     FaultInjectingDevice* faults = rig.faults;
     std::unique_ptr<optim::Adam>& adam = rig.adam;
@@ -204,13 +214,14 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
   const std::vector<Site> sites = device_sites();
   int injections = 0, failed_steps = 0, exact_retries = 0, partial = 0, failures = 0;
   int stale_parameters = 0;
-  for (const auto& [policy, config] : policies) {
-    const Outcome reference = run(policy, config, std::nullopt, 0);
+  for (const Setup& setup : policies) {
+    const std::string& policy = setup.policy;
+    const Outcome reference = run(setup, std::nullopt, 0);
     ASSERT_TRUE(reference.problems.empty()) << policy << ": " << reference.problems.front();
     for (const Site& site : sites) {
-      const std::int64_t n = run(policy, config, site, 0).calls;
+      const std::int64_t n = run(setup, site, 0).calls;
       for (std::int64_t k = 1; k <= n; ++k) {
-        Outcome o = run(policy, config, site, k);
+        Outcome o = run(setup, site, k);
         ++injections;
         failed_steps += o.failed;
         std::vector<std::string> problems = o.problems;
@@ -249,8 +260,8 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
         }
         if (!problems.empty()) {
           ++failures;
-          ADD_FAILURE() << policy << ", " << site.name << " call " << k << " of " << n << ": "
-                        << problems.front();
+          ADD_FAILURE() << policy << " (moments " << optim::state_dtype_name(setup.moments) << "), "
+                        << site.name << " call " << k << " of " << n << ": " << problems.front();
         }
       }
     }
@@ -265,13 +276,13 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
 // The overlapped step under faults (See Note [Overlapped step] in optim/adam.h): the second of
 // three overlapped steps (every layer stepped during backward, finish_step validating it) meets the
 // k-th call of one device call kind failing, once or as a sticky error, for every k of that step,
-// under layer_prefetch with every role streamed (undo by fresh home blocks) and keep_on_gpu (undo
-// by copies, to pinned memory or on the GPU), with a true grad_scale equal to the speculation's (it
-// holds) or not (a redo). Whatever fails is called again once the fault is gone, except a failed
-// step_layer, whose layer finish_step steps; the error is typed and carries its cause; after the
-// step nothing is held, staged or kept for an undo; and the run ends bitwise equal to the
-// fault-free run, unless an error said that part of a step was taken and a checkpoint is needed
-// (counted, and only where a redo's own step failed part way).
+// under layer_prefetch with every role streamed (undo by fresh home blocks; also with int8 moments)
+// and keep_on_gpu (undo by copies, to pinned memory or on the GPU), with a true grad_scale equal to
+// the speculation's (it holds) or not (a redo). Whatever fails is called again once the fault is
+// gone, except a failed step_layer, whose layer finish_step steps; the error is typed and carries
+// its cause; after the step nothing is held, staged or kept for an undo; and the run ends bitwise
+// equal to the fault-free run, unless an error said that part of a step was taken and a checkpoint
+// is needed (counted, and only where a redo's own step failed part way).
 TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
   constexpr int kAdamLayers = 3;
   constexpr std::size_t kNumel = 20000;
@@ -280,6 +291,7 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
     std::string policy;
     PolicyConfig config;
     float true_scale;  // of the faulted step; the speculation assumes 1
+    optim::StateType moments = optim::StateType::kF32;
   };
   const std::vector<Setup> setups = {
       {"layer_prefetch",
@@ -292,6 +304,12 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
       {"keep_on_gpu", {.overlap = Overlap::kBackward}, 2.0f},
       {"keep_on_gpu", {.overlap = Overlap::kBackward, .undo_on_gpu = true}, 1.0f},
       {"keep_on_gpu", {.overlap = Overlap::kBackward, .undo_on_gpu = true}, 2.0f},
+      // int8 moments (See Note [Compressed moments] in optim/state_codec.h): a redo draws the
+      // speculation's rounding again.
+      {"layer_prefetch",
+       {.prefetch_depth = 1, .roles = RoleSet::all(), .overlap = Overlap::kBackward},
+       2.0f,
+       optim::StateType::kI8},
   };
   struct Outcome {
     std::map<std::string, Bytes> end;
@@ -302,7 +320,8 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
   };
   auto run = [&](const Setup& setup, std::optional<Site> site, std::int64_t k) {
     Outcome out;
-    AdamRig rig = make_adam_rig(setup.policy, setup.config, kSeed, kAdamLayers, kNumel);
+    AdamRig rig = make_adam_rig(setup.policy, setup.config, kSeed, kAdamLayers, kNumel,
+                                alloc::kNoBudget, setup.moments);
     std::unique_ptr<Runtime>& rt = rig.rt;
     FaultInjectingDevice* faults = rig.faults;
     std::unique_ptr<optim::Adam>& adam = rig.adam;
@@ -382,8 +401,9 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
         }
         if (!problems.empty()) {
           ++failures;
-          ADD_FAILURE() << setup.policy << " (true scale " << setup.true_scale << "), " << site.name
-                        << " call " << k << " of " << n << ": " << problems.front();
+          ADD_FAILURE() << setup.policy << " (true scale " << setup.true_scale << ", moments "
+                        << optim::state_dtype_name(setup.moments) << "), " << site.name << " call "
+                        << k << " of " << n << ": " << problems.front();
         }
       }
     }
