@@ -147,10 +147,10 @@ absl::Status LayerPrefetch::on_after_backward(rt::PolicyContext& rt, int layer) 
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Under overlap, begin_step stages the states of the layers backward reaches first, while forward
 // runs, for the optimizer to step them in backward. When it does not (the client steps after
-// backward this time: strata.optim's Note [When to step in backward]), those layers are staged
-// as the optimizer step would stage them, with its roles, and nothing wrote them. Sending them
-// home and fetching the first layers of the ascending order instead would move their bytes over
-// the link twice more for nothing; so the optimizer step takes them first, as they are, and
+// backward this time: See Note [When to step in backward] in strata/optim.py), those layers are
+// staged as the optimizer step would stage them, with its roles, and nothing wrote them. Sending
+// them home and fetching the first layers of the ascending order instead would move their bytes
+// over the link twice more for nothing; so the optimizer step takes them first, as they are, and
 // then the other layers in ascending order (optimizer_layer_order says so). Each layer's update
 // depends on its own values only, so the order changes no result. A step that ends with no
 // optimizer step (a micro-batch before the last) drops them without a copy back; their fetch

@@ -72,7 +72,7 @@ def test_policies_are_bitwise_equal(tmp_path, two_ranks, policy):
 def test_hybrid_with_half_the_units_on_the_host_is_bitwise_layer_prefetch(
     tmp_path, two_ranks, overlap
 ):
-    # Each rank steps its shards of half the fully_shard units on the host (Note [Host-stepped
+    # Each rank steps its shards of half the fully_shard units on the host (See Note [Host-stepped
     # layers]); clipping is in the optimizer under overlap.
     args = (*COMMON, "--policy=hybrid", "--hybrid_fraction=0.5", f"--overlap={overlap}")
     report, _ = launch(tmp_path, f"hybrid-{overlap}", 2, *args)

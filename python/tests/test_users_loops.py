@@ -12,7 +12,7 @@ from models import POLICIES, Mlp, assert_bitwise, assert_close, batch, params_of
 from users import CausalLm, LoraMlp, Moe, TwoHeads, lm_batch
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
-# And hybrid with half the parameters stepped on the host (Note [Host-stepped layers]).
+# And hybrid with half the parameters stepped on the host (See Note [Host-stepped layers]).
 LOOP_POLICIES = POLICIES + ["hybrid"]
 
 
