@@ -278,7 +278,8 @@ def one_run(args):
         out["strata_steps_redone"] = getattr(opt, "steps_redone", None)
         out["strata_layers"] = opt.runtime.num_layers
         out["prefetch_depth"] = opt.runtime.prefetch_depth
-        out["strata_placement"] = opt._adam.placement()  # the hybrid's split and prediction
+        # The hybrid's split and prediction, host threads, moments and measured rates.
+        out["strata_placement"] = opt.placement
         opt.close()
     print("RESULT " + json.dumps(out), flush=True)
     if fsdp or engine is not None:

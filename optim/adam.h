@@ -52,6 +52,7 @@
 #include <istream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <string_view>
@@ -165,6 +166,11 @@ class Adam {
   // steps (empty for a policy that does not), and the layers stepped on the host, ascending.
   const std::string& placement() const { return placement_; }
   const std::vector<int>& host_layers() const { return host_layers_; }
+  // The rates measured for the placement (See Note [Measuring the step's rates] in
+  // step_rates.h); none when the policy places no steps.
+  const std::optional<rt::StepRates>& step_rates() const { return step_rates_; }
+  // Threads the host kernel runs on (AdamOptions::cpu_threads, or the machine's).
+  int host_threads() const;
   // Bytes the host-stepped layers' copies queued so far: gradients out, parameters back.
   struct HostStepBytes {
     std::int64_t d2h = 0;
@@ -355,6 +361,7 @@ class Adam {
   AdamOptions options_;
   std::string placement_;
   std::vector<int> host_layers_;
+  std::optional<rt::StepRates> step_rates_;
   struct HostSlot {
     void* grad = nullptr;   // pinned: the gradient, copied from the GPU
     void* param = nullptr;  // pinned: a low-precision parameter, copied to the GPU; else null

@@ -74,13 +74,14 @@ absl::StatusOr<void*> Adam::resting_address(rt::TensorHandle h, rt::Tier tier) c
   return info.data;
 }
 
+int Adam::host_threads() const {
+  return options_.cpu_threads > 0
+             ? options_.cpu_threads
+             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 ThreadPool& Adam::pool() {
-  if (cpu_pool_ == nullptr) {
-    const int threads = options_.cpu_threads > 0
-                            ? options_.cpu_threads
-                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    cpu_pool_ = std::make_shared<ThreadPool>(threads);
-  }
+  if (cpu_pool_ == nullptr) cpu_pool_ = std::make_shared<ThreadPool>(host_threads());
   return *cpu_pool_;
 }
 
@@ -133,6 +134,7 @@ absl::Status Adam::place_steps() {
   }
   measure.moments = options_.state_dtype;
   STRATA_ASSIGN_OR_RETURN(costs.rates, measure_step_rates(runtime_, pool(), measure));
+  step_rates_ = costs.rates;
   STRATA_ASSIGN_OR_RETURN(placement_, runtime_.place_steps(costs));
   host_layers_.clear();
   for (const rt::LayerCost& c : costs.layers) {

@@ -300,6 +300,23 @@ std::string summary_table(const Report& report) {
   return out;
 }
 
+namespace {
+
+// The rates a placement was made from, as strata_step_rates writes them; null without one.
+std::string rates_json(const std::optional<rt::StepRates>& r) {
+  if (!r) return "null";
+  return str_cat("{\"link_h2d_gbps\": ", exact(r->link_h2d_gbps),
+                 ", \"link_d2h_gbps\": ", exact(r->link_d2h_gbps),
+                 ", \"link_both_gbps\": ", exact(r->link_both_gbps),
+                 ", \"host_params_per_s\": ", exact(r->host_params_per_s),
+                 ", \"host_params_per_s_alone\": ", exact(r->host_params_per_s_alone),
+                 ", \"host_memory_gbps\": ", exact(r->host_memory_gbps),
+                 ", \"gpu_params_per_s\": ", exact(r->gpu_params_per_s),
+                 ", \"host_threads\": ", r->host_threads, "}");
+}
+
+}  // namespace
+
 std::string to_json(const Report& report) {
   const TrainOptions& o = report.options;
   const bool budget = o.gpu_budget != static_cast<std::size_t>(-1);
@@ -341,12 +358,16 @@ std::string to_json(const Report& report) {
                ", \"peak_host_rss_bytes\": ", json_bytes(r.peak_host_rss_bytes),
                ", \"drain_ms\": ", exact(r.drain_ms), ",\n");
     if (r.strata) {
+      std::string host_layers;
+      for (int l : r.host_layers) str_append(&host_layers, host_layers.empty() ? "" : ", ", l);
       str_append(
           &j, "     \"state_bytes\": ", r.state_bytes, ", \"staging_bytes\": ", r.staging_bytes,
           ", \"staged_peak_bytes\": ", r.staged_peak_bytes, ", \"host_syncs\": ", r.host_syncs,
           ", \"pinned_reserved_peak_bytes\": ", r.pinned_reserved_peak_bytes,
           ", \"undo_peak_bytes\": ", r.undo_peak_bytes,
-          ", \"leak_free\": ", r.leak_free ? "true" : "false",
+          ",\n     \"placement\": ", json_quoted(r.placement), ", \"host_layers\": [", host_layers,
+          "], \"host_threads\": ", r.host_threads, ", \"step_rates\": ", rates_json(r.step_rates),
+          ",\n     \"leak_free\": ", r.leak_free ? "true" : "false",
           ", \"leak_report\": ", json_quoted(r.leak_report),
           ",\n     \"allocator\": ", r.allocator_json.empty() ? "null" : r.allocator_json, ",\n");
     }

@@ -205,6 +205,10 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     if (!adam->placement().empty()) {
       std::printf("[%s] %s\n", run_name.c_str(), adam->placement().c_str());
     }
+    result.placement = adam->placement();
+    result.host_layers = adam->host_layers();
+    result.host_threads = adam->host_threads();
+    result.step_rates = adam->step_rates();
     result.setup_gpu_bytes = rt.stats().gpu_reserved_peak_bytes;
     for (rt::TensorHandle h : rt.tensors()) {
       rt::TensorInfo info = bridge::unwrap(rt.info(h));

@@ -29,6 +29,7 @@
 #include "apps/train/text_data.h"
 #include "optim/state_codec.h"
 #include "runtime/policy.h"
+#include "runtime/step_costs.h"
 #include "runtime/tensor.h"
 
 namespace strata::apps {
@@ -161,6 +162,13 @@ struct RunResult {
   std::int64_t staging_bytes = 0;
   std::int64_t setup_gpu_bytes = 0;  // strata's GPU memory at its peak during setup
   std::int64_t state_bytes = 0;      // Adam moments registered
+  // Where the optimizer steps each layer (See Note [Step placement] in runtime/policy.h): the
+  // policy's line (empty when it places none), the host-stepped layers, the host kernel's threads
+  // and the rates measured for the placement.
+  std::string placement;
+  std::vector<int> host_layers;
+  int host_threads = 0;
+  std::optional<rt::StepRates> step_rates;
   // The pinned tier's reserved bytes at their peak over the steps, and the undo log's peak
   // (See Note [Undo log] in runtime/undo_log.cpp: what an overlapped step keeps for a redo).
   std::int64_t pinned_reserved_peak_bytes = 0;

@@ -414,6 +414,23 @@ class Adam {
   std::size_t num_groups() const { return adam_->num_groups(); }
   // See Note [Step placement] in runtime/policy.h: the policy's line, empty when it places none.
   std::string placement() const { return adam_->placement(); }
+  std::vector<int> host_layers() const { return adam_->host_layers(); }
+  int host_threads() const { return adam_->host_threads(); }
+  // The rates measured for the placement, as strata_step_rates names them; None without one.
+  py::object step_rates() const {
+    const std::optional<rt::StepRates>& r = adam_->step_rates();
+    if (!r) return py::none();
+    py::dict d;
+    d["link_h2d_gbps"] = r->link_h2d_gbps;
+    d["link_d2h_gbps"] = r->link_d2h_gbps;
+    d["link_both_gbps"] = r->link_both_gbps;
+    d["host_params_per_s"] = r->host_params_per_s;
+    d["host_params_per_s_alone"] = r->host_params_per_s_alone;
+    d["host_memory_gbps"] = r->host_memory_gbps;
+    d["gpu_params_per_s"] = r->gpu_params_per_s;
+    d["host_threads"] = r->host_threads;
+    return d;
+  }
 
  private:
   std::shared_ptr<Runtime> runtime_;
@@ -602,6 +619,9 @@ PYBIND11_MODULE(_strata, m) {
                     const std::string&>())
       .def("step", &Adam::step)
       .def("placement", &Adam::placement)
+      .def("host_layers", &Adam::host_layers)
+      .def("host_threads", &Adam::host_threads)
+      .def("step_rates", &Adam::step_rates)
       .def("set_step_in_backward", &Adam::set_step_in_backward)
       .def("finish_step", &Adam::finish_step)
       .def("cancel_step", &Adam::cancel_step)

@@ -716,6 +716,21 @@ class Adam(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
+    @property
+    def placement(self) -> dict:
+        """Where the optimizer steps (See Note [Step placement] in runtime/policy.h): the policy's
+        line ("" when it places no steps), the layers stepped on the host, the host kernel's
+        threads, how the moments are stored, and the rates the placement was made from (None
+        without one)."""
+        self._check_open()
+        return {
+            "line": self._adam.placement(),
+            "host_layers": list(self._adam.host_layers()),
+            "host_threads": self._adam.host_threads(),
+            "state_dtype": self._state_dtype,
+            "rates": self._adam.step_rates(),
+        }
+
     def _hyper(self, g: dict) -> dict:
         return dict(
             lr=_as_float(g["lr"]),

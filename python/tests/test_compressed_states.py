@@ -127,3 +127,19 @@ def test_stepping_in_backward_with_int8_moments_is_bitwise_the_step_after_it():
         results.append(params_of(model))
         assert opt.close() == []
     assert_bitwise(results[0], results[1])
+
+
+def test_placement_reports_the_split_threads_moments_and_rates():
+    model = Mlp()
+    opt = strata.optim.AdamW(
+        model.parameters(), policy="hybrid", hybrid_fraction=0.5, state_dtype="int8", model=model
+    )
+    train(model, opt, 2)
+    got = opt.placement
+    assert got["line"].startswith("hybrid: ") and "stepped on the host" in got["line"]
+    assert got["host_layers"] and got["host_threads"] >= 1 and got["state_dtype"] == "int8"
+    assert got["rates"]["link_both_gbps"] > 0 and got["rates"]["host_params_per_s"] > 0
+    assert opt.close() == []
+    plain = strata.optim.AdamW(Mlp().parameters(), policy="layer_prefetch")
+    assert plain.placement["line"] == "" and plain.placement["rates"] is None
+    assert plain.close() == []
