@@ -137,11 +137,12 @@ void run_loop_int8(const AdamTensor& x, std::int64_t lo, std::int64_t hi, const 
       am = absmax_of(am, mb[k]);
       av = absmax_of(av, vb[k]);
     }
+    const float im = inverse_scale(am), iv = inverse_scale(av);
     for (std::int64_t k = 0; k < n; ++k) {
       cm[b0 + k] =
-          encode_exp_avg(relative_to(mb[k], am), state_random_bits(x.seed, x.step, b0 + k, 0));
+          encode_exp_avg(relative_to(mb[k], im), state_random_bits(x.seed, x.step, b0 + k, 0));
       cv[b0 + k] =
-          encode_exp_avg_sq(relative_to(vb[k], av), state_random_bits(x.seed, x.step, b0 + k, 1));
+          encode_exp_avg_sq(relative_to(vb[k], iv), state_random_bits(x.seed, x.step, b0 + k, 1));
     }
     for (std::int64_t k = n; k < kStateBlock; ++k) cm[b0 + k] = cv[b0 + k] = 0;
     sm[block] = am;

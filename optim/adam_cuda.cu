@@ -79,10 +79,13 @@ __device__ __forceinline__ void update_low4(const AdamTensor& x, std::int64_t i,
   *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(x.param) + i) = packed;
 }
 
+// One kernel per way of storing the moments (S), so that the float32 kernel carries none of the
+// compressed paths' registers.
+template <StateType S>
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(Meta meta, AdamScalars s, const float* grad_scale, const float* found_inf) {
   const int t = meta.block_tensor[blockIdx.x];
-  AdamTensor x = meta.t[t];
+  const AdamTensor& x = meta.t[t];
   if (found_inf != nullptr && *found_inf != 0.0f) {
     // The tensor's first block counts the skip, once per tensor and step (See Note [Skipped steps]
     // in adam_kernels.h).
@@ -91,12 +94,14 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
+  // The settled step: the bias corrections' and the compressed moments' rounding's (See Note
+  // [Compressed moments] in state_codec.h).
+  __shared__ std::int64_t settled_t;
   {
     // The bias corrections with the device's pow, as torch's fused kernel takes them, so the bits
     // match its (the host's pow may differ in the last place); the skipped count lives in pinned
     // host memory (See Note [Skipped steps] in adam_kernels.h). One read per block.
     __shared__ float step_size, bias_correction2_sqrt;
-    __shared__ std::int64_t settled_t;
     if (threadIdx.x == 0) {
       AdamScalars settled = s;
       settled_t = settled_step(x);
@@ -107,57 +112,105 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     s.step_size = step_size;
     s.bias_correction2_sqrt = bias_correction2_sqrt;
-    // Compressed moments draw their rounding for the settled step (See Note [Compressed moments]
-    // in state_codec.h).
-    x.step = settled_t;
-    x.skipped = nullptr;
   }
   const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
   const std::int64_t begin = static_cast<std::int64_t>(meta.block_chunk[blockIdx.x]) * kChunk;
   const std::int64_t end = begin + kChunk < x.numel ? begin + kChunk : x.numel;
-  if (x.state_type == StateType::kI8) {
-    // A warp a block of moments, eight elements a lane, lane + 32k, so that each load and store of
-    // the warp is contiguous (See Note [Compressed moments] in state_codec.h); the chunk is a whole
-    // number of blocks.
+  if constexpr (S == StateType::kI8) {
+    // A thread an element, two blocks of moments (256 threads each) at a time: one element's
+    // registers a thread, so that many blocks are in flight (See Note [Compressed moments] in
+    // state_codec.h). A block's absmax: each warp's by shuffles, then its 8 warps' from shared
+    // memory by the block's first thread, with the reciprocals the encoders multiply by. The
+    // chunk is a whole number of blocks; every thread takes part in every round, those past the
+    // tensor's end with zeros. block_scale is read before the next round's first barrier, and
+    // written after it.
+    constexpr int kWarpsPerBlock = kStateBlock / 32;
+    __shared__ float warp_max[kThreads / 32][2];
+    __shared__ float block_scale[kThreads / kStateBlock][4];  // absmax and reciprocal, m then v
     const int lane = static_cast<int>(threadIdx.x) & 31;
     const int warp = static_cast<int>(threadIdx.x) >> 5;
-    constexpr int kPerLane = kStateBlock / 32;
+    const int half = static_cast<int>(threadIdx.x) / kStateBlock;  // which block of the two
     float* scales_m = int8_scales(x.exp_avg, x.numel);
     float* scales_v = int8_scales(x.exp_avg_sq, x.numel);
-    for (std::int64_t b0 = begin + warp * kStateBlock; b0 < end;
-         b0 += static_cast<std::int64_t>(kThreads / 32) * kStateBlock) {
-      const std::int64_t block = b0 / kStateBlock;
-      const float scale_m = scales_m[block], scale_v = scales_v[block];
-      float m[kPerLane], v[kPerLane];
-      float am = 0.0f, av = 0.0f;
-      for (int k = 0; k < kPerLane; ++k) {
-        adam_int8_state_update(x, b0 + lane + 32 * k, scale_m, scale_v, s, inv, m[k], v[k]);
-        am = absmax_of(am, m[k]);
-        av = absmax_of(av, v[k]);
+    for (std::int64_t base = begin; base < end; base += kThreads) {
+      const std::int64_t b0 = base + half * kStateBlock;
+      const std::int64_t i = base + threadIdx.x;
+      const bool block_in = b0 < end;
+      const bool in = i < x.numel;
+      float m = 0.0f, v = 0.0f;
+      if (in) {
+        const std::int64_t block = b0 / kStateBlock;
+        m = decode_exp_avg(static_cast<const std::uint8_t*>(x.exp_avg)[i]) * scales_m[block];
+        v = decode_exp_avg_sq(static_cast<const std::uint8_t*>(x.exp_avg_sq)[i]) * scales_v[block];
+        float p = x.master != nullptr ? x.master[i] : load_elem(x.param, x.param_type, i);
+        adam_element(p, load_elem(x.grad, x.grad_type, i), m, v, nullptr, s, inv);
+        if (x.master != nullptr) x.master[i] = p;
+        store_elem(x.param, x.param_type, i, p);
       }
+      float am = fabsf(m), av = fabsf(v);
       for (int offset = 16; offset > 0; offset >>= 1) {
         am = absmax_of(am, __shfl_xor_sync(0xffffffffu, am, offset));
         av = absmax_of(av, __shfl_xor_sync(0xffffffffu, av, offset));
       }
-      for (int k = 0; k < kPerLane; ++k) {
-        const std::int64_t i = b0 + lane + 32 * k;
-        if (i < x.numel) {
-          encode_int8_moments(x, i, m[k], v[k], am, av);
-        } else {  // the last block's padding
-          static_cast<std::uint8_t*>(x.exp_avg)[i] = 0;
-          static_cast<std::uint8_t*>(x.exp_avg_sq)[i] = 0;
-        }
-      }
       if (lane == 0) {
-        scales_m[block] = am;
-        scales_v[block] = av;
+        warp_max[warp][0] = am;
+        warp_max[warp][1] = av;
+      }
+      __syncthreads();
+      // The block's first thread takes its 8 warps' maxima and the reciprocals, once a block.
+      if (threadIdx.x % kStateBlock == 0) {
+        am = 0.0f;
+        av = 0.0f;
+        for (int w = half * kWarpsPerBlock; w < (half + 1) * kWarpsPerBlock; ++w) {
+          am = absmax_of(am, warp_max[w][0]);
+          av = absmax_of(av, warp_max[w][1]);
+        }
+        block_scale[half][0] = am;
+        block_scale[half][1] = av;
+        block_scale[half][2] = inverse_scale(am);
+        block_scale[half][3] = inverse_scale(av);
+      }
+      __syncthreads();
+      if (!block_in) continue;
+      if (in) {
+        encode_int8_moments(x, i, settled_t, m, v, block_scale[half][2], block_scale[half][3]);
+      } else {  // the last block's padding
+        static_cast<std::uint8_t*>(x.exp_avg)[i] = 0;
+        static_cast<std::uint8_t*>(x.exp_avg_sq)[i] = 0;
+      }
+      if (threadIdx.x % kStateBlock == 0) {
+        scales_m[b0 / kStateBlock] = block_scale[half][0];
+        scales_v[b0 / kStateBlock] = block_scale[half][1];
       }
     }
     return;
   }
-  if (x.state_type == StateType::kBF16) {
-    for (std::int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-      adam_bf16_state_element(x, j, s, inv);
+  if constexpr (S == StateType::kBF16) {
+    // Four elements a thread at a time, their loads first (as for int8 above).
+    constexpr int kUnroll = 4;
+    auto* m16 = static_cast<std::uint16_t*>(x.exp_avg);
+    auto* v16 = static_cast<std::uint16_t*>(x.exp_avg_sq);
+    const std::int64_t stride = blockDim.x;
+    for (std::int64_t j0 = begin + threadIdx.x; j0 < end; j0 += kUnroll * stride) {
+      float p[kUnroll], g[kUnroll], m[kUnroll], v[kUnroll];
+      for (int k = 0; k < kUnroll; ++k) {
+        const std::int64_t j = j0 + k * stride;
+        const bool in = j < end;
+        m[k] = in ? bf16_to_float(m16[j]) : 0.0f;
+        v[k] = in ? bf16_to_float(v16[j]) : 0.0f;
+        p[k] = !in ? 0.0f : x.master != nullptr ? x.master[j] : load_elem(x.param, x.param_type, j);
+        g[k] = in ? load_elem(x.grad, x.grad_type, j) : 0.0f;
+      }
+      for (int k = 0; k < kUnroll; ++k) {
+        const std::int64_t j = j0 + k * stride;
+        if (j >= end) continue;
+        adam_element(p[k], g[k], m[k], v[k], nullptr, s, inv);
+        const std::uint32_t r = state_random_bits(x.seed, settled_t, j);
+        m16[j] = float_to_bf16_stochastic(m[k], r);
+        v16[j] = float_to_bf16_stochastic(v[k], r >> 16);
+        if (x.master != nullptr) x.master[j] = p[k];
+        store_elem(x.param, x.param_type, j, p[k]);
+      }
     }
     return;
   }
@@ -166,7 +219,7 @@ __global__ void __launch_bounds__(kThreads)
   float* m = static_cast<float*>(x.exp_avg);
   float* v = static_cast<float*>(x.exp_avg_sq);
   std::int64_t i = begin + threadIdx.x * 4;
-  if (meta.vec_low[t] && !s.amsgrad && x.state_type == StateType::kF32) {
+  if (meta.vec_low[t] && !s.amsgrad) {
     for (; i + 3 < end; i += static_cast<std::int64_t>(blockDim.x) * 4) update_low4(x, i, s, inv);
     const std::int64_t tail = begin + ((end - begin) & ~std::int64_t{3});
     for (std::int64_t j = tail + threadIdx.x; j < end; j += blockDim.x) {
@@ -174,7 +227,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  if (meta.vec[t] && !s.amsgrad) {  // float32 moments: the paths above returned
+  if (meta.vec[t] && !s.amsgrad) {
     for (; i + 3 < end; i += static_cast<std::int64_t>(blockDim.x) * 4) {
       float4 pp = *reinterpret_cast<float4*>(p + i);
       const float4 gg = *reinterpret_cast<const float4*>(g + i);
@@ -250,9 +303,22 @@ cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const A
   Meta meta{};
   int tensors_in = 0;
   int blocks = 0;
+  StateType moments = count > 0 ? tensors[0].state_type : StateType::kF32;
   auto launch = [&]() -> cudaError_t {
     if (blocks == 0) return cudaSuccess;
-    adam_kernel<<<blocks, kThreads, 0, stream>>>(meta, s, grad_scale, found_inf);
+    switch (moments) {
+      case StateType::kBF16:
+        adam_kernel<StateType::kBF16>
+            <<<blocks, kThreads, 0, stream>>>(meta, s, grad_scale, found_inf);
+        break;
+      case StateType::kI8:
+        adam_kernel<StateType::kI8>
+            <<<blocks, kThreads, 0, stream>>>(meta, s, grad_scale, found_inf);
+        break;
+      default:
+        adam_kernel<StateType::kF32>
+            <<<blocks, kThreads, 0, stream>>>(meta, s, grad_scale, found_inf);
+    }
     cudaError_t err = cudaGetLastError();
     meta = Meta{};
     tensors_in = 0;
@@ -263,6 +329,10 @@ cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const A
     const AdamTensor& x = tensors[t];
     // An empty tensor gets one block only to count a skipped step (See Note [Skipped steps]).
     if (x.numel == 0 && x.skipped == nullptr) continue;
+    if (x.state_type != moments) {  // a launch holds tensors of one kind of moments
+      if (cudaError_t err = launch(); err != cudaSuccess) return err;
+      moments = x.state_type;
+    }
     const std::int64_t chunks = x.numel == 0 ? 1 : (x.numel + kChunk - 1) / kChunk;
     for (std::int64_t c = 0; c < chunks; ++c) {
       if (c == 0 || tensors_in == 0) {

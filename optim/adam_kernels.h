@@ -80,10 +80,11 @@ STRATA_HD void adam_tensor_element(const AdamTensor& x, std::int64_t i, const Ad
   store_elem(x.param, x.param_type, i, p);
 }
 
-// One element of a tensor with bfloat16 moments (See Note [Compressed moments] in state_codec.h).
-// Its rounding is drawn for step x.step, which the kernels set to the settled step first (See Note
-// [Skipped steps]): a step found_inf skipped draws nothing, and a run resumed from a checkpoint
-// (which saves settled counts) draws what the run that was not stopped drew.
+// One element of a tensor with bfloat16 moments (See Note [Compressed moments] in state_codec.h),
+// element by element on the host. Its rounding is drawn for step x.step, which must be the settled
+// step (See Note [Skipped steps]; the host kernel steps a copy with it settled, the CUDA kernel
+// reads it once a block): a step found_inf skipped draws nothing, and a run resumed from a
+// checkpoint (which saves settled counts) draws what the run that was not stopped drew.
 STRATA_HD void adam_bf16_state_element(const AdamTensor& x, std::int64_t i, const AdamScalars& s,
                                        float inv_grad_scale) {
   auto* m16 = static_cast<std::uint16_t*>(x.exp_avg);
@@ -104,31 +105,14 @@ STRATA_HD float* int8_scales(void* state, std::int64_t numel) {
                                   state_blocks(numel) * kStateBlock);
 }
 
-// Element i of an int8-moment tensor, up to the moments' encoding: p stepped and stored, and the
-// new moments left in m and v in float32 for the block's absmax and encode_int8_moments. An element
-// past numel (padding of the last block) gives m = v = 0 and touches nothing.
-STRATA_HD void adam_int8_state_update(const AdamTensor& x, std::int64_t i, float scale_m,
-                                      float scale_v, const AdamScalars& s, float inv_grad_scale,
-                                      float& m, float& v) {
-  if (i >= x.numel) {
-    m = v = 0.0f;
-    return;
-  }
-  m = decode_exp_avg(static_cast<const std::uint8_t*>(x.exp_avg)[i]) * scale_m;
-  v = decode_exp_avg_sq(static_cast<const std::uint8_t*>(x.exp_avg_sq)[i]) * scale_v;
-  float p = x.master != nullptr ? x.master[i] : load_elem(x.param, x.param_type, i);
-  adam_element(p, load_elem(x.grad, x.grad_type, i), m, v, nullptr, s, inv_grad_scale);
-  if (x.master != nullptr) x.master[i] = p;
-  store_elem(x.param, x.param_type, i, p);
-}
-
-// Encodes element i's new moments against its block's new absmaxes.
-STRATA_HD void encode_int8_moments(const AdamTensor& x, std::int64_t i, float m, float v,
-                                   float absmax_m, float absmax_v) {
+// Encodes element i's new moments against its block's new absmaxes (their inverse_scale), rounding
+// for settled step t.
+STRATA_HD void encode_int8_moments(const AdamTensor& x, std::int64_t i, std::int64_t t, float m,
+                                   float v, float inverse_m, float inverse_v) {
   static_cast<std::uint8_t*>(x.exp_avg)[i] =
-      encode_exp_avg(relative_to(m, absmax_m), state_random_bits(x.seed, x.step, i, 0));
+      encode_exp_avg(relative_to(m, inverse_m), state_random_bits(x.seed, t, i, 0));
   static_cast<std::uint8_t*>(x.exp_avg_sq)[i] =
-      encode_exp_avg_sq(relative_to(v, absmax_v), state_random_bits(x.seed, x.step, i, 1));
+      encode_exp_avg_sq(relative_to(v, inverse_v), state_random_bits(x.seed, t, i, 1));
 }
 
 // Splits the elements of all tensors over the pool's threads (nullptr: the calling thread only;

@@ -42,8 +42,9 @@ void encode_moment(StateType type, bool square, const float* values, std::int64_
     const std::int64_t n = std::min(kStateBlock, numel - b0);
     float absmax = 0.0f;
     for (std::int64_t k = 0; k < n; ++k) absmax = absmax_of(absmax, values[b0 + k]);
+    const float inverse = inverse_scale(absmax);
     for (std::int64_t k = 0; k < kStateBlock; ++k) {
-      const float y = k < n ? relative_to(values[b0 + k], absmax) : 0.0f;
+      const float y = k < n ? relative_to(values[b0 + k], inverse) : 0.0f;
       codes[b0 + k] = square ? encode_exp_avg_sq(y, kNearest) : encode_exp_avg(y, kNearest);
     }
     scales[block] = absmax;

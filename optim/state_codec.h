@@ -10,11 +10,12 @@
 // update uses the moments before they are rounded), and encodes them again. Masters stay float32.
 //   - bfloat16: 2 bytes a moment, the float32 value's top half.
 //   - int8: 1 byte a moment plus one float32 scale per block of kStateBlock = 256 elements
-//     (1.016 bytes a moment). A block's scale is its largest magnitude (absmax), so the largest
-//     element is exact and the others are stored relative to it. 256 keeps an outlier from
-//     crushing more than one row piece of a weight matrix, and costs 1.6% in scales; it is also
-//     one GPU warp's eight elements a lane, so the absmax is a warp reduction, and a multiple of 16
-//     so host threads split tensors on cache lines.
+//     (1.016 bytes a moment). A block's scale is its largest magnitude (absmax): its largest
+//     element is stored as 1 and the others relative to it (multiplied by the absmax's reciprocal,
+//     one division a block; the largest comes out within an ulp of 1 and rounds to it). 256 keeps
+//     an outlier from crushing more than one row piece of a weight matrix, and costs 1.6% in
+//     scales; it is also eight GPU warps, so a block's absmax takes two short reductions (shuffles,
+//     then shared memory), and a multiple of 16, so host threads split tensors on cache lines.
 //   - The int8 map is a small float of the value divided by its block's absmax (a number in
 //     [0, 1]): exp_avg, which is signed, takes a sign bit and 4 exponent and 3 mantissa bits
 //     (2^-17 to 1); exp_avg_sq, never negative, takes 5 exponent and 3 mantissa bits (2^-33 to 1,
@@ -35,13 +36,14 @@
 //     speculation draws them again; and a run resumed from a checkpoint (which holds the step
 //     counts) repeats the run that was not stopped.
 //   - Encoding a value that decoding gave is exact (the block's absmax element decodes to the
-//     scale itself, and every other value sits on a code), and is rounded to nearest rather than
+//     scale itself, and every other value sits on a code, within the ulps of the multiplications
+//     of a gap of 1/8), and is rounded to nearest rather than
 //     stochastically: a state dict (float32 moments, torch's format) loads back into the same
 //     bytes, and a float32 state from torch loads as the nearest codes.
 //
 // Example:
 //   std::uint32_t r = state_random_bits(seed, step, i);
-//   std::uint8_t code = encode_exp_avg(m / absmax, r);
+//   std::uint8_t code = encode_exp_avg(relative_to(m, inverse_scale(absmax)), r);
 //   float back = decode_exp_avg(code) * absmax;
 #pragma once
 
@@ -161,9 +163,14 @@ STRATA_HD float absmax_of(float a, float b) {
   return (x > a || x != x) ? x : a;
 }
 
-// y = value / absmax, with an all-zero block giving zeros.
-STRATA_HD float relative_to(float value, float absmax) {
-  return absmax == 0.0f ? 0.0f : value / absmax;
+// What a block's values are multiplied by to encode them: 1 / absmax (one division a block, not
+// one a value), 0 for an all-zero block.
+STRATA_HD float inverse_scale(float absmax) { return absmax == 0.0f ? 0.0f : 1.0f / absmax; }
+
+// value * inverse, within [-1, 1]: the block's absmax element may come out an ulp above 1.
+STRATA_HD float relative_to(float value, float inverse) {
+  const float y = value * inverse;
+  return y > 1.0f ? 1.0f : (y < -1.0f ? -1.0f : y);
 }
 
 // A whole moment of `numel` elements between its stored form (`type`; square: exp_avg_sq's map,

@@ -79,7 +79,9 @@ TEST(CompressedStatesTest, EncodingToNearestIsWithinHalfAGap) {
           if (square && x[i] > 0.0f) {
             ASSERT_GT(back[i], 0.0f) << "a nonzero exp_avg_sq never decodes to zero";
           }
-          if (x[i] == 0.0f) ASSERT_EQ(back[i], 0.0f);
+          if (x[i] == 0.0f) {
+            ASSERT_EQ(back[i], 0.0f);
+          }
         }
         // Decoded values encode back to the same bytes.
         std::vector<unsigned char> again(stored.size());
@@ -314,7 +316,7 @@ struct Trainer {
         policy, {.prefetch_depth = 1, .roles = rt::RoleSet::optimizer_states()}, true);
     AdamOptions o;
     o.state_dtype = type;
-    o.groups.push_back({.hyper = {.lr = 1e-2, .weight_decay = 0.01}});
+    o.groups.push_back({.params = {}, .hyper = {.lr = 1e-2, .weight_decay = 0.01}});
     for (int l = 0; l < 2; ++l) {
       std::vector<std::uint16_t> w(kNumel);
       for (std::size_t i = 0; i < kNumel; ++i) {
