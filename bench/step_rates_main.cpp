@@ -6,6 +6,7 @@
 // bfloat16 with float32 masters.
 //
 //   strata_step_rates [--threads=16] [--layers=24] [--params=939524096] [--json=rates.json]
+//                     [--state_dtype=int8]   (the Adam kernels' rates with moments stored so)
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "optim/state_decl.h"
 #include "optim/step_rates.h"
 #include "policies/builtin.h"
 #include "policies/step_cost_model.h"
@@ -27,6 +29,7 @@ struct Args {
   int layers = 24;
   std::int64_t params = 939524096;  // the users' script: 24 blocks of 4096 x 4096 x 2 + biases
   std::string json;
+  optim::StateType moments = optim::StateType::kF32;
 };
 
 bool take(std::string_view arg, std::string_view name, std::string* value) {
@@ -60,7 +63,8 @@ int run(const Args& args) {
     return 1;
   }
   ThreadPool pool(args.threads);
-  absl::StatusOr<rt::StepRates> rates = optim::measure_step_rates(**runtime, pool, {});
+  absl::StatusOr<rt::StepRates> rates =
+      optim::measure_step_rates(**runtime, pool, {.moments = args.moments});
   if (!rates.ok()) {
     std::fprintf(stderr, "strata_step_rates: %s\n", rates.status().ToString().c_str());
     return 1;
@@ -146,10 +150,17 @@ int main(int argc, char** argv) {
       args.params = std::atoll(value.c_str());
     } else if (strata::take(arg, "--json=", &value)) {
       args.json = value;
+    } else if (strata::take(arg, "--state_dtype=", &value)) {
+      absl::StatusOr<strata::optim::StateType> t = strata::optim::parse_state_dtype(value);
+      if (!t.ok()) {
+        std::fprintf(stderr, "strata_step_rates: %s\n", std::string(t.status().message()).c_str());
+        return 2;
+      }
+      args.moments = *t;
     } else {
       std::fprintf(stderr,
                    "usage: strata_step_rates [--threads=N] [--layers=N] [--params=N] "
-                   "[--json=path]\n");
+                   "[--json=path] [--state_dtype=float32|bfloat16|int8]\n");
       return 2;
     }
   }

@@ -12,7 +12,13 @@ constexpr int kMaxTensors = 24;
 // kernel with Adam's four reads and three writes and no arithmetic reaches
 // (tools/gpu/probes/hbm_mix.cu; the figures are in bench/results).
 constexpr int kMaxBlocks = 2048;
-constexpr std::int64_t kChunk = 65536;  // elements per block; a multiple of 4 keeps float4 aligned
+// Elements per block, by how the moments are stored: float32's loop is four elements a thread with
+// float4 loads; the compressed loops do less a thread a round (int8's rounds wait at two barriers),
+// so their blocks are smaller and more of them fill the GPU. Multiples of 4 keep float4 aligned,
+// and of kStateBlock keep int8 blocks of moments whole.
+constexpr std::int64_t chunk_of(StateType moments) {
+  return moments == StateType::kF32 ? 65536 : (moments == StateType::kBF16 ? 16384 : 4096);
+}
 constexpr int kThreads = 512;
 
 // Passed by value: 12 KB, under the 32 KB kernel-argument limit of CUDA 12.1 and later (drivers
@@ -114,6 +120,7 @@ __global__ void __launch_bounds__(kThreads)
     s.bias_correction2_sqrt = bias_correction2_sqrt;
   }
   const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
+  constexpr std::int64_t kChunk = chunk_of(S);
   const std::int64_t begin = static_cast<std::int64_t>(meta.block_chunk[blockIdx.x]) * kChunk;
   const std::int64_t end = begin + kChunk < x.numel ? begin + kChunk : x.numel;
   if constexpr (S == StateType::kI8) {
@@ -333,7 +340,8 @@ cudaError_t adam_step_cuda(const AdamTensor* tensors, std::size_t count, const A
       if (cudaError_t err = launch(); err != cudaSuccess) return err;
       moments = x.state_type;
     }
-    const std::int64_t chunks = x.numel == 0 ? 1 : (x.numel + kChunk - 1) / kChunk;
+    const std::int64_t chunk = chunk_of(moments);
+    const std::int64_t chunks = x.numel == 0 ? 1 : (x.numel + chunk - 1) / chunk;
     for (std::int64_t c = 0; c < chunks; ++c) {
       if (c == 0 || tensors_in == 0) {
         if (tensors_in == kMaxTensors) {

@@ -93,14 +93,17 @@ inline std::uint32_t state_seed(const char* name, std::uint64_t length) {
   return h;
 }
 
+// The functions below compute every case and select among them, with no branch: the host loops
+// then vectorize (See Note [The host kernel's loops] in adam_cpu.cpp).
+
 // float32 to bfloat16, rounded up with probability equal to the part dropped (r: 16 random bits;
 // 0x8000 rounds to nearest, ties away from zero). NaN becomes the quiet NaN; infinities stay.
 STRATA_HD std::uint16_t float_to_bf16_stochastic(float f, std::uint32_t r) {
-  std::uint32_t u = float_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  if ((u & 0x7f800000u) == 0x7f800000u) return static_cast<std::uint16_t>(u >> 16);
-  u += r & 0xffffu;
-  return static_cast<std::uint16_t>(u >> 16);
+  const std::uint32_t u = float_bits(f);
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const bool inf = (u & 0x7fffffffu) == 0x7f800000u;
+  const std::uint32_t rounded = (u + (r & 0xffffu)) >> 16;
+  return static_cast<std::uint16_t>(nan ? 0x7fc0u : (inf ? u >> 16 : rounded));
 }
 
 // The magnitude code of x in [0, 1] in a float of E exponent and M mantissa bits whose largest
@@ -111,18 +114,20 @@ template <int E, int M>
 STRATA_HD std::uint32_t encode_magnitude(float x, std::uint32_t r) {
   constexpr int kBias = (1 << E) - 1;
   constexpr std::uint32_t kDrop = 23 - M;
-  std::uint32_t u = float_bits(x);
-  if (static_cast<int>(u >> 23) >= 128 - kBias) {  // a normal code: keep M mantissa bits
-    u += r >> (32 - kDrop);
-    u &= ~((1u << kDrop) - 1u);
-    const std::uint32_t e = (u >> 23) - 127u + kBias;
-    return (e << M) | ((u >> kDrop) & ((1u << M) - 1u));
-  }
+  const std::uint32_t u = float_bits(x);
+  const bool normal = static_cast<int>(u >> 23) >= 128 - kBias;
+  // A normal code: M mantissa bits kept.
+  const std::uint32_t kept = (u + (r >> (32 - kDrop))) & ~((1u << kDrop) - 1u);
+  const std::uint32_t as_normal =
+      (((kept >> 23) - 127u + kBias) << M) | ((kept >> kDrop) & ((1u << M) - 1u));
   // Below the smallest normal code: a multiple of 2^(1 - kBias - M), in fixed point with 20 bits
-  // of fraction (x * 2^(kBias + M - 1 + 20) < 2^(M + 20), exact: a power of two).
-  const float scaled = x * bits_float(static_cast<std::uint32_t>(127 + kBias + M + 19) << 23);
-  const std::uint32_t k = static_cast<std::uint32_t>(scaled);
-  return (k + (r >> 12)) >> 20;
+  // of fraction (x * 2^(kBias + M - 1 + 20) < 2^(M + 20), exact: a power of two; a normal x is
+  // left out, so that nothing overflows).
+  const float scaled =
+      (normal ? 0.0f : x) * bits_float(static_cast<std::uint32_t>(127 + kBias + M + 19) << 23);
+  const auto k = static_cast<std::uint32_t>(static_cast<std::int32_t>(scaled));
+  const std::uint32_t as_small = (k + (r >> 12)) >> 20;
+  return normal ? as_normal : as_small;
 }
 
 template <int E, int M>
@@ -130,11 +135,10 @@ STRATA_HD float decode_magnitude(std::uint32_t c) {
   constexpr int kBias = (1 << E) - 1;
   const std::uint32_t e = c >> M;
   const std::uint32_t f = c & ((1u << M) - 1u);
-  if (e == 0) {
-    return static_cast<float>(f) *
-           bits_float(static_cast<std::uint32_t>(127 + 1 - kBias - M) << 23);
-  }
-  return bits_float(((e + 127u - kBias) << 23) | (f << (23 - M)));
+  const float as_small = static_cast<float>(static_cast<std::int32_t>(f)) *
+                         bits_float(static_cast<std::uint32_t>(127 + 1 - kBias - M) << 23);
+  const float as_normal = bits_float(((e + 127u - kBias) << 23) | (f << (23 - M)));
+  return e == 0 ? as_small : as_normal;
 }
 
 // exp_avg divided by its block's absmax (in [-1, 1]): a sign bit and an E4M3 magnitude.
@@ -145,7 +149,7 @@ STRATA_HD std::uint8_t encode_exp_avg(float y, std::uint32_t r) {
 }
 STRATA_HD float decode_exp_avg(std::uint8_t c) {
   const float mag = decode_magnitude<4, 3>(c & 0x7fu);
-  return (c & 0x80u) != 0 ? -mag : mag;
+  return bits_float(float_bits(mag) | (static_cast<std::uint32_t>(c & 0x80u) << 24));
 }
 
 // exp_avg_sq divided by its block's absmax (in [0, 1]): an E5M3 magnitude, never zero for a
