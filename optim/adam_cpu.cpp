@@ -11,7 +11,9 @@
 // baseline, and the loader picks the one the machine runs (GCC's target_clones); the baseline
 // clone gives the same bits through the library's fmaf, only slower. The arithmetic is
 // adam_element's, operation for operation, so the results stay the CUDA kernel's (See Note [No
-// contraction] in adam_math.h); amsgrad takes the generic element-by-element path.
+// contraction] in adam_math.h); amsgrad takes the generic element-by-element path. Compressed
+// moments' codec (state_codec.h) is branch-free, and the file is compiled without floating-point
+// traps (optim/CMakeLists.txt), so that its selects need no branches either.
 #include <algorithm>
 
 #include "optim/adam_kernels.h"
@@ -90,11 +92,13 @@ void run_loop(const AdamTensor& x, std::int64_t lo, std::int64_t hi, const AdamS
   } else {
     std::uint16_t* __restrict m = static_cast<std::uint16_t*>(x.exp_avg);
     std::uint16_t* __restrict v = static_cast<std::uint16_t*>(x.exp_avg_sq);
+    const std::uint32_t seed = x.seed;
+    const std::int64_t step = x.step;
     for (std::int64_t i = lo; i < hi; ++i) {
       float p = kMaster ? master[i] : load<P>(param, i);
       float mi = bf16_to_float(m[i]), vi = bf16_to_float(v[i]);
       update<D, kMaximize>(p, load<G>(grad, i), mi, vi, s, inv, decay);
-      const std::uint32_t r = state_random_bits(x.seed, x.step, i);
+      const std::uint32_t r = state_random_bits(seed, step, i);
       m[i] = float_to_bf16_stochastic(mi, r);
       v[i] = float_to_bf16_stochastic(vi, r >> 16);
       if constexpr (kMaster) master[i] = p;
