@@ -57,3 +57,15 @@ def assert_close(a, b, rel=1e-6):
 def assert_bitwise(a, b):
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def example(name):
+    """examples/<name>.py of the repository, imported as a module."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,14 +3,15 @@ optim/state_codec.h): a byte-level transformer trained for 300 steps on the Pyth
 library's own sources (on every machine; nothing is downloaded) with strata.optim.AdamW under
 layer_prefetch, its moments stored as float32, bfloat16 and int8. The held-out loss of each
 compressed run ends within 2% of the float32 run's. Its GPU counterpart is strata-train --text_dir
-(tools/gpu/run_convergence.sh)."""
+(tools/gpu/run_compressed.sh OUT convergence)."""
 
 import math
 import os
 
+import strata
 import torch
 
-import strata
+from models import example
 
 STEPS = 300
 SEQ = 64
@@ -30,14 +31,7 @@ def corpus(max_bytes=4 << 20) -> torch.Tensor:
 
 def gpt_example():
     """examples/train_gpt.py, whose Gpt is the model trained here."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-    spec = importlib.util.spec_from_file_location("train_gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example("train_gpt")
 
 
 def batches(data, step, count=BATCH):

@@ -8,7 +8,7 @@ import pytest
 import strata
 import torch
 import torch.nn.functional as F
-from models import POLICIES, Mlp, assert_bitwise, assert_close, batch, params_of
+from models import POLICIES, Mlp, assert_bitwise, assert_close, batch, example, params_of
 from users import CausalLm, LoraMlp, Moe, TwoHeads, lm_batch
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
@@ -422,14 +422,7 @@ def test_an_hf_shaped_model_attached_with_default_layers_under_a_small_budget(ov
 
 
 def hf_example():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_loop.py"
-    spec = importlib.util.spec_from_file_location("hf_trainer_loop", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example("hf_trainer_loop")
 
 
 @pytest.mark.parametrize("overlap", ["none", "backward"])
