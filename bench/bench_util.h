@@ -11,6 +11,12 @@
 #include "base/strings.h"
 #include "benchmark/benchmark.h"
 
+// STRATA_BENCH_TORCH: LibTorch and CUDA are both there, so the LibTorch peers (which use its CUDA
+// caching allocator and streams) are compiled in.
+#if defined(STRATA_WITH_TORCH) && defined(STRATA_HAS_CUDA)
+#define STRATA_BENCH_TORCH 1
+#endif
+
 namespace strata::bench {
 
 inline double seconds_between(std::chrono::steady_clock::time_point start,

@@ -1,4 +1,4 @@
-// bench/compare_first_step.cpp: strata_optim_compare's first_step part (bench/compare_rounds.h):
+// bench/compare_first_step.cpp: strata_optim_compare's first_step part (bench/compare_parts.h):
 // from nothing to the end of the first step, and the host memory it took, for strata
 // layer_prefetch K=1, the LibTorch pipeline and torch's fused AdamW on the CPU, at 2 .. 32 layers.
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include "allocator/tier.h"
 #include "base/host_memory.h"
 #include "base/strings.h"
+#include "bench/compare_parts.h"
 #include "bench/compare_rounds.h"
 #include "bench/optim_common.h"
 #include "bench/optim_torch.h"

@@ -20,18 +20,13 @@
 #include "absl/status/statusor.h"
 #include "base/status.h"
 #include "base/strings.h"
+#include "bench/compare_parts.h"
 #include "bench/compare_rounds.h"
 #include "bench/mixed_rig.h"
 
 namespace strata::bench {
 
-#ifdef STRATA_HAS_CUDA
-#ifndef STRATA_BENCH_TORCH
-void part_mixed(int rounds) {
-  (void)rounds;
-  fail("mixed", absl::UnimplementedError("built without LibTorch: no peers to compare with"));
-}
-#else
+#ifdef STRATA_BENCH_TORCH
 namespace {
 
 // A streamed step after both floors: the own-memory pass first, then the link rig's passes right
@@ -152,6 +147,5 @@ void part_mixed(int rounds) {
   empty_caches();
 }
 #endif  // STRATA_BENCH_TORCH
-#endif  // STRATA_HAS_CUDA
 
 }  // namespace strata::bench

@@ -121,6 +121,10 @@ void fail(std::string_view where, const absl::Status& s) {
   g_results.failed = true;
 }
 
+void fail_without_torch(std::string_view part) {
+  fail(part, absl::UnimplementedError("built without LibTorch: no peers to compare with"));
+}
+
 #ifdef STRATA_HAS_CUDA
 
 absl::Status interleave(std::string_view part, std::vector<Approach>& approaches, int rounds) {
@@ -199,15 +203,6 @@ Approach strata_streamed(std::string id, std::string label, StrataRig& r) {
                 static_cast<double>(after.prefetch_stall_ns - before.prefetch_stall_ns) / 1e6;
             return s;
           }};
-}
-
-std::unique_ptr<StrataRig> must(absl::StatusOr<std::unique_ptr<StrataRig>> made,
-                                std::string_view what) {
-  if (!made.ok()) {
-    fail(what, made.status());
-    return nullptr;
-  }
-  return std::move(*made);
 }
 
 void empty_caches() {

@@ -1,7 +1,8 @@
 // bench/compare_rounds.h: the machinery of strata_optim_compare (bench/optim_compare.cpp): the
 // samples and series it records, its JSON, the comparisons and curves the summary judges
 // (tools/gpu/summarize_compare.py), and the rounds that run a comparison's approaches in
-// alternation, each step after its own reference sample.
+// alternation, each step after its own reference sample. The parts that use it:
+// bench/compare_parts.h.
 //
 // Example:
 //   std::vector<Approach> approaches = {strata_streamed("k1", "layer_prefetch K=1", *rig), peer};
@@ -15,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -66,6 +68,8 @@ void add_curve(std::string_view name, std::string_view x_label, const std::vecto
 
 // Prints the failure and marks the run failed (the binary exits non-zero).
 void fail(std::string_view where, const absl::Status& s);
+// fail(part): built without LibTorch, so the part has no peers to compare with.
+void fail_without_torch(std::string_view part);
 // A failed result check: recorded in the series (the summary judges nothing of it) and fail().
 void check(std::string_view id, const absl::Status& s);
 
@@ -96,20 +100,18 @@ absl::Status check_moved(const rt::RuntimeStats& before, const rt::RuntimeStats&
 // compute stream's waits for copies.
 Approach strata_streamed(std::string id, std::string label, StrataRig& r);
 
-// The rig, or nullptr after fail(what).
-std::unique_ptr<StrataRig> must(absl::StatusOr<std::unique_ptr<StrataRig>> made,
-                                std::string_view what);
+// The rig (strata's or a peer's), or nullptr after fail(what).
+template <typename R>
+std::unique_ptr<R> must(absl::StatusOr<std::unique_ptr<R>> made, std::string_view what) {
+  if (!made.ok()) {
+    fail(what, made.status());
+    return nullptr;
+  }
+  return std::move(*made);
+}
 
 // Frees what LibTorch cached, so the next part starts with the GPU and pinned memory free.
 void empty_caches();
-
-// The mixed part (bench/compare_mixed.cpp): the bfloat16 step with float32 masters, resident and
-// streamed, against PyTorch's best ways, in `rounds` rounds.
-void part_mixed(int rounds);
-
-// The first_step part (bench/compare_first_step.cpp): time from nothing to the end of the first
-// step and the host memory it took, in `rounds` rounds over 2 .. 32 layers of the full model.
-void part_first_step(int rounds);
 #endif  // STRATA_HAS_CUDA
 
 }  // namespace strata::bench

@@ -32,14 +32,11 @@ inline constexpr std::size_t kBytesPerDirection = kPieceBytes * kPieces;
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
 
+#include "allocator/cuda_status.h"
+
 namespace strata::bench {
 
-inline absl::Status cuda_status(cudaError_t err, std::string_view what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();  // so the next call does not inherit a sticky-looking error
-  return absl::InternalError(
-      str_cat(what, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
-}
+using alloc::cuda_status;  // See allocator/cuda_status.h
 
 inline char* piece(void* base, int k) {
   return static_cast<char*>(base) + static_cast<std::size_t>(k) * kPieceBytes;

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -161,49 +162,53 @@ void BM_MixedStrataResident(benchmark::State& state) { strata_bench(state, "keep
 
 // --- PyTorch ---
 
-void BM_MixedTorchResident(benchmark::State& state) {
+// Resident (masters and moments on the GPU) or streamed (pinned, the per-layer pipeline with 2
+// GPU slots, each step judged against the link and its own buffers), as strata_bench for strata;
+// `what` names the result check.
+void torch_bench(benchmark::State& state, bool streamed, const char* what, const char* label) {
   if (!have_gpu(state)) return;
+  if (streamed && g_link == nullptr) return skip(state, "no link rig for the floor");
   {
     absl::StatusOr<std::unique_ptr<bench::TorchMixedModel>> t =
-        bench::make_torch_mixed_model(/*pinned=*/false);
+        bench::make_torch_mixed_model(/*pinned=*/streamed);
     if (!t.ok()) return skip(state, "torch model", t.status());
+    bench::TorchMixedModel& model = **t;
+    std::optional<bench::AdjacentLink> link;
+    OwnMemoryFloor own;
+    if (streamed) {
+      link.emplace(*g_link, true, true);
+      if (absl::Status s = own.init(static_cast<std::size_t>(bench::mixed_state_bytes()));
+          !s.ok()) {
+        return skip(state, "own-memory floor", s);
+      }
+    }
     run_steps(
-        state, [&] { return bench::torch_mixed_resident_step(**t); }, nullptr);
+        state,
+        [&] {
+          return streamed ? bench::torch_mixed_pipeline_step(model, 2)
+                          : bench::torch_mixed_resident_step(model);
+        },
+        streamed ? &*link : nullptr, streamed ? &own : nullptr,
+        [&]() -> absl::StatusOr<HostBuffers> { return bench::torch_mixed_buffers(model); });
     if (state.error_occurred()) return;
-    if (absl::Status s = bench::check_mixed_torch("torch resident", **t); !s.ok()) {
+    if (absl::Status s = bench::check_mixed_torch(what, model); !s.ok()) {
       return skip(state, "result check", s);
     }
-    state.SetLabel(
-        "at::_fused_adamw_ over float32 masters, gradients cast with .to(float32), parameters "
-        "copied with _foreach_copy_, all on the GPU");
+    state.SetLabel(label);
   }
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
+void BM_MixedTorchResident(benchmark::State& state) {
+  torch_bench(state, /*streamed=*/false, "torch resident",
+              "at::_fused_adamw_ over float32 masters, gradients cast with .to(float32), "
+              "parameters copied with _foreach_copy_, all on the GPU");
+}
+
 void BM_MixedTorchPipeline(benchmark::State& state) {
-  if (!have_gpu(state)) return;
-  if (g_link == nullptr) return skip(state, "no link rig for the floor");
-  {
-    absl::StatusOr<std::unique_ptr<bench::TorchMixedModel>> t =
-        bench::make_torch_mixed_model(/*pinned=*/true);
-    if (!t.ok()) return skip(state, "torch model", t.status());
-    bench::AdjacentLink link(*g_link, true, true);
-    OwnMemoryFloor own;
-    if (absl::Status s = own.init(static_cast<std::size_t>(bench::mixed_state_bytes())); !s.ok()) {
-      return skip(state, "own-memory floor", s);
-    }
-    run_steps(
-        state, [&] { return bench::torch_mixed_pipeline_step(**t, 2); }, &link, &own,
-        [&]() -> absl::StatusOr<HostBuffers> { return bench::torch_mixed_buffers(**t); });
-    if (state.error_occurred()) return;
-    if (absl::Status s = bench::check_mixed_torch("torch pipeline", **t); !s.ok()) {
-      return skip(state, "result check", s);
-    }
-    state.SetLabel(
-        "masters and moments in pinned CPU tensors, per-layer pipeline: H2D and D2H streams, 2 "
-        "GPU slots, at::_fused_adamw_ on the slot, parameters copied from it");
-  }
-  c10::cuda::CUDACachingAllocator::emptyCache();
+  torch_bench(state, /*streamed=*/true, "torch pipeline",
+              "masters and moments in pinned CPU tensors, per-layer pipeline: H2D and D2H "
+              "streams, 2 GPU slots, at::_fused_adamw_ on the slot, parameters copied from it");
 }
 #else
 void BM_MixedStrataLayerPrefetch(benchmark::State& state) {

@@ -330,6 +330,15 @@ absl::StatusOr<double> time_to_idle(Fn fn) {
 }
 #endif  // STRATA_HAS_CUDA
 
+// Host wall milliseconds through fn: for steps that are done when fn returns (on the CPU, or on the
+// simulated device, which runs each operation when it is enqueued).
+template <typename Fn>
+absl::StatusOr<double> time_on_host(Fn fn) {
+  const Clock::time_point t0 = Clock::now();
+  STRATA_RETURN_IF_ERROR(fn());
+  return seconds_between(t0, Clock::now()) * 1e3;
+}
+
 // ---------------------------------------------------------------------------------------------
 // strata: optim::Adam over a runtime with the policy under test.
 

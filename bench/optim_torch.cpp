@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/optim/adamw.h>
 
 #include <utility>
 
@@ -209,6 +210,40 @@ absl::Status torch_pipeline_step(const Model& model, TorchOffloadRig& r, int slo
   compute.synchronize();
   r.h2d.synchronize();
   return absl::OkStatus();
+}
+
+TorchCpuRig::~TorchCpuRig() = default;
+
+absl::StatusOr<std::unique_ptr<TorchCpuRig>> make_torch_cpu_rig(const Model& model) {
+  auto r = std::make_unique<TorchCpuRig>();
+  std::vector<at::Tensor> grads;
+  STRATA_RETURN_IF_ERROR(make_torch_params(model, at::kCPU, r->params, grads));
+  for (std::size_t k = 0; k < r->params.size(); ++k) {
+    r->params[k].requires_grad_(true);
+    r->params[k].mutable_grad() = grads[k];
+  }
+  r->optimizer = std::make_unique<torch::optim::AdamW>(
+      r->params, torch::optim::AdamWOptions(kHyper.lr)
+                     .betas(std::make_tuple(static_cast<double>(kHyper.beta1),
+                                            static_cast<double>(kHyper.beta2)))
+                     .eps(kHyper.eps)
+                     .weight_decay(kHyper.weight_decay));
+  return r;
+}
+
+absl::Status torch_cpu_step(TorchCpuRig& r) {
+  r.optimizer->step();
+  ++r.step_count;
+  return absl::OkStatus();
+}
+
+absl::Status check_torch_cpu(std::string_view what, const Model& model, TorchCpuRig& r) {
+  return check_ends(what, model, r.step_count,
+                    [&](int k, std::vector<float>& p, std::vector<float>& m) -> absl::Status {
+                      p = to_host_vector(r.params[k].detach());
+                      m.clear();
+                      return absl::OkStatus();
+                    });
 }
 
 }  // namespace strata::bench

@@ -1,9 +1,9 @@
 // bench/optim_torch.h: the LibTorch peers of the optimizer benchmarks, on the same model and
 // values as strata's rig (bench/optim_common.h): PyTorch's fused AdamW with everything resident,
 // the moments in pinned CPU tensors moved in bulk (.to) or by a per-layer pipeline with LibTorch
-// streams and a given number of GPU slots, and the fused AdamW on the CPU over CPU tensors.
-// STRATA_BENCH_TORCH is defined when LibTorch and CUDA are both there; without it this header
-// declares nothing.
+// streams and a given number of GPU slots, the fused AdamW on the CPU over CPU tensors, and
+// torch::optim::AdamW on the CPU. STRATA_BENCH_TORCH (bench/bench_util.h) is defined when LibTorch
+// and CUDA are both there; without it this header declares nothing.
 //
 // Example:
 //   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<TorchOffloadRig> r, make_torch_offload_rig(model));
@@ -14,8 +14,7 @@
 
 #include "bench/optim_common.h"
 
-#if defined(STRATA_WITH_TORCH) && defined(STRATA_HAS_CUDA)
-#define STRATA_BENCH_TORCH 1
+#ifdef STRATA_BENCH_TORCH
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -26,6 +25,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+
+namespace torch::optim {
+class AdamW;
+}  // namespace torch::optim
 
 namespace strata::bench {
 
@@ -87,6 +90,19 @@ absl::Status torch_bulk_step(TorchOffloadRig& r);
 // streams are done.
 absl::Status torch_pipeline_step(const Model& model, TorchOffloadRig& r, int slots = 2);
 
+// torch::optim::AdamW (kHyper) over CPU tensors, the gradients set once: the scaled CPU peer of
+// strata_optim_bench. CPU memory only, so making it leaves torch_used() as it was.
+struct TorchCpuRig final : Rig {
+  std::vector<at::Tensor> params;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::int64_t step_count = 0;
+  ~TorchCpuRig() override;
+};
+absl::StatusOr<std::unique_ptr<TorchCpuRig>> make_torch_cpu_rig(const Model& model);
+absl::Status torch_cpu_step(TorchCpuRig& r);
+// The parameters only: the optimizer's state is not read, and the parameters depend on it.
+absl::Status check_torch_cpu(std::string_view what, const Model& model, TorchCpuRig& r);
+
 }  // namespace strata::bench
 
-#endif  // STRATA_WITH_TORCH && STRATA_HAS_CUDA
+#endif  // STRATA_BENCH_TORCH

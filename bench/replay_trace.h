@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -223,6 +224,11 @@ inline const ReplayTrace& variable_replay_trace() {
     return new ReplayTrace(build_replay_trace("variable", tokens));
   }();
   return *trace;
+}
+
+// variable_replay_trace() for "variable", fixed_replay_trace() for anything else.
+inline const ReplayTrace& replay_trace_named(std::string_view name) {
+  return name == "variable" ? variable_replay_trace() : fixed_replay_trace();
 }
 
 struct ReplayResult {
