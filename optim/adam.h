@@ -29,7 +29,7 @@
 //     every stream, and a copy back for what was copied off the GPU), and step() runs with the true
 //     values. That costs one sequential step more, on the steps where it happens: rarely in a
 //     long pretraining run, far more often in a short fine-tune with a tight threshold (for when
-//     strata stops trying, See Note [When to step in backward] in strata/optim.py).
+//     strata stops trying, See Note [When to step in backward] in strata/_overlap.py).
 // Either way the result is bitwise the sequential step's: each element's update depends only on
 // its own values and the step's scalars, never on the order in which layers step. What is kept:
 // the parameters and every state the kernel writes (14 bytes a bfloat16 parameter with its float32

@@ -147,7 +147,7 @@ absl::Status LayerPrefetch::on_after_backward(rt::PolicyContext& rt, int layer) 
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Under overlap, begin_step stages the states of the layers backward reaches first, while forward
 // runs, for the optimizer to step them in backward. When it does not (the client steps after
-// backward this time: See Note [When to step in backward] in strata/optim.py), those layers are
+// backward this time: See Note [When to step in backward] in strata/_overlap.py), those layers are
 // staged as the optimizer step would stage them, with its roles, and nothing wrote them. Sending
 // them home and fetching the first layers of the ascending order instead would move their bytes
 // over the link twice more for nothing; so the optimizer step takes them first, as they are, and

@@ -23,11 +23,13 @@ replace.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 
 _GIB = 2**30
+_log = logging.getLogger("strata")
 
 
 class DeviceMemory(NamedTuple):
@@ -66,4 +68,21 @@ def describe(mem: DeviceMemory, budget: int, headroom: int, resident: int, layer
         f"{mem.total / _GIB:.1f}, torch held {mem.torch_reserved / _GIB:.2f} GiB and peaked at "
         f"{mem.torch_peak / _GIB:.2f}; leaving {headroom / _GIB:.2f} GiB for torch, the budget is "
         f"{budget / _GIB:.2f} GiB: {resident} of {layers} layers' states now stay on the GPU"
+    )
+
+
+def set_auto_budget(runtime, name: str) -> None:
+    """Sets the runtime's budget after the first step (See Note [The automatic budget]) and logs
+    it in one line; `name` is the optimizer's ("AdamW")."""
+    mem = device_memory(runtime)
+    budget, headroom = auto_budget(mem, runtime.stats()["gpu_reserved_bytes"])
+    runtime._rt.set_gpu_budget(budget)
+    layers = {}
+    for t in runtime._rt.tensors():
+        if t["role"] not in ("parameter", "gradient") and t["bytes"]:
+            layers[t["layer"]] = layers.get(t["layer"], True) and t["tier"] == "gpu"
+    _log.info(
+        "strata.optim.%s: gpu_budget auto: %s",
+        name,
+        describe(mem, budget, headroom, sum(layers.values()), len(layers)),
     )

@@ -116,18 +116,19 @@ class Runtime:
                 f"prefetch_depth: expected an int >= 0 (0: no prefetch), got {prefetch_depth!r}"
             )
         self._rt = _strata.Runtime(
-            policy,
-            parse_bytes(gpu_budget, "gpu_budget"),
-            prefetch_depth,
-            roles,
-            device,
-            parse_bytes(pinned_budget, "pinned_budget"),
-            overlap,
-            bool(undo_on_gpu),
-            None if hybrid_fraction is None else float(hybrid_fraction),
+            policy=policy,
+            gpu_budget=parse_bytes(gpu_budget, "gpu_budget"),
+            prefetch_depth=prefetch_depth,
+            roles=roles,
+            device=device,
+            pinned_budget=parse_bytes(pinned_budget, "pinned_budget"),
+            overlap=overlap,
+            undo_on_gpu=bool(undo_on_gpu),
+            hybrid_fraction=None if hybrid_fraction is None else float(hybrid_fraction),
         )
         roles_moved = {r.strip() for r in roles.split(",")}
-        # Whether the policy streams gradients (See Note [Clipping in the step] in strata/optim.py).
+        # Whether the policy streams gradients
+        # (See Note [Clipping in the step] in strata/_overlap.py).
         self._streams_gradients = bool(roles_moved & {"all", "gradient"})
         self.prefetch_depth = prefetch_depth
         # Where the GPU budget came from: "argument", "none", or "auto" (strata.optim's gpu_budget

@@ -290,7 +290,7 @@ def test_the_loops_own_clipping_under_overlap_is_seen_and_the_step_redone(policy
     # Every step's gradients were clipped after backward: a step taken in backward is redone
     # (layer_prefetch steps layers in backward; keep_on_gpu without undo_on_gpu and bulk leave them
     # for step(); See Note [Resting layers] in optim/adam_overlap.cpp), and the steps after a redo
-    # run after backward (See Note [When to step in backward] in strata/optim.py): redone, then 1
+    # run after backward (See Note [When to step in backward] in strata/_overlap.py): redone, then 1
     # after backward, redone, 2 after.
     if policy == "layer_prefetch":
         assert outcomes == ["redone", "sequential", "redone", "sequential", "sequential", "redone"]
@@ -304,7 +304,7 @@ def test_with_max_grad_norm_the_step_stays_after_backward_while_clipping_fires()
     # The gradients are large for four steps (clipping fires) and then small (it does not). One try
     # in backward is redone; then the steps run after backward while the last step's clipping fired,
     # and in backward again once it did not (See Note [When to step in backward] in
-    # strata/optim.py).
+    # strata/_overlap.py).
     def loop(model, opt, steps, clip_in_loop):
         outcomes = []
         for step in range(steps):

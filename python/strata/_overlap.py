@@ -1,0 +1,268 @@
+"""strata.optim's step during backward (overlap="backward"), and step()'s check of it.
+
+Each strata.optim optimizer owns one Overlap. Under overlap="backward" it hooks the gradients so
+that each layer is stepped once they are final (See Note [Stepping in backward under FSDP2] in
+strata/optim.py), chooses when to step in backward at all (See Note [When to step in backward]),
+keeps the gradients each layer's step read (See Note [Gradients changed after their layer
+stepped]), and takes the step of a backward back when one cannot go on. Clipping lives here too,
+under either overlap: its coefficient decides whether the step taken in backward stands
+(See Note [Clipping in the step]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from .distributed import all_reduce_norm, clip_coef, fsdp_modules, grad_norm, local
+from .scalars import read_scalars
+
+_log = logging.getLogger("strata")
+
+
+class Overlap:
+    """The optimizer's part in stepping during backward: gradient hooks, the choice to speculate,
+    the gradients a step read, clipping. `name` is the optimizer's ("AdamW"), `adam` its
+    _strata.Adam, `trainable` its parameters that require grad."""
+
+    def __init__(
+        self, name: str, runtime, adam, trainable: list, max_grad_norm: float | None
+    ) -> None:
+        self._name = name
+        self._runtime = runtime
+        self._adam = adam
+        self._trainable = trainable
+        self._max_grad_norm = max_grad_norm
+        self.accumulating = False  # inside accumulate(): backward only accumulates
+        self._versions: dict = {}  # See Note [Gradients changed after their layer stepped]
+        self._spec_scale: torch.Tensor | None = None
+        self._hooks: list = []
+        self._layer_size: dict = {}
+        self._layer_seen: dict = {}
+        self._closed = False
+        self._speculating = False  # See Note [When to step in backward]
+        self._spec_wait, self._spec_backoff = 0, 0
+        self._coef_host: torch.Tensor | None = None  # See Note [When to step in backward]
+        self._coef_ready = None
+        if runtime.overlap == "backward":
+            self._set_speculating(True)
+            if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
+                self._hook_gradients()
+
+    def close(self) -> None:
+        """Removes the hooks and lets go of the optimizer's kernels (their states are freed with
+        the optimizer's last reference)."""
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._adam = None
+
+    @contextlib.contextmanager
+    def accumulate(self):
+        """strata.optim's accumulate(): backward passes that only accumulate."""
+        if self._runtime.overlap != "backward" or self.accumulating:
+            yield
+            return
+        self.accumulating = True
+        speculating = self._speculating
+        self._set_speculating(False)
+        try:
+            yield
+        finally:
+            self.accumulating = False
+            self._set_speculating(speculating)
+
+    def _set_speculating(self, on: bool) -> None:
+        self._speculating = on
+        self._adam.set_step_in_backward(on)
+
+    # The version of p's gradient that its layer's step reads, kept until step()
+    # (See Note [Gradients changed after their layer stepped]).
+    def keep_version(self, p: torch.Tensor) -> None:
+        self._versions[id(p)] = (p.grad, local(p.grad)._version)
+
+    # Note [Gradients changed after their layer stepped]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A layer stepped in backward read its gradients then; a loop that changes them afterwards (its
+    # own clip_grad_norm_, unscale_, manual scaling: all in place, each a new version of the tensor,
+    # or a new tensor) makes that step stale, and step() takes it back and steps again with the
+    # gradients as they are. GradScaler.step (when the loop did not unscale_) checks the gradients
+    # for inf by multiplying them by 1.0 in place first: one version each, no value changed,
+    # allowed.
+    def gradients_changed(self, scaler_checked: bool) -> bool:
+        allowed = 1 if scaler_checked else 0
+        for p in self._trainable:
+            seen = self._versions.get(id(p))
+            if seen is None:
+                continue
+            grad, version = seen
+            if p.grad is not grad or local(p.grad)._version - version > allowed:
+                return True
+        return False
+
+    # After step(): what the next step's backward starts from. `outcome` is the step's
+    # last_step_outcome, `grad_scale` GradScaler's scale (None without one).
+    def step_ended(self, outcome: str | None, grad_scale: torch.Tensor | None) -> None:
+        self._versions = {}
+        self._layer_seen = {}
+        if self._runtime.overlap == "backward":
+            self._adapt_speculation(outcome)
+        if self._runtime.overlap == "backward" and grad_scale is not None:
+            # The next step's layers stepped in backward divide by this scale; it holds unless
+            # GradScaler.update changes it (See Note [GradScaler] in strata/optim.py).
+            self._spec_scale = grad_scale.detach().clone()
+            self._adam.set_speculative_scale(self._spec_scale)
+
+    # Note [When to step in backward]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A step taken in backward and then redone (clipping fired, inf was found, the loop changed a
+    # gradient) costs more than the step after backward: the work in backward, the roll-back, and
+    # the whole step again. Early in training, or with a tight max_grad_norm, clipping fires at
+    # every step, and stepping in backward would make every step slower. So after a step is redone,
+    # the next steps are taken after backward (1, then 2, 4, ... up to 64 after redone tries in a
+    # row), then stepping in backward is tried again; a try that holds resets the wait. With
+    # max_grad_norm, the try waits further while the last step's clipping fired, or while that is
+    # not known yet: its coefficient is copied to the host without a wait (_note_clip) and read once
+    # the copy is done, so a run in which clipping fires at every step steps after backward at every
+    # step but the first, with no host wait added. last_step_outcome says what each step was.
+    def _adapt_speculation(self, outcome: str | None) -> None:
+        if self._spec_wait > 0:  # this step was taken after backward by choice
+            self._spec_wait -= 1
+            if self._spec_wait == 0:
+                if self._max_grad_norm is not None and self._clipping_fired_last() is not False:
+                    self._spec_wait = 1  # ask again after the next step
+                    return
+                self._set_speculating(True)
+            return
+        if outcome == "redone":
+            if self._spec_backoff == 0:
+                _log.info(
+                    "strata.optim.%s: a step taken in backward was redone (clipping fired, inf "
+                    "was found, or the loop changed a gradient); the next steps run after backward "
+                    "for a while (Note [When to step in backward])",
+                    self._name,
+                )
+            self._spec_backoff = min(2 * self._spec_backoff, 64) if self._spec_backoff else 1
+            self._spec_wait = self._spec_backoff
+            self._set_speculating(False)
+        elif outcome == "speculation":
+            self._spec_backoff = 0
+
+    # The last clip coefficient, on its way to the host (See Note [When to step in backward]).
+    def _note_clip(self, coef: torch.Tensor) -> None:
+        if self._runtime.overlap != "backward":
+            return
+        if coef.device.type != "cuda":
+            self._coef_host, self._coef_ready = coef.detach().clone(), None
+            return
+        if self._coef_host is None or self._coef_host.dtype != coef.dtype:
+            self._coef_host = torch.empty((), dtype=coef.dtype, pin_memory=True)
+            self._coef_ready = torch.cuda.Event()  # made once, recorded again at each step
+        self._coef_host.copy_(coef.reshape(()), non_blocking=True)
+        self._coef_ready.record()
+
+    # Whether the last step's clipping fired: None while its coefficient is not on the host yet.
+    def _clipping_fired_last(self) -> bool | None:
+        if self._coef_host is None or (self._coef_ready and not self._coef_ready.query()):
+            return None
+        return float(self._coef_host) < 1.0
+
+    # A layer is done once every parameter of it has had its post-accumulate-grad hook this step
+    # (See Note [Stepping in backward under FSDP2] in strata/optim.py).
+    def _hook_gradients(self) -> None:
+        self._layer_size, self._layer_seen = {}, {}
+        params = list(self._trainable)
+        for p in params:
+            layer = self._runtime._layer_of.get(id(p))
+            if layer is None:
+                continue  # bound by its owner under another name: stepped after backward
+            self._layer_size[layer] = self._layer_size.get(layer, 0) + 1
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(layer)))
+        units = fsdp_modules()
+        modules = {id(units[id(p)]): units[id(p)] for p in params if id(p) in units}
+        for m in modules.values():
+            self._hooks.append(m.register_forward_pre_hook(self._begin_step))
+
+    def _begin_step(self, *_) -> None:
+        # The first unit's forward: the states backward needs first start coming now.
+        if not self._closed and not self._runtime._rt.in_step():
+            self._runtime._rt.begin_step()
+
+    def _grad_hook(self, layer: int):
+        def hook(_param):
+            if self.accumulating:
+                return
+            seen = self._layer_seen.get(layer, 0) + 1
+            if seen > self._layer_size[layer]:
+                self._abandon_backward()
+                raise RuntimeError(
+                    f"strata.optim.{self._name}: layer {layer}'s gradients were accumulated "
+                    "twice before step(); with overlap='backward' each layer is stepped in its "
+                    "backward, so a step has one backward (under FSDP2, micro-batches before the "
+                    "last run with set_requires_gradient_sync(False)); run the backward passes "
+                    "before the last inside `with opt.accumulate():`, or use overlap='none'. "
+                    "The layers stepped in the first backward were rolled back; zero the "
+                    "gradients and go on"
+                )
+            self._layer_seen[layer] = seen
+            if seen == self._layer_size[layer]:
+                self._begin_step()
+                self._runtime._after_backward(layer)
+
+        return hook
+
+    # Takes back what the step's backward stepped and ends the runtime's step with no optimizer
+    # step, so that training can go on from the parameters as they were before it.
+    def _abandon_backward(self) -> None:
+        self._runtime._rt.join_step_stream()  # what is taken back must have been written
+        self._adam.cancel_step()
+        self._adam.clear_skipped()
+        self._adam.set_step_in_backward(False)
+        try:
+            self._runtime._rt.finish_backward()
+            self._runtime._rt.end_step()
+        finally:
+            self._adam.set_step_in_backward(True)
+            self._layer_seen = {}
+            self._versions = {}
+
+    # Note [Clipping in the step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With the gradients resting on the GPU (the policy streams the optimizer's states only),
+    # clipping is clip_grad_norm_'s: its norm (over the mesh under FSDP2) and the gradients scaled
+    # in place before the step, with no host wait. After a step taken in backward, whether the
+    # coefficient is below 1 is read on the host (a few bytes, as validating a speculation needs
+    # anyway); if it is, that step is taken back (cancel_step) before the scaling, so a clipped step
+    # is bitwise torch's clipped step too. Gradients that stream with the parameters are on their
+    # way home by now (scaling them there would be lost when the move lands, and slow): their norms
+    # were taken in backward, and the kernel divides them by 1 / coefficient (equal to the last bit
+    # or so). Returns (the scale finish_step divides by, whether a step taken in backward was taken
+    # back, the total norm, which the optimizer keeps in last_grad_norm).
+    # With GradScaler's scale (grad_scale, not unscaled by the loop), the norm is the unscaled
+    # gradients'.
+    def clip(self, grad_scale: torch.Tensor | None) -> tuple:
+        params = [p for p in self._trainable if p.grad is not None]
+        if not self._runtime._streams_gradients:
+            total, grads = grad_norm(params)
+            if grad_scale is not None:
+                total = total / grad_scale.to(total.device).reshape(())
+            coef = clip_coef(total, self._max_grad_norm)
+            self._note_clip(coef)
+            taken_back = self._adam.overlapped_step_open()
+            if taken_back:
+                # Not .item(): that copy would queue behind the write-backs of the layers
+                # stepped last (strata.read_scalars).
+                if read_scalars(coef)[0] >= 1.0:
+                    return None, False, total  # no clipping: what backward stepped stands
+                self._adam.cancel_step()
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+            return None, taken_back, total
+        total = all_reduce_norm(self._runtime._rt.total_norm(), params)
+        if grad_scale is not None:
+            total = total / grad_scale.to(total.device).reshape(())
+        coef = clip_coef(total, self._max_grad_norm)
+        self._note_clip(coef)
+        return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False, total

@@ -1,0 +1,156 @@
+"""What a strata.optim optimizer chooses when it makes its own layout: the layers its parameters
+are bound in, the prefetch depth from the budget, and the INFO line that says what was chosen.
+
+    names, named = param_names(param_groups, model)
+    plan, how = find_layers(params, names, named, layer_bytes, model, budget, amsgrad, state_dtype)
+    depth = auto_depth(plan, budget, amsgrad, state_dtype)
+
+A plan is a list of layers, each a list of (name, parameter) in order, as Runtime.add_layer takes
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+from .distributed import fsdp_units, is_dtensor, local
+from .layers import plan_layers, state_bytes
+
+_log = logging.getLogger("strata")
+
+
+# Each parameter's name, by id: the user's (param_groups' "param_names", as named_parameters() gives
+# them, else `model`'s), else "group{g}.param{i}"; and whether any was the user's
+# (See Note [Layers without being told] in strata/layers.py).
+def param_names(param_groups: list, model) -> tuple:
+    names_by_id = {}
+    named = False
+    model_names = {}
+    if model is not None:
+        model_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    for gi, g in enumerate(param_groups):
+        names = g.get("param_names")
+        for i, p in enumerate(g["params"]):
+            name = names[i] if names is not None else model_names.get(id(p))
+            named = named or name is not None
+            names_by_id[id(p)] = name or f"group{gi}.param{i}"
+    return names_by_id, named
+
+
+# The layers of the parameters not bound yet (not attached; See Note [Layers without being told]
+# in strata/layers.py). FSDP2 parameters (DTensors): one layer per fully_shard unit; layer_bytes
+# given: runs of about that many parameter bytes in order; else plan_layers. `names` maps id(p) to
+# each parameter's name, `named` says whether they are the user's. Returns (layers, how they were
+# found).
+def find_layers(
+    params: list,
+    names: dict,
+    named: bool,
+    layer_bytes: int | None,
+    model,
+    budget: int | None,
+    amsgrad: bool,
+    state_dtype: str,
+) -> tuple:
+    units = fsdp_units() if layer_bytes is None else {}
+    by_unit, rest = {}, []
+    for p in params:
+        pair = (names[id(p)], p)
+        if is_dtensor(p) and id(p) in units:
+            by_unit.setdefault(units[id(p)], []).append(pair)
+        else:
+            rest.append(pair)
+    plan, how = list(by_unit.values()), ["FSDP2's fully_shard units"] if by_unit else []
+    if rest and layer_bytes is not None:
+        pending, size = [], 0
+        for pair in rest:
+            pending.append(pair)
+            size += pair[1].numel() * pair[1].element_size()
+            if size >= layer_bytes:
+                plan.append(pending)
+                pending, size = [], 0
+        if pending:
+            plan.append(pending)
+        how.append("layer_bytes")
+    elif rest:
+        more, found = plan_layers(rest, named, model, budget, 3, amsgrad, state_dtype)
+        plan += more
+        how.append(found)
+    return plan, " and ".join(how)
+
+
+def layer_state_bytes(layer: list, amsgrad: bool, state_dtype: str) -> int:
+    return sum(state_bytes(p, amsgrad, state_dtype) for _, p in layer)
+
+
+# Prefetch depth from the budget: 3 without one; with one, as many slots of the largest layer's
+# states as fit beside the parameters (and FSDP2's gradients) strata keeps on the GPU, less one,
+# between 1 and 3. Other gradients stay torch's (See Note [Gradients given at each step] in
+# optim/adam.h).
+def auto_depth(plan: list, budget: int | None, amsgrad: bool, state_dtype: str) -> int:
+    if budget is None or not plan:
+        return 3
+    slot = max(layer_state_bytes(layer, amsgrad, state_dtype) for layer in plan)
+    resident = sum(
+        (2 if is_dtensor(p) else 1) * local(p).numel() * local(p).element_size()
+        for layer in plan
+        for _, p in layer
+    )
+    return max(1, min(3, (budget - resident) // max(slot, 1) - 1))
+
+
+# The INFO line of what was chosen, the step placement's line when the policy places steps, and a
+# warning when one layer holds most of the states. `name` is the optimizer's ("AdamW"), `adam` its
+# _strata.Adam, `budget` bytes, "auto" or None; called from the optimizer's constructor (the
+# warning points at its caller).
+def log_choice(
+    name: str,
+    runtime,
+    adam,
+    plan: list,
+    how: str,
+    policy: str | None,
+    budget: int | str | None,
+    depth_from: str,
+    amsgrad: bool,
+    state_dtype: str,
+) -> None:
+    if budget is None:
+        budget = "none"
+    elif not isinstance(budget, str):
+        budget = f"{budget / 2**30:.2f} GiB"
+    sizes = [layer_state_bytes(layer, amsgrad, state_dtype) for layer in plan]
+    total = max(sum(sizes), 1)
+    largest = max(sizes) if sizes else 0
+    source = (
+        "argument" if policy else "STRATA_POLICY" if os.environ.get("STRATA_POLICY") else "default"
+    )
+    _log.info(
+        "strata.optim.%s: policy %s (%s), %d layers from %s, largest layer's states %.1f MiB "
+        "(%.0f%% of %.1f MiB, moments in %s), prefetch depth %d (%s), GPU budget %s, "
+        "overlap %s",
+        name,
+        runtime.policy,
+        source,
+        len(plan),
+        how or "the runtime's binding",
+        largest / 2**20,
+        100 * largest / total,
+        total / 2**20,
+        state_dtype,
+        runtime.prefetch_depth,
+        depth_from,
+        budget,
+        runtime.overlap,
+    )
+    if adam.placement():  # See Note [Step placement] in runtime/policy.h
+        _log.info("strata.optim.%s: %s", name, adam.placement())
+    if len(plan) and largest > total / 4 and total > (64 << 20):
+        warnings.warn(
+            f"strata.optim.{name}: one layer holds {100 * largest / total:.0f}% of the "
+            "optimizer states, and the staging ring keeps that much of them on the GPU; pass "
+            "model= or named_parameters() so that strata finds the blocks, or layer_bytes=",
+            stacklevel=3,
+        )
