@@ -69,11 +69,12 @@ struct AllocatorOptions {
   int cuda_device = 0;
   // Used when the GPU tier is simulated.
   SimulatedDeviceOptions simulated_device = {};
-  // See Note [Pinned upstream] in cuda_backend.cpp: mmap + cudaHostRegister pins and unpins
+  // See Note [Pinned upstream] in pinned_upstream.cpp: mmap + cudaHostRegister pins and unpins
   // faster than cudaHostAlloc, with the same copy bandwidth; bench/results has the run.
   PinnedMethod pinned_method = PinnedMethod::kMmapRegister;
-  // How the GPU tier gets its segments (See Note [Device memory method] in cuda_backend.cpp): by
-  // default virtual memory where supported, so a phase switch's frees overlap its copies.
+  // How the GPU tier gets its segments (See Note [Device memory method] in
+  // cuda_device_upstream.cpp): by default virtual memory where supported, so a phase switch's frees
+  // overlap its copies.
   DeviceMethod device_method = DeviceMethod::kAuto;
   GpuSegments gpu_segments = GpuSegments::kAuto;
   // Cap on each tier's reserved bytes: kNoBudget for none, kMachineBudget (the host tiers'

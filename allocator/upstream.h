@@ -102,14 +102,14 @@ std::unique_ptr<Upstream> make_simulated_pinned_upstream();
 
 // How pinned host memory is obtained. Both are pinned once per segment and pooled by the pool
 // above; which is the default was chosen by measurement (bench/results; See Note [Pinned upstream]
-// in cuda_backend.cpp).
+// in pinned_upstream.cpp).
 enum class PinnedMethod { kCudaHostAlloc, kMmapRegister };
 std::string_view pinned_method_name(PinnedMethod method);
 
-// How GPU memory is obtained (See Note [Device memory method] in cuda_backend.cpp): by CUDA's
-// virtual memory management, whose frees do not wait for the device's other work, or by cudaMalloc,
-// whose cudaFree waits until the whole device is idle. kAuto: virtual memory where the device and
-// driver support it, cudaMalloc otherwise; the environment variable
+// How GPU memory is obtained (See Note [Device memory method] in cuda_device_upstream.cpp): by
+// CUDA's virtual memory management, whose frees do not wait for the device's other work, or by
+// cudaMalloc, whose cudaFree waits until the whole device is idle. kAuto: virtual memory where the
+// device and driver support it, cudaMalloc otherwise; the environment variable
 // STRATA_GPU_MEMORY=virtual|cudamalloc decides kAuto instead (a memory checker's run wants
 // cudaMalloc: block bounds are reported to it only on cudaMalloc'd segments).
 enum class DeviceMethod { kAuto, kVirtualMemory, kCudaMalloc };

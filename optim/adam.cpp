@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "allocator/cuda_status.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "base/units.h"
@@ -471,10 +472,7 @@ absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamS
 #ifdef STRATA_HAS_CUDA
   const cudaError_t err = adam_step_cuda(list.data(), list.size(), scalars, grad_scale, found_inf,
                                          static_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) {
-    return absl::InternalError(str_cat("Adam kernel launch failed: ", cudaGetErrorString(err)));
-  }
-  return absl::OkStatus();
+  return alloc::cuda_status(err, "Adam kernel launch");
 #else
   return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
 #endif

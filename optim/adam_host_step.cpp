@@ -32,6 +32,7 @@
 #include <thread>
 #include <tuple>
 
+#include "allocator/cuda_status.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "optim/adam.h"
@@ -219,10 +220,8 @@ absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float*
       const int n = static_cast<int>(std::min<std::size_t>(kMaxBiasRequests, requests.size() - r));
       err = adam_bias_corrections_cuda(requests.data() + r, n, bias + 2 * r, stream);
     }
-    if (err != cudaSuccess) {
-      return absl::InternalError(str_cat("Adam: reading the step's scalars for the host failed: ",
-                                         cudaGetErrorString(err)));
-    }
+    STRATA_RETURN_IF_ERROR(
+        alloc::cuda_status(err, "Adam: reading the step's scalars for the host"));
 #else
     return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
 #endif

@@ -4,6 +4,7 @@
 #include <array>
 #include <bit>
 
+#include "allocator/cuda_status.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "optim/adam.h"
@@ -163,10 +164,7 @@ absl::StatusOr<std::array<float, 3>> Adam::read_scalars(const std::array<const f
   } else {
 #ifdef STRATA_HAS_CUDA
     const cudaError_t err = adam_read_floats_cuda(p, dst, static_cast<cudaStream_t>(stream));
-    if (err != cudaSuccess) {
-      return absl::InternalError(
-          str_cat("Adam: reading the step's scalars failed: ", cudaGetErrorString(err)));
-    }
+    STRATA_RETURN_IF_ERROR(alloc::cuda_status(err, "Adam: reading the step's scalars"));
 #else
     return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
 #endif

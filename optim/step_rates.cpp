@@ -6,6 +6,7 @@
 #include <functional>
 #include <vector>
 
+#include "allocator/cuda_status.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "optim/adam_kernels.h"
@@ -233,8 +234,7 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
                          static_cast<cudaStream_t>(streams[0]));
       if (err != cudaSuccess) {
         device.release_timed(start);
-        return absl::InternalError(
-            str_cat("measure_step_rates: the GPU Adam kernel failed: ", cudaGetErrorString(err)));
+        return alloc::cuda_status(err, "measure_step_rates: the GPU Adam kernel");
       }
       STRATA_ASSIGN_OR_RETURN(rt::EventHandle end, device.record_timed(streams[0]));
       STRATA_ASSIGN_OR_RETURN(double ms, elapsed(device, start, end));

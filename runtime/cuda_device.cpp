@@ -6,6 +6,7 @@
 
 #include <mutex>
 #include "absl/base/thread_annotations.h"
+#include "allocator/cuda_status.h"
 #include "allocator/upstream.h"
 #include "base/strings.h"
 #include "runtime/device.h"
@@ -19,12 +20,7 @@ namespace strata::rt {
 #ifdef STRATA_HAS_CUDA
 namespace {
 
-absl::Status cuda_status(cudaError_t err, std::string_view what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  return absl::InternalError(
-      str_cat(what, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
-}
+using alloc::cuda_status;
 
 #define STRATA_CUDA_OK_(expr, what)                        \
   do {                                                     \

@@ -13,6 +13,14 @@
 
 namespace strata::rt {
 
+absl::StatusOr<DeviceKind> parse_device_kind(std::string_view name) {
+  if (name == "auto") return DeviceKind::kAuto;
+  if (name == "cuda") return DeviceKind::kCuda;
+  if (name == "simulated") return DeviceKind::kSimulated;
+  return absl::InvalidArgumentError(str_cat(
+      "unknown device '", name, "'; use auto (the GPU if there is one), cuda or simulated"));
+}
+
 absl::StatusOr<std::unique_ptr<Device>> make_device(DeviceKind kind, int cuda_device) {
   switch (kind) {
     case DeviceKind::kSimulated:

@@ -76,6 +76,10 @@ enum class DeviceKind {
   kSimulated,  // also on a machine with a GPU
 };
 
+// "auto", "cuda" or "simulated" (a program's --device flag, strata.Runtime's device argument);
+// anything else is kInvalidArgument naming the three.
+[[nodiscard]] absl::StatusOr<DeviceKind> parse_device_kind(std::string_view name);
+
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Device>> make_device(DeviceKind kind,
                                                                   int cuda_device = 0);
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Device>> make_cuda_device(int cuda_device = 0);

@@ -80,12 +80,11 @@ absl::Status Runtime::offload_all(OffloadOptions options) {
     // order, the order in which the tensors' blocks were carved out of the segments, so one
     // segment's tensors mostly leave together (and the tensors registered first are the first to
     // get pinned memory). On virtual memory the frees do not wait for those copies
-    // (See Note [Device memory method] in allocator/cuda_backend.cpp), so they hide behind the
-    // link; with cudaFree the first free waits for every copy queued, and the rest follow, as if
-    // freed at the end.
-    // A trim walks every block of the pool, so it runs once per sixteenth of the bytes, not once
-    // per tensor (10^4 tensors would make that 10^8 block visits); the frees of the last
-    // sixteenth come after the copies.
+    // (See Note [Device memory method] in allocator/cuda_device_upstream.cpp), so they hide behind
+    // the link; with cudaFree the first free waits for every copy queued, and the rest follow, as
+    // if freed at the end. A trim walks every block of the pool, so it runs once per sixteenth of
+    // the bytes, not once per tensor (10^4 tensors would make that 10^8 block visits); the frees of
+    // the last sixteenth come after the copies.
     std::size_t total = 0;
     for (const Entry* e : moving) total += e->bytes;
     const std::size_t trim_every = total / 16;

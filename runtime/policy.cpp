@@ -2,24 +2,8 @@
 
 #include <cstdlib>
 
-#include "absl/flags/flag.h"
 #include "base/strings.h"
 #include "runtime/runtime.h"
-
-namespace strata::rt {
-
-bool AbslParseFlag(absl::string_view text, PolicyFlag* flag, std::string* error) {
-  flag->name = std::string(text.data(), text.size());
-  return true;
-}
-
-std::string AbslUnparseFlag(const PolicyFlag& flag) { return flag.name.value_or(""); }
-
-}  // namespace strata::rt
-
-ABSL_FLAG(strata::rt::PolicyFlag, strata_policy, strata::rt::PolicyFlag{},
-          "Residency policy of the strata runtime (keep_on_gpu, bulk, layer_prefetch); "
-          "RuntimeOptions::policy wins over it, and it over STRATA_POLICY");
 
 namespace strata::rt {
 
@@ -71,10 +55,9 @@ std::string_view overlap_name(Overlap overlap) {
   return overlap == Overlap::kBackward ? "backward" : "none";
 }
 
-PolicyChoice choose_policy_name(const std::optional<std::string>& option) {
-  if (option.has_value()) return {*option, "RuntimeOptions::policy"};
-  const PolicyFlag flag = absl::GetFlag(FLAGS_strata_policy);
-  if (flag.name.has_value()) return {*flag.name, "--strata_policy"};
+PolicyChoice choose_policy_name(const std::optional<std::string>& given,
+                                std::string_view given_source) {
+  if (given.has_value()) return {*given, std::string(given_source)};
   if (const char* env = std::getenv("STRATA_POLICY")) return {env, "STRATA_POLICY"};
   return {std::string(kDefaultPolicy), "default"};
 }

@@ -9,9 +9,9 @@
 // the whole hook (See Note [Hooks hold the runtime's mutex] in hooks.cpp). The concrete policies
 // live in policies/; this layer only knows their names through a PolicyRegistry.
 //
-// Choosing by name: RuntimeOptions::policy, else the flag --strata_policy, else the environment
-// variable STRATA_POLICY, else kDefaultPolicy. A name that is unknown, or empty where it was given,
-// is kInvalidArgument listing the valid names.
+// Choosing by name: RuntimeOptions::policy (which a program fills from its own flag or argument),
+// else the environment variable STRATA_POLICY, else kDefaultPolicy. A name that is unknown, or
+// empty where it was given, is kInvalidArgument listing the valid names.
 //
 // Example:
 //   PolicyRegistry registry;
@@ -30,7 +30,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "allocator/stats.h"
 #include "allocator/stream_ops.h"
 #include "runtime/step_costs.h"
@@ -224,21 +223,16 @@ class PolicyRegistry {
   std::map<std::string, PolicyFactory, std::less<>> factories_;
 };
 
-// The value of --strata_policy: not given, or the name given (an empty one, `--strata_policy=`,
-// is an error when the runtime is made, as an empty STRATA_POLICY is).
-struct PolicyFlag {
-  std::optional<std::string> name;
-};
-bool AbslParseFlag(absl::string_view text, PolicyFlag* flag, std::string* error);
-std::string AbslUnparseFlag(const PolicyFlag& flag);
-
-// The name to use: `option` if set, else --strata_policy if given, else STRATA_POLICY if set, else
-// kDefaultPolicy. Returns it unchecked (PolicyRegistry::create checks it); `source` says where it
-// came from ("RuntimeOptions::policy", "--strata_policy", "STRATA_POLICY", "default").
+// The name to use: `given` if set, else STRATA_POLICY if set, else kDefaultPolicy. Returns it
+// unchecked (PolicyRegistry::create checks it; an empty name is an error there); `source` says
+// where it came from: `given_source` (a program names its flag or argument, e.g.
+// "--strata_policy"), "STRATA_POLICY" or "default". The runtime reads no flag of its own: flags
+// belong to the binaries.
 struct PolicyChoice {
   std::string name;
   std::string source;
 };
-PolicyChoice choose_policy_name(const std::optional<std::string>& option);
+PolicyChoice choose_policy_name(const std::optional<std::string>& given,
+                                std::string_view given_source = "RuntimeOptions::policy");
 
 }  // namespace strata::rt

@@ -82,7 +82,7 @@ Runtime::~Runtime() = default;
 
 absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
                                                          const PolicyRegistry& policies) {
-  const PolicyChoice choice = choose_policy_name(options.policy);
+  const PolicyChoice choice = choose_policy_name(options.policy, options.policy_source);
   absl::StatusOr<std::unique_ptr<ResidencyPolicy>> policy =
       policies.create(choice.name, options.policy_config);
   if (!policy.ok()) {
@@ -162,6 +162,33 @@ void Runtime::remove_before_optimizer_step(int id) {
 void Runtime::set_compute_stream(StreamHandle stream) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->engine.set_compute(stream);  // nullptr is the legacy default stream, not "unset"
+}
+
+std::vector<std::pair<std::string_view, StatValue>> named_stats(const RuntimeStats& s) {
+  return {{"migrated_bytes_h2d", s.migrated_bytes_h2d},
+          {"migrated_bytes_d2h", s.migrated_bytes_d2h},
+          {"migrated_bytes_h2h", s.migrated_bytes_h2h},
+          {"num_migrations", s.num_migrations},
+          {"failed_migrations", s.failed_migrations},
+          {"h2d_busy_ms", s.h2d_busy_ms},
+          {"d2h_busy_ms", s.d2h_busy_ms},
+          {"timed_bytes_h2d", s.timed_bytes_h2d},
+          {"timed_bytes_d2h", s.timed_bytes_d2h},
+          {"h2d_gbps", s.h2d_gbps()},
+          {"d2h_gbps", s.d2h_gbps()},
+          {"prefetch_hits", s.prefetch_hits},
+          {"prefetch_waits", s.prefetch_waits},
+          {"prefetch_stall_ms", s.prefetch_stall_ns / 1e6},
+          {"host_syncs", s.host_syncs},
+          {"staging_bytes", s.staging_bytes},
+          {"staged_peak_bytes", s.staged_peak_bytes},
+          {"gpu_reserved_bytes", s.gpu_reserved_bytes},
+          {"gpu_reserved_peak_bytes", s.gpu_reserved_peak_bytes},
+          {"gpu_upstream_alloc_ms", s.gpu_upstream_alloc_ns / 1e6},
+          {"gpu_upstream_free_ms", s.gpu_upstream_free_ns / 1e6},
+          {"undo_bytes", s.undo_bytes},
+          {"undo_peak_bytes", s.undo_peak_bytes},
+          {"undo_copied_bytes", s.undo_copied_bytes}};
 }
 
 RuntimeStats Runtime::stats() const {

@@ -63,6 +63,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -78,8 +80,10 @@ inline constexpr std::size_t kBounceChunkBytes = std::size_t{16} << 20;
 inline constexpr int kBounceSlots = 2;
 
 struct RuntimeOptions {
-  // See choose_policy_name: this, else --strata_policy, else STRATA_POLICY, else the default.
+  // See choose_policy_name: this, else STRATA_POLICY, else the default. `policy_source` names
+  // where a program took it from (its flag or argument), for the errors that name the choice.
   std::optional<std::string> policy;
+  std::string policy_source = "RuntimeOptions::policy";
   PolicyConfig policy_config;
   DeviceKind device = DeviceKind::kAuto;
   // Allocator settings (budgets, tracking, pinned method). Its device backend follows `device`.
@@ -135,6 +139,12 @@ struct RuntimeStats {
   double h2d_gbps() const { return h2d_busy_ms > 0 ? timed_bytes_h2d / h2d_busy_ms / 1e6 : 0; }
   double d2h_gbps() const { return d2h_busy_ms > 0 ? timed_bytes_d2h / d2h_busy_ms / 1e6 : 0; }
 };
+
+// Every RuntimeStats figure by name, in one list for whoever reports them (strata.Runtime.stats()
+// is a dict of it): counts and bytes as integers, times in milliseconds ("..._ms"), link rates in
+// GB/s ("..._gbps").
+using StatValue = std::variant<std::int64_t, double>;
+std::vector<std::pair<std::string_view, StatValue>> named_stats(const RuntimeStats& s);
 
 class Runtime {
  public:

@@ -47,12 +47,31 @@
 #include "base/units.h"
 #include "optim/state_decl.h"
 #include "policies/builtin.h"
+#include "runtime/device.h"
 #include "runtime/policy.h"
 
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
+namespace strata::apps {
+
+// The value of --strata_policy: not given, or the name given (an empty one, `--strata_policy=`,
+// is bad usage, as an empty STRATA_POLICY is).
+struct PolicyFlag {
+  std::optional<std::string> name;
+};
+bool AbslParseFlag(absl::string_view text, PolicyFlag* flag, std::string* /*error*/) {
+  flag->name = std::string(text);
+  return true;
+}
+std::string AbslUnparseFlag(const PolicyFlag& flag) { return flag.name.value_or(""); }
+
+}  // namespace strata::apps
+
+ABSL_FLAG(strata::apps::PolicyFlag, strata_policy, strata::apps::PolicyFlag{},
+          "residency policy of the strata runtime (keep_on_gpu, bulk, layer_prefetch, hybrid); "
+          "else STRATA_POLICY, else layer_prefetch");
 ABSL_FLAG(std::string, strata_gpu_budget, "",
           "GPU memory strata may use for model state, e.g. 8GiB (default: no limit)");
 ABSL_FLAG(std::string, strata_gpu_memory, "auto",
@@ -187,10 +206,10 @@ int run(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "trains a GPT-style decoder under a strata residency policy; see apps/train/main.cpp");
   // --help lists the flags of the file named like the program by default; strata-train's live in
-  // this file (main.cpp), and the policy flag in runtime/.
+  // this file (main.cpp).
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "apps/train/") || absl::StrContains(file, "runtime/");
+    return absl::StrContains(file, "apps/train/");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
@@ -273,16 +292,12 @@ int run(int argc, char** argv) {
   setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
 
-  const std::string device_flag = absl::GetFlag(FLAGS_device);
-  if (device_flag == "cuda") {
-    if (!gpu_present()) return usage_error("--device=cuda, but no GPU is visible");
-    o.cuda = true;
-  } else if (device_flag == "auto") {
-    o.cuda = gpu_present();
-  } else if (device_flag != "simulated") {
-    return usage_error(
-        str_cat("--device must be auto, cuda or simulated, not '", device_flag, "'"));
+  absl::StatusOr<rt::DeviceKind> device = rt::parse_device_kind(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) return usage_error(str_cat("--device: ", device.status().message()));
+  if (*device == rt::DeviceKind::kCuda && !gpu_present()) {
+    return usage_error("--device=cuda, but no GPU is visible");
   }
+  o.cuda = *device == rt::DeviceKind::kCuda || (*device == rt::DeviceKind::kAuto && gpu_present());
 
   absl::StatusOr<rt::RoleSet> roles = rt::RoleSet::parse(absl::GetFlag(FLAGS_strata_roles));
   if (!roles.ok()) return usage_error(str_cat("--strata_roles: ", roles.status().message()));
@@ -327,7 +342,8 @@ int run(int argc, char** argv) {
   }
 
   // The policy: checked here, before any model is built, so a typo costs nothing.
-  const rt::PolicyChoice choice = rt::choose_policy_name(std::nullopt);
+  const rt::PolicyChoice choice =
+      rt::choose_policy_name(absl::GetFlag(FLAGS_strata_policy).name, "--strata_policy");
   const std::vector<std::string> policies = policy::builtin_policies().names();
   if (std::find(policies.begin(), policies.end(), choice.name) == policies.end()) {
     std::string valid;

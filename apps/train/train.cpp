@@ -23,6 +23,7 @@
 #include "policies/builtin.h"
 #include "runtime/copy_trace.h"
 #include "runtime/runtime.h"
+#include "runtime/setup.h"
 
 #ifdef STRATA_HAS_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -147,21 +148,17 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     overlap = rt::Overlap::kBackward;
   }
   const bool overlapped = overlap == rt::Overlap::kBackward;
-  rt::RuntimeOptions ro;
-  ro.policy = policy;
-  ro.policy_config.overlap = overlap;
-  ro.policy_config.undo_on_gpu = o.undo_on_gpu;
-  ro.policy_config.prefetch_depth = o.prefetch_depth;
-  ro.policy_config.roles = o.roles;
-  if (policy == "hybrid") {
-    ro.policy_config.hybrid_fraction = o.hybrid_fraction;
-  }
-  // bulk: the states go to host memory after every step and come back before the next one.
-  ro.policy_config.offload_after_step = true;
-  ro.device = o.cuda ? rt::DeviceKind::kCuda : rt::DeviceKind::kSimulated;
-  ro.allocator.track_allocations = true;  // for the leak report
-  ro.allocator.budgets[alloc::tier_index(rt::Tier::kGpu)] = o.gpu_budget;
-  ro.allocator.device_method = o.gpu_memory;
+  rt::ProgramSetup setup;
+  setup.policy = policy;
+  setup.device = o.cuda ? rt::DeviceKind::kCuda : rt::DeviceKind::kSimulated;
+  setup.prefetch_depth = o.prefetch_depth;
+  setup.roles = o.roles;
+  setup.overlap = overlap;
+  setup.undo_on_gpu = o.undo_on_gpu;
+  if (policy == "hybrid") setup.hybrid_fraction = o.hybrid_fraction;
+  setup.gpu_budget = o.gpu_budget;
+  setup.gpu_memory = o.gpu_memory;
+  rt::RuntimeOptions ro = rt::runtime_options(setup);
   // STRATA_TRACE_DIR: the last step's copies, and where each layer's backward ended, go to
   // DIR/<run>.csv (runtime/copy_trace.h), for a plot of the link against backward's layers.
   const char* trace_env = std::getenv("STRATA_TRACE_DIR");

@@ -44,7 +44,7 @@ struct TrainOptions {
   std::size_t gpu_budget = static_cast<std::size_t>(-1);  // strata's GPU tier; unlimited
   int prefetch_depth = 1;                                 // layer_prefetch's K
   // How strata's GPU tier gets its memory (See Note [Device memory method] in
-  // allocator/cuda_backend.cpp).
+  // allocator/cuda_device_upstream.cpp).
   alloc::DeviceMethod gpu_memory = alloc::DeviceMethod::kAuto;
   // What bulk moves and layer_prefetch streams; with parameters and gradients too, a model larger
   // than the GPU budget trains (See Note [Bulk over budget] in policies/bulk.cpp).

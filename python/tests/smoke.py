@@ -6,14 +6,16 @@ import torch
 from strata import _strata
 
 print("imported", flush=True)
-sim = _strata.Runtime(None, None, 1, "all", "simulated", None, "none", False)
+KW = dict(policy=None, gpu_budget=None, prefetch_depth=1, roles="all", pinned_budget=None)
+KW.update(overlap="none", undo_on_gpu=False, hybrid_fraction=None)
+sim = _strata.Runtime(device="simulated", **KW)
 t = torch.zeros(4)
 print("simulated runtime, CPU tensor bound:", sim.is_bound(t), flush=True)
 sim.register(t, "t", 0, "parameter", "gpu")
 print("registered on the simulated runtime:", sim.is_bound(t), flush=True)
 sim.unregister(t, True)
 if torch.cuda.is_available():
-    rt = _strata.Runtime(None, None, 1, "all", "cuda", None, "none", False)
+    rt = _strata.Runtime(device="cuda", **KW)
     print("CUDA runtime made, policy", rt.policy(), flush=True)
     print("CUDA runtime, CPU tensor bound:", rt.is_bound(t), flush=True)
     c = torch.zeros(4, device="cuda")

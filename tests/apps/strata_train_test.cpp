@@ -384,7 +384,9 @@ TEST(StrataTrainTest, ErrorsSayWhatIsWrongWithTheirExitCodes) {
        {"strata-train: --json: the folder of '/nonexistent/folder/out.json' does not exist"}},
       {"--chart=/tmp", 2, {"strata-train: --chart: '/tmp' is a directory"}},
       {"--heads=3", 2, {"--heads (3) must divide --d_model (128)"}},
-      {"--device=tpu", 2, {"--device must be auto, cuda or simulated, not 'tpu'"}},
+      {"--device=tpu",
+       2,
+       {"--device: unknown device 'tpu'; use auto (the GPU if there is one), cuda or simulated"}},
   };
   for (const Case& c : cases) {
     Outcome o = run_train(c.args);

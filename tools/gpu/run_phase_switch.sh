@@ -31,7 +31,7 @@ run layer_prefetch-switched --strata_policy=layer_prefetch --strata_roles=all \
 run layer_prefetch-plain --strata_policy=layer_prefetch --strata_roles=all \
   --strata_gpu_budget=8GiB --steps=6
 # The same switches with cudaMalloc'd segments, whose cudaFree waits for every copy in flight
-# (Note [Device memory method] in allocator/cuda_backend.cpp): the frees cannot hide.
+# (Note [Device memory method] in allocator/cuda_device_upstream.cpp): the frees cannot hide.
 run layer_prefetch-switched-cudamalloc --strata_policy=layer_prefetch --strata_roles=all \
   --strata_gpu_budget=8GiB --steps=6 --phase_switch_every=2 --strata_gpu_memory=cudamalloc
 python3 - "$OUT" <<'PY'

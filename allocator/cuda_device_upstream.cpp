@@ -1,17 +1,16 @@
-// The CUDA pieces of the allocator: the device and pinned upstreams and the event-based StreamOps.
-// Built with the CUDA runtime when STRATA_HAS_CUDA is defined; otherwise each factory reports
-// kUnavailable, so the same library links on machines without a CUDA toolkit.
-#include <sys/mman.h>
-
-#include <cerrno>
-#include <cstdio>
+// allocator/cuda_device_upstream.cpp: GPU memory for the GPU tier's pool, by CUDA virtual memory
+// management or by cudaMalloc (See Note [Device memory method]), each segment an NVTX heap so that
+// memory checkers see the pool's blocks. Built with the CUDA runtime when STRATA_HAS_CUDA is
+// defined; otherwise the factory reports kUnavailable, so the library links without a CUDA toolkit.
+//
+// Example:
+//   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Upstream> gpu,
+//                           make_cuda_device_upstream(0, DeviceMethod::kAuto));
 #include <cstdlib>
-#include <cstring>
-#include <vector>
-
 #include <mutex>
+
 #include "absl/base/thread_annotations.h"
-#include "allocator/stream_ops.h"
+#include "allocator/cuda_status.h"
 #include "allocator/upstream.h"
 #include "base/status.h"
 #include "base/strings.h"
@@ -30,10 +29,6 @@ namespace strata::alloc {
 
 #ifdef STRATA_HAS_CUDA
 namespace {
-
-std::string cuda_error_text(cudaError_t err) {
-  return str_cat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));
-}
 
 // Makes `device` current for the scope; CUDA calls that allocate act on the current device.
 class DeviceGuard {
@@ -388,166 +383,11 @@ class CudaVmmDeviceUpstream final : public CudaDeviceUpstream {
   absl::flat_hash_map<void*, Mapping> mapped_ ABSL_GUARDED_BY(mu_);
 };
 
-// Note [Pinned upstream]
-// ~~~~~~~~~~~~~~~~~~~~~~
-// Two ways to get page-locked host memory. cudaHostAlloc asks the driver for it in one call; mmap +
-// cudaHostRegister maps ordinary pages first and pins them after. Both make memory that copies at
-// full link speed; they differ in how long pinning takes, which matters for the first cycle only
-// because the pool keeps pinned segments forever. bench/allocator_bench measures both
-// (BM_PinnedUpstream) and the default in AllocatorOptions follows the numbers.
-class PinnedHostUpstream final : public Upstream {
- public:
-  explicit PinnedHostUpstream(PinnedMethod method) : method_(method) {
-    name_ = str_cat("pinned_host(", pinned_method_name(method), ")");
-  }
-  std::string_view name() const override { return name_; }
-
-  absl::StatusOr<void*> allocate(std::size_t bytes) override {
-    if (method_ == PinnedMethod::kCudaHostAlloc) {
-      void* p = nullptr;
-      const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        return absl::ResourceExhaustedError(
-            str_cat("cudaHostAlloc of ", format_bytes(bytes), " failed: ", cuda_error_text(err)));
-      }
-      return p;
-    }
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-      const int e = errno;
-      return absl::ResourceExhaustedError(
-          str_cat("mmap of ", format_bytes(bytes), " for pinning failed: ", std::strerror(e)));
-    }
-    const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      munmap(p, bytes);
-      return absl::ResourceExhaustedError(
-          str_cat("cudaHostRegister of ", format_bytes(bytes), " failed: ", cuda_error_text(err)));
-    }
-    return p;
-  }
-
-  absl::Status deallocate(void* ptr, std::size_t bytes) override {
-    if (method_ == PinnedMethod::kCudaHostAlloc) {
-      const cudaError_t err = cudaFreeHost(ptr);
-      if (err != cudaSuccess && err != cudaErrorCudartUnloading) {
-        return absl::InternalError(
-            str_cat("cudaFreeHost(", ptr, ") failed: ", cuda_error_text(err)));
-      }
-      return absl::OkStatus();
-    }
-    const cudaError_t err = cudaHostUnregister(ptr);
-    if (err != cudaSuccess && err != cudaErrorCudartUnloading) {
-      return absl::InternalError(
-          str_cat("cudaHostUnregister(", ptr, ") failed: ", cuda_error_text(err)));
-    }
-    if (munmap(ptr, bytes) != 0) {
-      const int e = errno;
-      return absl::InternalError(str_cat("munmap of pinned segment failed: ", std::strerror(e)));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  const PinnedMethod method_;
-  std::string name_;
-};
-
-// Events are created once (timing disabled: cheaper to record and query) and recycled, so steady
-// state makes no cudaEventCreate calls.
-class CudaStreamOps final : public StreamOps {
- public:
-  ~CudaStreamOps() override {
-    // See Note [Stream ordering], rule 5: tolerate a runtime that is unloading at exit.
-    for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);
-  }
-
-  absl::StatusOr<EventHandle> record(StreamHandle stream) override {
-    cudaEvent_t event = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!free_.empty()) {
-        event = free_.back();
-        free_.pop_back();
-      }
-    }
-    if (event == nullptr) {
-      const cudaError_t err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        return absl::InternalError(str_cat("cudaEventCreate failed: ", cuda_error_text(err)));
-      }
-    }
-    const cudaError_t err = cudaEventRecord(event, static_cast<cudaStream_t>(stream));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      release(event);
-      return absl::InternalError(
-          str_cat("cudaEventRecord on stream ", stream, " failed: ", cuda_error_text(err)));
-    }
-    return static_cast<EventHandle>(event);
-  }
-
-  absl::StatusOr<bool> query(EventHandle event) override {
-    const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
-    if (err == cudaSuccess) return true;
-    (void)cudaGetLastError();
-    if (err == cudaErrorNotReady) return false;
-    return absl::InternalError(str_cat("cudaEventQuery failed: ", cuda_error_text(err)));
-  }
-
-  absl::Status synchronize(EventHandle event) override {
-    const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return absl::InternalError(str_cat("cudaEventSynchronize failed: ", cuda_error_text(err)));
-    }
-    return absl::OkStatus();
-  }
-
-  void release(EventHandle event) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(static_cast<cudaEvent_t>(event));
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<cudaEvent_t> free_ ABSL_GUARDED_BY(mu_);
-};
-
-absl::Status require_gpu(int device) {
-  const int count = cuda_device_count();
-  if (count == 0) return absl::UnavailableError("no CUDA device is visible");
-  if (device < 0 || device >= count) {
-    return absl::InvalidArgumentError(
-        str_cat("CUDA device ", device, " does not exist; ", count, " visible"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
-
-int cuda_device_count() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
-
-std::string cuda_device_name(int device) {
-  if (cuda_device_count() <= device) return "none";
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "unknown";
-  return prop.name;
-}
 
 absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(int device,
                                                                     DeviceMethod method) {
-  if (absl::Status s = require_gpu(device); !s.ok()) return s;
+  if (absl::Status s = require_cuda_device(device); !s.ok()) return s;
   if (method == DeviceMethod::kAuto) {
     if (const char* env = std::getenv("STRATA_GPU_MEMORY"); env != nullptr && *env != '\0') {
       absl::StatusOr<DeviceMethod> chosen = parse_device_method(env);
@@ -579,34 +419,12 @@ absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(int device,
   return std::unique_ptr<Upstream>(new CudaVmmDeviceUpstream(device, granularity));
 }
 
-absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod method) {
-  if (absl::Status s = require_gpu(0); !s.ok()) return s;
-  return std::unique_ptr<Upstream>(new PinnedHostUpstream(method));
-}
-
-absl::StatusOr<std::shared_ptr<StreamOps>> make_cuda_stream_ops() {
-  if (absl::Status s = require_gpu(0); !s.ok()) return s;
-  return std::shared_ptr<StreamOps>(new CudaStreamOps());
-}
-
 #else  // !STRATA_HAS_CUDA
 
-namespace {
-absl::Status no_cuda() {
-  return absl::UnavailableError("strata was built without CUDA (STRATA_WITH_CUDA=OFF)");
-}
-}  // namespace
-
-int cuda_device_count() { return 0; }
-std::string cuda_device_name(int /*device*/) { return "none"; }
 absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(int /*device*/,
                                                                     DeviceMethod /*method*/) {
   return no_cuda();
 }
-absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod /*method*/) {
-  return no_cuda();
-}
-absl::StatusOr<std::shared_ptr<StreamOps>> make_cuda_stream_ops() { return no_cuda(); }
 
 #endif  // STRATA_HAS_CUDA
 

@@ -1,0 +1,57 @@
+#include "allocator/cuda_status.h"
+
+#include "allocator/upstream.h"
+#include "base/strings.h"
+
+namespace strata::alloc {
+
+#ifdef STRATA_HAS_CUDA
+
+std::string cuda_error_text(cudaError_t err) {
+  return str_cat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+}
+
+absl::Status cuda_status(cudaError_t err, std::string_view what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
+  return absl::InternalError(str_cat(what, " failed: ", cuda_error_text(err)));
+}
+
+int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+std::string cuda_device_name(int device) {
+  if (cuda_device_count() <= device) return "none";
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "unknown";
+  return prop.name;
+}
+
+absl::Status require_cuda_device(int device) {
+  const int count = cuda_device_count();
+  if (count == 0) return absl::UnavailableError("no CUDA device is visible");
+  if (device < 0 || device >= count) {
+    return absl::InvalidArgumentError(
+        str_cat("CUDA device ", device, " does not exist; ", count, " visible"));
+  }
+  return absl::OkStatus();
+}
+
+#else  // !STRATA_HAS_CUDA
+
+int cuda_device_count() { return 0; }
+std::string cuda_device_name(int /*device*/) { return "none"; }
+
+#endif  // STRATA_HAS_CUDA
+
+absl::Status no_cuda() {
+  return absl::UnavailableError("strata was built without CUDA (STRATA_WITH_CUDA=OFF)");
+}
+
+}  // namespace strata::alloc

@@ -1,0 +1,39 @@
+// allocator/cuda_status.h: the CUDA runtime as every layer that calls it sees it: its errors as an
+// absl::Status, written once (the allocator's upstreams and events, the runtime's device, the
+// optimizer's kernels, the benchmarks), and whether a device is there to use.
+//
+// Example:
+//   STRATA_RETURN_IF_ERROR(alloc::require_cuda_device(0));
+//   STRATA_RETURN_IF_ERROR(alloc::cuda_status(cudaStreamSynchronize(s), "cudaStreamSynchronize"));
+//   // on failure: "cudaStreamSynchronize failed: cudaErrorIllegalAddress: an illegal memory ..."
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+
+#ifdef STRATA_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace strata::alloc {
+
+#ifdef STRATA_HAS_CUDA
+// "cudaErrorName: what the runtime says of it".
+std::string cuda_error_text(cudaError_t err);
+
+// Ok for cudaSuccess; otherwise kInternal "<what> failed: <cuda_error_text>". Clears the runtime's
+// last error, so that the next call does not report this one again (a sticky error, which ruins
+// the context, is reported by every later call anyway).
+absl::Status cuda_status(cudaError_t err, std::string_view what);
+
+// Ok when CUDA device `device` is visible; kUnavailable when none is, kInvalidArgument when that
+// one does not exist.
+absl::Status require_cuda_device(int device);
+#endif
+
+// kUnavailable: strata was built without CUDA (what the CUDA factories return then).
+absl::Status no_cuda();
+
+}  // namespace strata::alloc
