@@ -20,6 +20,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
   strata_int8, strata_bf16, strata_tuned_int8
                   strata and strata_tuned with state_dtype="int8" or "bfloat16": the moments
                   stored and streamed compressed (See Note [Compressed moments])
+  NAME:dK         a strata_tuned approach with prefetch_depth=K instead of 3, e.g.
+                  strata_tuned_int8:d12
   torchao_8bit    torchao's AdamW8bit, every state on the GPU (its 8-bit moments are GPU
                   tensors; it does not offload)
   deepspeed       DeepSpeed ZeRO-Offload as its users configure it: ZeRO stage 2 with
@@ -218,7 +220,7 @@ def one_run(args):
                 model.parameters(),
                 lr=1e-4,
                 model=model,
-                prefetch_depth=3,
+                prefetch_depth=args.tuned_depth,
                 overlap="backward",
                 max_grad_norm=1.0,
                 state_dtype="int8" if args.one == "strata_tuned_int8" else "float32",
@@ -315,6 +317,7 @@ def driver(args):
                     results.append({"approach": approach, "batch": batch, "error": err})
                     continue
                 res = json.loads(line[-1][len("RESULT ") :])
+                res["approach"] = approach  # with its :dK, if any
                 res["round"] = r
                 results.append(res)
                 print(
@@ -372,6 +375,10 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.one:
+        args.one, _, depth = args.one.partition(":d")
+        args.tuned_depth = int(depth) if depth else 3
+        if depth and not args.one.startswith("strata_tuned"):
+            raise SystemExit(f"--one {args.one}:d{depth}: only strata_tuned approaches take :dK")
         one_run(args)
     else:
         driver(args)
