@@ -13,13 +13,15 @@ constexpr int kMaxTensors = 24;
 // (tools/gpu/probes/hbm_mix.cu; the figures are in bench/results).
 constexpr int kMaxBlocks = 2048;
 // Elements per block, by how the moments are stored: float32's loop is four elements a thread with
-// float4 loads; the compressed loops do less a thread a round (int8's rounds wait at two barriers),
-// so their blocks are smaller and more of them fill the GPU. Multiples of 4 keep float4 aligned,
-// and of kStateBlock keep int8 blocks of moments whole.
+// float4 loads; the compressed loops do more work an element, so their blocks are smaller and more
+// of them fill the GPU. Multiples of 4 keep float4 aligned; int8's is two blocks of moments for
+// each of a CUDA block's warps.
 constexpr std::int64_t chunk_of(StateType moments) {
-  return moments == StateType::kF32 ? 65536 : (moments == StateType::kBF16 ? 16384 : 4096);
+  return moments == StateType::kF32 ? 65536 : (moments == StateType::kBF16 ? 16384 : 8192);
 }
 constexpr int kThreads = 512;
+static_assert(chunk_of(StateType::kI8) % (kThreads / 32 * kStateBlock) == 0,
+              "an int8 chunk is whole blocks of moments for every warp");
 
 // Passed by value: 12 KB, under the 32 KB kernel-argument limit of CUDA 12.1 and later (drivers
 // from r530) on Volta and newer.
@@ -124,70 +126,60 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t begin = static_cast<std::int64_t>(meta.block_chunk[blockIdx.x]) * kChunk;
   const std::int64_t end = begin + kChunk < x.numel ? begin + kChunk : x.numel;
   if constexpr (S == StateType::kI8) {
-    // A thread an element, two blocks of moments (256 threads each) at a time: one element's
-    // registers a thread, so that many blocks are in flight (See Note [Compressed moments] in
-    // state_codec.h). A block's absmax: each warp's by shuffles, then its 8 warps' from shared
-    // memory by the block's first thread, with the reciprocals the encoders multiply by. The
-    // chunk is a whole number of blocks; every thread takes part in every round, those past the
-    // tensor's end with zeros. block_scale is read before the next round's first barrier, and
-    // written after it.
-    constexpr int kWarpsPerBlock = kStateBlock / 32;
-    __shared__ float warp_max[kThreads / 32][2];
-    __shared__ float block_scale[kThreads / kStateBlock][4];  // absmax and reciprocal, m then v
+    // A warp a block of moments (kStateBlock elements, kPerLane a lane at lane + 32 k, so that
+    // each load of the warp reads consecutive elements): the block's absmax is the warp's, by
+    // shuffles, with no barrier and no shared memory; the warps of a CUDA block take the chunk's
+    // blocks in turn. Past the tensor's end a lane steps nothing and writes the padding's zero
+    // codes (See Note [Compressed moments] in state_codec.h).
+    constexpr int kPerLane = kStateBlock / 32;
+    constexpr int kWarps = kThreads / 32;
     const int lane = static_cast<int>(threadIdx.x) & 31;
     const int warp = static_cast<int>(threadIdx.x) >> 5;
-    const int half = static_cast<int>(threadIdx.x) / kStateBlock;  // which block of the two
+    auto* codes_m = static_cast<std::uint8_t*>(x.exp_avg);
+    auto* codes_v = static_cast<std::uint8_t*>(x.exp_avg_sq);
     float* scales_m = int8_scales(x.exp_avg, x.numel);
     float* scales_v = int8_scales(x.exp_avg_sq, x.numel);
-    for (std::int64_t base = begin; base < end; base += kThreads) {
-      const std::int64_t b0 = base + half * kStateBlock;
-      const std::int64_t i = base + threadIdx.x;
-      const bool block_in = b0 < end;
-      const bool in = i < x.numel;
-      float m = 0.0f, v = 0.0f;
-      if (in) {
-        const std::int64_t block = b0 / kStateBlock;
-        m = decode_exp_avg(static_cast<const std::uint8_t*>(x.exp_avg)[i]) * scales_m[block];
-        v = decode_exp_avg_sq(static_cast<const std::uint8_t*>(x.exp_avg_sq)[i]) * scales_v[block];
-        float p = x.master != nullptr ? x.master[i] : load_elem(x.param, x.param_type, i);
-        adam_element(p, load_elem(x.grad, x.grad_type, i), m, v, nullptr, s, inv);
-        if (x.master != nullptr) x.master[i] = p;
-        store_elem(x.param, x.param_type, i, p);
+    for (std::int64_t b0 = begin + warp * kStateBlock; b0 < end; b0 += kWarps * kStateBlock) {
+      const std::int64_t block = b0 / kStateBlock;
+      const float scale_m = scales_m[block];
+      const float scale_v = scales_v[block];
+      float m[kPerLane], v[kPerLane];
+      float am = 0.0f, av = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const std::int64_t i = b0 + k * 32 + lane;
+        m[k] = 0.0f;
+        v[k] = 0.0f;
+        if (i < x.numel) {
+          m[k] = decode_exp_avg(codes_m[i]) * scale_m;
+          v[k] = decode_exp_avg_sq(codes_v[i]) * scale_v;
+          float p = x.master != nullptr ? x.master[i] : load_elem(x.param, x.param_type, i);
+          adam_element(p, load_elem(x.grad, x.grad_type, i), m[k], v[k], nullptr, s, inv);
+          if (x.master != nullptr) x.master[i] = p;
+          store_elem(x.param, x.param_type, i, p);
+        }
+        am = absmax_of(am, m[k]);
+        av = absmax_of(av, v[k]);
       }
-      float am = fabsf(m), av = fabsf(v);
       for (int offset = 16; offset > 0; offset >>= 1) {
         am = absmax_of(am, __shfl_xor_sync(0xffffffffu, am, offset));
         av = absmax_of(av, __shfl_xor_sync(0xffffffffu, av, offset));
       }
-      if (lane == 0) {
-        warp_max[warp][0] = am;
-        warp_max[warp][1] = av;
-      }
-      __syncthreads();
-      // The block's first thread takes its 8 warps' maxima and the reciprocals, once a block.
-      if (threadIdx.x % kStateBlock == 0) {
-        am = 0.0f;
-        av = 0.0f;
-        for (int w = half * kWarpsPerBlock; w < (half + 1) * kWarpsPerBlock; ++w) {
-          am = absmax_of(am, warp_max[w][0]);
-          av = absmax_of(av, warp_max[w][1]);
+      const float inverse_m = inverse_scale(am);
+      const float inverse_v = inverse_scale(av);
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const std::int64_t i = b0 + k * 32 + lane;
+        if (i < x.numel) {
+          encode_int8_moments(x, i, settled_t, m[k], v[k], inverse_m, inverse_v);
+        } else {  // the last block's padding
+          codes_m[i] = 0;
+          codes_v[i] = 0;
         }
-        block_scale[half][0] = am;
-        block_scale[half][1] = av;
-        block_scale[half][2] = inverse_scale(am);
-        block_scale[half][3] = inverse_scale(av);
       }
-      __syncthreads();
-      if (!block_in) continue;
-      if (in) {
-        encode_int8_moments(x, i, settled_t, m, v, block_scale[half][2], block_scale[half][3]);
-      } else {  // the last block's padding
-        static_cast<std::uint8_t*>(x.exp_avg)[i] = 0;
-        static_cast<std::uint8_t*>(x.exp_avg_sq)[i] = 0;
-      }
-      if (threadIdx.x % kStateBlock == 0) {
-        scales_m[b0 / kStateBlock] = block_scale[half][0];
-        scales_v[b0 / kStateBlock] = block_scale[half][1];
+      if (lane == 0) {
+        scales_m[block] = am;
+        scales_v[block] = av;
       }
     }
     return;

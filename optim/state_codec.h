@@ -14,8 +14,9 @@
 //     element is stored as 1 and the others relative to it (multiplied by the absmax's reciprocal,
 //     one division a block; the largest comes out within an ulp of 1 and rounds to it). 256 keeps
 //     an outlier from crushing more than one row piece of a weight matrix, and costs 1.6% in
-//     scales; it is also eight GPU warps, so a block's absmax takes two short reductions (shuffles,
-//     then shared memory), and a multiple of 16, so host threads split tensors on cache lines.
+//     scales; it is also eight elements for each lane of a GPU warp, so a block's absmax is a
+//     warp's reduction by shuffles, and a multiple of 16, so host threads split tensors on cache
+//     lines.
 //   - The int8 map is a small float of the value divided by its block's absmax (a number in
 //     [0, 1]): exp_avg, which is signed, takes a sign bit and 4 exponent and 3 mantissa bits
 //     (2^-17 to 1); exp_avg_sq, never negative, takes 5 exponent and 3 mantissa bits (2^-33 to 1,
