@@ -260,6 +260,22 @@ def one_run(args):
             losses.append(step())
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        if args.profile:  # a few more steps under torch.profiler, after the timed ones
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=acts) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+            with open(
+                os.path.join(
+                    args.profile, f"profile-{args.one}-d{args.tuned_depth}-b{args.batch}.txt"
+                ),
+                "w",
+            ) as f:
+                f.write(f"3 steps of {args.one}, batch {args.batch}\n{table}\n")
     out = {
         "approach": args.one,
         "batch": args.batch,
@@ -373,6 +389,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--profile", default=None, help="--one: write 3 more steps' torch.profiler table here"
+    )
     args = ap.parse_args()
     if args.one:
         args.one, _, depth = args.one.partition(":d")
