@@ -177,8 +177,26 @@ absl::Status MigrationEngine::bounce_copy(Entry& e, const Location& dst) {
   return absl::OkStatus();
 }
 
+// A move is four steps: check that the tensor may move, find where it goes (allocating a block
+// unless the caller gave one), queue the copy (through the pinned bounce buffers when either side
+// is pageable, else on the copy stream of its direction), and mark the tensor in flight. A step
+// that fails gives back what the earlier ones took (fail_move) and leaves the tensor where it was.
 absl::Status MigrationEngine::migrate(Entry& e, Tier dst_tier, void* dst_ptr, int slot,
                                       const std::vector<EventHandle>& wait_first) {
+  STRATA_RETURN_IF_ERROR(check_movable(e));
+  if (e.loc.tier == dst_tier && slot < 0 && e.loc.slot < 0 && dst_ptr == nullptr) {
+    return absl::OkStatus();
+  }
+  if (e.bytes == 0) {
+    e.loc = {dst_tier, nullptr, slot};
+    return absl::OkStatus();
+  }
+  STRATA_ASSIGN_OR_RETURN(const Destination dst, destination(e, {dst_tier, dst_ptr, slot}));
+  const bool pageable = e.loc.tier == Tier::kPageableHost || dst_tier == Tier::kPageableHost;
+  return pageable ? copy_through_bounce(e, dst, wait_first) : copy_on_stream(e, dst, wait_first);
+}
+
+absl::Status MigrationEngine::check_movable(const Entry& e) const {
   if (e.holds > 0) {
     return absl::FailedPreconditionError(str_cat("tensor '", e.spec.name, "' is held by ", e.holds,
                                                  " acquire(s); release it before moving it"));
@@ -187,97 +205,103 @@ absl::Status MigrationEngine::migrate(Entry& e, Tier dst_tier, void* dst_ptr, in
     return absl::FailedPreconditionError(
         str_cat("tensor '", e.spec.name, "' is already moving to ", tier_name(e.dst.tier)));
   }
-  if (e.loc.tier == dst_tier && slot < 0 && e.loc.slot < 0 && dst_ptr == nullptr) {
-    return absl::OkStatus();
-  }
-  if (e.bytes == 0) {
-    e.loc = {dst_tier, nullptr, slot};
-    return absl::OkStatus();
-  }
-  Location dst{dst_tier, dst_ptr, slot};
-  const bool to_gpu = is_gpu(dst_tier);
-  StreamHandle stream = to_gpu ? h2d_ : d2h_;
-  const bool allocated = dst.ptr == nullptr;
-  if (allocated) {
-    // Note [Runtime blocks are stream-agnostic]
-    // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    // The runtime frees a block only after the copies and compute that used it are known complete
-    // (finish) or hands it back with record_stream, so its blocks need no per-stream pool: one pool
-    // per tier, reused by any copy.
-    absl::StatusOr<void*> block =
-        allocator_.allocate(dst_tier, e.bytes, {.stream = nullptr, .owner = e.spec.name});
-    if (!block.ok()) {
-      ++stats_.failed_migrations;
-      return absl::Status(block.status().code(),
-                          str_cat("moving '", e.spec.name, "' to ", tier_name(dst_tier), ": ",
-                                  block.status().message()));
-    }
-    dst.ptr = *block;
-  }
-  // `queued`: a copy into dst may have been queued and still run, so dst is freed only once the
-  // copy stream is past it.
-  auto undo = [&](const absl::Status& s, bool queued) {
+  return absl::OkStatus();
+}
+
+// Note [Runtime blocks are stream-agnostic]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The runtime frees a block only after the copies and compute that used it are known complete
+// (finish) or hands it back with record_stream, so its blocks need no per-stream pool: one pool
+// per tier, reused by any copy.
+absl::StatusOr<MigrationEngine::Destination> MigrationEngine::destination(const Entry& e,
+                                                                          Location loc) {
+  Destination dst{loc, loc.ptr == nullptr, is_gpu(loc.tier) ? h2d_ : d2h_};
+  if (!dst.allocated) return dst;
+  absl::StatusOr<void*> block =
+      allocator_.allocate(loc.tier, e.bytes, {.stream = nullptr, .owner = e.spec.name});
+  if (!block.ok()) {
     ++stats_.failed_migrations;
-    if (allocated) {
-      if (queued) {
-        free_after(dst_tier, dst.ptr, {stream});
-      } else {
-        (void)allocator_.deallocate(dst_tier, dst.ptr);
-      }
-    }
-    return absl::Status(s.code(),
-                        str_cat("moving '", e.spec.name, "' to ", tier_name(dst_tier),
-                                " failed; it stays on ", tier_name(e.loc.tier), ": ", s.message()));
-  };
-
-  const bool pageable = e.loc.tier == Tier::kPageableHost || dst_tier == Tier::kPageableHost;
-  if (pageable) {
-    for (EventHandle w : wait_first) {
-      absl::Status s = device_->synchronize(w);
-      if (!s.ok()) return undo(s, false);
-    }
-    absl::Status s = bounce_copy(e, dst);
-    if (!s.ok()) return undo(s, to_gpu);
-    // Done on the host's side; an H2D tail may still be in the stream, so complete by event.
-    absl::StatusOr<EventHandle> arrival = device_->record(stream);
-    if (!arrival.ok()) return undo(arrival.status(), to_gpu);
-    e.in_flight = true;
-    e.dst = dst;
-    e.copy_stream = stream;
-    e.arrival = *arrival;
-    e.arrival_waiter = nullptr;
-    // The ready events stay; none of them covers the new copy.
-    for (Entry::Ready& r : e.ready) r.covers_arrival = false;
-    in_flight_.push_back(&e);
-    return absl::OkStatus();
+    return absl::Status(block.status().code(),
+                        str_cat("moving '", e.spec.name, "' to ", tier_name(loc.tier), ": ",
+                                block.status().message()));
   }
+  dst.loc.ptr = *block;
+  return dst;
+}
 
+// `queued`: a copy into the destination may have been queued and still run, so a block allocated
+// for it is freed only once the copy stream is past it.
+absl::Status MigrationEngine::fail_move(const Entry& e, const Destination& dst,
+                                        const absl::Status& s, bool queued) {
+  ++stats_.failed_migrations;
+  if (dst.allocated) {
+    if (queued) {
+      free_after(dst.loc.tier, dst.loc.ptr, {dst.stream});
+    } else {
+      (void)allocator_.deallocate(dst.loc.tier, dst.loc.ptr);
+    }
+  }
+  return absl::Status(s.code(),
+                      str_cat("moving '", e.spec.name, "' to ", tier_name(dst.loc.tier),
+                              " failed; it stays on ", tier_name(e.loc.tier), ": ", s.message()));
+}
+
+void MigrationEngine::mark_in_flight(Entry& e, const Destination& dst, EventHandle arrival) {
+  e.in_flight = true;
+  e.dst = dst.loc;
+  e.copy_stream = dst.stream;
+  e.arrival = arrival;
+  e.arrival_waiter = nullptr;
+  in_flight_.push_back(&e);
+}
+
+absl::Status MigrationEngine::copy_through_bounce(Entry& e, const Destination& dst,
+                                                  const std::vector<EventHandle>& wait_first) {
+  const bool to_gpu = is_gpu(dst.loc.tier);
+  for (EventHandle w : wait_first) {
+    absl::Status s = device_->synchronize(w);
+    if (!s.ok()) return fail_move(e, dst, s, false);
+  }
+  absl::Status s = bounce_copy(e, dst.loc);
+  if (!s.ok()) return fail_move(e, dst, s, to_gpu);
+  // Done on the host's side; an H2D tail may still be in the stream, so complete by event.
+  absl::StatusOr<EventHandle> arrival = device_->record(dst.stream);
+  if (!arrival.ok()) return fail_move(e, dst, arrival.status(), to_gpu);
+  // The ready events stay; none of them covers the new copy.
+  for (Entry::Ready& r : e.ready) r.covers_arrival = false;
+  mark_in_flight(e, dst, *arrival);
+  return absl::OkStatus();
+}
+
+// Note [Timed copies]
+// ~~~~~~~~~~~~~~~~~~~
+// A copy's timing takes two more event records on its stream, as much host time as the copy
+// itself when it is small (bench/results/2026-11-24-H100-compare measured it), and the rate of a
+// copy that short says little about the link. Only copies of kTimedCopyMinBytes or more are
+// timed; the engine rates (RuntimeStats::h2d_gbps) are those copies' bytes over their time.
+absl::Status MigrationEngine::copy_on_stream(Entry& e, const Destination& dst,
+                                             const std::vector<EventHandle>& wait_first) {
+  const StreamHandle stream = dst.stream;
   // See Note [Stream ordering], rule 2: the copy waits for every prior use of the data on the GPU,
   // and the source stays the tensor's until the copy's event completes (finish).
   for (const Entry::Ready& r : e.ready) {
     absl::Status s = device_->stream_wait(stream, r.event);
-    if (!s.ok()) return undo(s, false);
+    if (!s.ok()) return fail_move(e, dst, s, false);
   }
   for (EventHandle w : wait_first) {
     absl::Status s = device_->stream_wait(stream, w);
-    if (!s.ok()) return undo(s, false);
+    if (!s.ok()) return fail_move(e, dst, s, false);
   }
-  // Note [Timed copies]
-  // ~~~~~~~~~~~~~~~~~~~
-  // A copy's timing takes two more event records on its stream, as much host time as the copy
-  // itself when it is small (bench/results/2026-11-24-H100-compare measured it), and the rate of a
-  // copy that short says little about the link. Only copies of kTimedCopyMinBytes or more are
-  // timed; the engine rates (RuntimeStats::h2d_gbps) are those copies' bytes over their time.
   const bool timed = e.bytes >= kTimedCopyMinBytes;
   absl::StatusOr<EventHandle> start = timed ? device_->record_timed(stream) : nullptr;
-  if (!start.ok()) return undo(start.status(), false);
+  if (!start.ok()) return fail_move(e, dst, start.status(), false);
   auto release_start = [&] {
     if (*start != nullptr) device_->release_timed(*start);
   };
-  absl::Status s = device_->copy_async(dst.ptr, e.loc.ptr, e.bytes, stream);
+  absl::Status s = device_->copy_async(dst.loc.ptr, e.loc.ptr, e.bytes, stream);
   if (!s.ok()) {
     release_start();
-    return undo(s, false);
+    return fail_move(e, dst, s, false);
   }
   absl::StatusOr<EventHandle> end = timed ? device_->record_timed(stream) : nullptr;
   absl::StatusOr<EventHandle> arrival =
@@ -287,20 +311,15 @@ absl::Status MigrationEngine::migrate(Entry& e, Tier dst_tier, void* dst_ptr, in
     // behind the copy stream.
     release_start();
     if (end.ok() && *end != nullptr) device_->release_timed(*end);
-    return undo(arrival.status(), true);
+    return fail_move(e, dst, arrival.status(), true);
   }
   for (const Entry::Ready& r : e.ready) device_->release(r.event);
   e.ready.clear();
-  e.in_flight = true;
-  e.dst = dst;
-  e.copy_stream = stream;
-  e.arrival = *arrival;
-  e.arrival_waiter = nullptr;
+  mark_in_flight(e, dst, *arrival);
   e.timed_start = *start;
   e.timed_end = *end;
-  e.timed_h2d = to_gpu;
-  in_flight_.push_back(&e);
-  (to_gpu ? stats_.migrated_bytes_h2d : stats_.migrated_bytes_d2h) +=
+  e.timed_h2d = is_gpu(dst.loc.tier);
+  (is_gpu(dst.loc.tier) ? stats_.migrated_bytes_h2d : stats_.migrated_bytes_d2h) +=
       static_cast<std::int64_t>(e.bytes);
   return absl::OkStatus();
 }

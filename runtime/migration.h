@@ -103,6 +103,24 @@ class MigrationEngine {
     EventHandle end;
   };
 
+  // Where a move goes, whether migrate allocated it (so a failure frees it), and the copy stream
+  // of its direction.
+  struct Destination {
+    Location loc;
+    bool allocated = false;
+    StreamHandle stream = nullptr;
+  };
+
+  // migrate's steps (See MigrationEngine::migrate in migration.cpp).
+  absl::Status check_movable(const Entry& e) const;
+  absl::StatusOr<Destination> destination(const Entry& e, Location loc);
+  absl::Status copy_through_bounce(Entry& e, const Destination& dst,
+                                   const std::vector<EventHandle>& wait_first);
+  absl::Status copy_on_stream(Entry& e, const Destination& dst,
+                              const std::vector<EventHandle>& wait_first);
+  void mark_in_flight(Entry& e, const Destination& dst, EventHandle arrival);
+  absl::Status fail_move(const Entry& e, const Destination& dst, const absl::Status& s,
+                         bool queued);
   absl::Status bounce_copy(Entry& e, const Location& dst);
   absl::Status ensure_bounce();
 

@@ -202,20 +202,8 @@ void print_run_end(const RunResult& r) {
   std::fflush(stdout);
 }
 
-int run(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "trains a GPT-style decoder under a strata residency policy; see apps/train/main.cpp");
-  // --help lists the flags of the file named like the program by default; strata-train's live in
-  // this file (main.cpp).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "apps/train/");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
-  if (rest.size() > 1) return usage_error(str_cat("unexpected argument '", rest[1], "'"));
-
+// The training options strata-train's flags give; kInvalidArgument saying which flag is wrong.
+absl::StatusOr<TrainOptions> options_from_flags() {
   TrainOptions o;
   o.model = {.vocab = absl::GetFlag(FLAGS_vocab),
              .d_model = absl::GetFlag(FLAGS_d_model),
@@ -228,26 +216,27 @@ int run(int argc, char** argv) {
   o.seed = absl::GetFlag(FLAGS_seed);
   o.prefetch_depth = absl::GetFlag(FLAGS_prefetch_depth);
   const GptConfig& m = o.model;
-  if (o.steps < 1) return usage_error("--steps must be at least 1");
+  if (o.steps < 1) return absl::InvalidArgumentError("--steps must be at least 1");
   if (m.layers < 1 || m.d_model < 1 || m.heads < 1 || m.vocab < 2 || m.seq < 1 || m.batch < 1) {
-    return usage_error(
+    return absl::InvalidArgumentError(
         "--layers, --d_model, --heads, --seq and --batch must be positive and "
         "--vocab at least 2");
   }
   if (const std::string dir = absl::GetFlag(FLAGS_text_dir); !dir.empty()) {
-    if (m.vocab != 256) return usage_error("--text_dir trains on bytes: it needs --vocab=256");
+    if (m.vocab != 256)
+      return absl::InvalidArgumentError("--text_dir trains on bytes: it needs --vocab=256");
     absl::StatusOr<TextCorpus> text = TextCorpus::load(dir, std::int64_t{64} << 20);
-    if (!text.ok()) return usage_error(std::string(text.status().message()));
-    if (text->size() <= m.seq) return usage_error("--text_dir: fewer bytes than one sequence");
-    std::printf("text: %lld bytes of %d files in %s\n", static_cast<long long>(text->size()),
-                text->files(), dir.c_str());
+    if (!text.ok()) return absl::InvalidArgumentError(std::string(text.status().message()));
+    if (text->size() <= m.seq)
+      return absl::InvalidArgumentError("--text_dir: fewer bytes than one sequence");
     o.text = std::make_shared<const TextCorpus>(std::move(*text));
   }
   if (m.d_model % m.heads != 0) {
-    return usage_error(str_cat("--heads (", m.heads, ") must divide --d_model (", m.d_model, ")"));
+    return absl::InvalidArgumentError(
+        str_cat("--heads (", m.heads, ") must divide --d_model (", m.d_model, ")"));
   }
-  if (!(o.lr > 0)) return usage_error("--lr must be positive");
-  if (o.prefetch_depth < 0) return usage_error("--prefetch_depth must be 0 or more");
+  if (!(o.lr > 0)) return absl::InvalidArgumentError("--lr must be positive");
+  if (o.prefetch_depth < 0) return absl::InvalidArgumentError("--prefetch_depth must be 0 or more");
   o.phase_switch_every = absl::GetFlag(FLAGS_phase_switch_every);
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
   if (dtype == "float32") {
@@ -257,13 +246,15 @@ int run(int argc, char** argv) {
   } else if (dtype == "float16") {
     o.dtype = torch::kHalf;
   } else {
-    return usage_error(str_cat("--dtype must be float32, bfloat16 or float16, not '", dtype, "'"));
+    return absl::InvalidArgumentError(
+        str_cat("--dtype must be float32, bfloat16 or float16, not '", dtype, "'"));
   }
   o.clip_grad_norm = absl::GetFlag(FLAGS_clip_grad_norm);
   if (!(o.clip_grad_norm >= 0) || std::isinf(o.clip_grad_norm)) {
-    return usage_error("--clip_grad_norm must be a finite number >= 0 (0: off)");
+    return absl::InvalidArgumentError("--clip_grad_norm must be a finite number >= 0 (0: off)");
   }
-  if (o.phase_switch_every < 0) return usage_error("--phase_switch_every must be 0 or more");
+  if (o.phase_switch_every < 0)
+    return absl::InvalidArgumentError("--phase_switch_every must be 0 or more");
   o.undo_on_gpu = absl::GetFlag(FLAGS_strata_undo_on_gpu);
   if (const double f = absl::GetFlag(FLAGS_strata_hybrid_fraction); f >= 0) o.hybrid_fraction = f;
   if (absl::StatusOr<optim::StateType> t =
@@ -271,53 +262,62 @@ int run(int argc, char** argv) {
       t.ok()) {
     o.state_dtype = *t;
   } else {
-    return usage_error(str_cat("--state_dtype: ", t.status().message()));
+    return absl::InvalidArgumentError(str_cat("--state_dtype: ", t.status().message()));
   }
   if (const std::string where = absl::GetFlag(FLAGS_strata_step_stream); where == "compute") {
     o.step_on_own_stream = false;
   } else if (where != "own") {
-    return usage_error(
+    return absl::InvalidArgumentError(
         str_cat("--strata_step_stream: '", where, "' is neither 'own' nor 'compute'"));
   }
   if (const std::string end = absl::GetFlag(FLAGS_step_end); end == "device") {
     o.step_end = TrainOptions::StepEnd::kDevice;
   } else if (end != "stream") {
-    return usage_error(str_cat("--step_end: '", end, "' is neither 'stream' nor 'device'"));
+    return absl::InvalidArgumentError(
+        str_cat("--step_end: '", end, "' is neither 'stream' nor 'device'"));
   }
   o.grad_accum = absl::GetFlag(FLAGS_grad_accum);
-  if (o.grad_accum < 1) return usage_error("--grad_accum must be 1 or more");
-
-  // Every policy must see the same numbers: deterministic kernels where torch has a choice, and a
-  // fixed cuBLAS workspace (read when cuBLAS starts, so before any GPU work).
-  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
-  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+  if (o.grad_accum < 1) return absl::InvalidArgumentError("--grad_accum must be 1 or more");
 
   absl::StatusOr<rt::DeviceKind> device = rt::parse_device_kind(absl::GetFlag(FLAGS_device));
-  if (!device.ok()) return usage_error(str_cat("--device: ", device.status().message()));
+  if (!device.ok())
+    return absl::InvalidArgumentError(str_cat("--device: ", device.status().message()));
   if (*device == rt::DeviceKind::kCuda && !gpu_present()) {
-    return usage_error("--device=cuda, but no GPU is visible");
+    return absl::InvalidArgumentError("--device=cuda, but no GPU is visible");
   }
   o.cuda = *device == rt::DeviceKind::kCuda || (*device == rt::DeviceKind::kAuto && gpu_present());
 
   absl::StatusOr<rt::RoleSet> roles = rt::RoleSet::parse(absl::GetFlag(FLAGS_strata_roles));
-  if (!roles.ok()) return usage_error(str_cat("--strata_roles: ", roles.status().message()));
+  if (!roles.ok())
+    return absl::InvalidArgumentError(str_cat("--strata_roles: ", roles.status().message()));
   o.roles = *roles;
 
   const std::string budget_flag = absl::GetFlag(FLAGS_strata_gpu_budget);
   if (!budget_flag.empty()) {
     absl::StatusOr<std::size_t> budget = parse_bytes(budget_flag);
     if (!budget.ok()) {
-      return usage_error(str_cat("--strata_gpu_budget: ", budget.status().message()));
+      return absl::InvalidArgumentError(
+          str_cat("--strata_gpu_budget: ", budget.status().message()));
     }
     o.gpu_budget = *budget;
   }
 
   absl::StatusOr<alloc::DeviceMethod> memory =
       alloc::parse_device_method(absl::GetFlag(FLAGS_strata_gpu_memory));
-  if (!memory.ok()) return usage_error(str_cat("--strata_gpu_memory ", memory.status().message()));
+  if (!memory.ok())
+    return absl::InvalidArgumentError(str_cat("--strata_gpu_memory ", memory.status().message()));
   o.gpu_memory = *memory;
 
-  // --runs: each a policy (with kOverlapSuffix or not) or a PyTorch baseline.
+  absl::StatusOr<rt::Overlap> overlap = rt::parse_overlap(absl::GetFlag(FLAGS_strata_overlap));
+  if (!overlap.ok())
+    return absl::InvalidArgumentError(str_cat("--strata_overlap: ", overlap.status().message()));
+  o.overlap = *overlap;
+
+  return o;
+}
+
+// --runs: each a policy (with kOverlapSuffix or not) or a PyTorch baseline; empty: every one.
+absl::StatusOr<std::vector<std::string>> runs_from_flag() {
   std::vector<std::string> selected_runs;
   const std::vector<std::string> known = policy::builtin_policies().names();
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_runs), ',', absl::SkipEmpty())) {
@@ -325,48 +325,47 @@ int run(int argc, char** argv) {
     if (policy.ends_with(kOverlapSuffix)) policy.resize(policy.size() - kOverlapSuffix.size());
     if (!baseline_named(std::string(name)) &&
         std::find(known.begin(), known.end(), policy) == known.end()) {
-      return usage_error(str_cat("--runs: unknown run '", name,
-                                 "'; use policy names (with +overlap or not), ",
-                                 baseline_name(TorchBaseline::kResident), " or ",
-                                 baseline_name(TorchBaseline::kMovedWithTo)));
+      return absl::InvalidArgumentError(str_cat("--runs: unknown run '", name,
+                                                "'; use policy names (with +overlap or not), ",
+                                                baseline_name(TorchBaseline::kResident), " or ",
+                                                baseline_name(TorchBaseline::kMovedWithTo)));
     }
     selected_runs.emplace_back(name);
   }
-  absl::StatusOr<rt::Overlap> overlap = rt::parse_overlap(absl::GetFlag(FLAGS_strata_overlap));
-  if (!overlap.ok()) return usage_error(str_cat("--strata_overlap: ", overlap.status().message()));
-  o.overlap = *overlap;
+  return selected_runs;
+}
 
-  for (const auto& [flag, path] : {std::pair{"--json", absl::GetFlag(FLAGS_json)},
-                                   std::pair{"--chart", absl::GetFlag(FLAGS_chart)}}) {
-    if (std::string bad = check_writable(flag, path); !bad.empty()) return usage_error(bad);
-  }
-
-  // The policy: checked here, before any model is built, so a typo costs nothing.
-  const rt::PolicyChoice choice =
-      rt::choose_policy_name(absl::GetFlag(FLAGS_strata_policy).name, "--strata_policy");
+// The policy named (checked before any model is built, so a typo costs nothing), and a budget in
+// which that policy could lay out at least one layer's optimizer step.
+absl::Status check_policy_and_budget(const rt::PolicyChoice& choice, const TrainOptions& o) {
   const std::vector<std::string> policies = policy::builtin_policies().names();
   if (std::find(policies.begin(), policies.end(), choice.name) == policies.end()) {
     std::string valid;
     for (const std::string& p : policies) str_append(&valid, valid.empty() ? "" : ", ", p);
-    return usage_error(str_cat(choice.name.empty() ? std::string("empty policy name")
-                                                   : str_cat("unknown policy '", choice.name, "'"),
-                               " (from ", choice.source, "); valid policies: ", valid));
+    return absl::InvalidArgumentError(
+        str_cat(choice.name.empty() ? std::string("empty policy name")
+                                    : str_cat("unknown policy '", choice.name, "'"),
+                " (from ", choice.source, "); valid policies: ", valid));
   }
 
   // A budget below one layer's step working set could train under no policy.
   const std::vector<std::int64_t> layer_bytes = layer_step_bytes(o);
   const auto largest = std::max_element(layer_bytes.begin(), layer_bytes.end());
   if (static_cast<std::size_t>(*largest) > o.gpu_budget) {
-    return usage_error(str_cat(
+    return absl::InvalidArgumentError(str_cat(
         "the GPU budget of ", format_bytes(o.gpu_budget), " is too small for one layer: layer ",
         largest - layer_bytes.begin(), " needs ", format_bytes(*largest),
         " on the GPU for its optimizer step (parameters, gradients and two Adam moments)"));
   }
+  return absl::OkStatus();
+}
 
-  Report report;
-  report.options = o;
-  report.compare = absl::GetFlag(FLAGS_compare);
-  report.device = o.cuda ? gpu_name() : "simulated device (model on the CPU)";
+// What is about to run: the device, the model, its dtype and clipping, strata's budget and roles,
+// the step's overlap and where a step's time ends.
+void print_setup(const Report& report, const rt::PolicyChoice& choice) {
+  const TrainOptions& o = report.options;
+  const GptConfig& m = o.model;
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
   const std::int64_t params = parameter_bytes(m);
   std::printf("strata-train on %s\n", report.device.c_str());
   std::printf(
@@ -406,6 +405,90 @@ int run(int argc, char** argv) {
                     : "when every stream is done (--step_end=device)");
   }
   std::fflush(stdout);
+}
+
+// The runs of --compare: every policy (twice with --strata_overlap=backward, without and with the
+// step overlapped, so that the comparison covers both), then PyTorch's baselines; or --runs.
+std::vector<std::string> compare_run_names(const TrainOptions& o,
+                                           const std::vector<std::string>& selected) {
+  if (!selected.empty()) return selected;
+  std::vector<std::string> runs;
+  for (const std::string& p : policy::builtin_policies().names()) {
+    if (p == "hybrid" && !(o.roles == rt::RoleSet::optimizer_states())) {
+      std::printf("(hybrid left out: it moves optimizer states only, and --strata_roles=%s)\n",
+                  o.roles.to_string().c_str());
+      continue;
+    }
+    runs.push_back(p);
+    if (o.overlap == rt::Overlap::kBackward && p != "keep_on_gpu") {
+      runs.push_back(str_cat(p, kOverlapSuffix));
+    }
+  }
+  for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
+    runs.push_back(baseline_name(b));
+  }
+  return runs;
+}
+
+// 0: every run trained and left no leak (and, comparing, every loss agreed); kExitUsage: a single
+// run failed at setup because of what was asked for; kExitFailed otherwise.
+int exit_code(const Report& report) {
+  bool ok = true;
+  for (const RunResult& r : report.runs) {
+    if (r.strata && r.ok && !r.leak_free) ok = false;
+  }
+  if (report.compare) {
+    ok = ok && report.comparison.losses_identical;
+  } else if (!report.runs.front().ok) {
+    return usage_failure(report.runs.front()) ? kExitUsage : kExitFailed;
+  }
+  return ok ? 0 : kExitFailed;
+}
+
+int run(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "trains a GPT-style decoder under a strata residency policy; see apps/train/main.cpp");
+  // --help lists the flags of the file named like the program by default; strata-train's live in
+  // this file (main.cpp).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "apps/train/");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) return usage_error(str_cat("unexpected argument '", rest[1], "'"));
+
+  // Every policy must see the same numbers: deterministic kernels where torch has a choice, and a
+  // fixed cuBLAS workspace (read when cuBLAS starts, so before any GPU work).
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+
+  absl::StatusOr<TrainOptions> options = options_from_flags();
+  if (!options.ok()) return usage_error(std::string(options.status().message()));
+  const TrainOptions& o = *options;
+  if (o.text != nullptr) {
+    std::printf("text: %lld bytes of %d files in %s\n", static_cast<long long>(o.text->size()),
+                o.text->files(), absl::GetFlag(FLAGS_text_dir).c_str());
+  }
+  absl::StatusOr<std::vector<std::string>> selected_runs = runs_from_flag();
+  if (!selected_runs.ok()) return usage_error(std::string(selected_runs.status().message()));
+  for (const auto& [flag, path] : {std::pair{"--json", absl::GetFlag(FLAGS_json)},
+                                   std::pair{"--chart", absl::GetFlag(FLAGS_chart)}}) {
+    if (std::string bad = check_writable(flag, path); !bad.empty()) return usage_error(bad);
+  }
+
+  const rt::PolicyChoice choice =
+      rt::choose_policy_name(absl::GetFlag(FLAGS_strata_policy).name, "--strata_policy");
+  if (absl::Status s = check_policy_and_budget(choice, o); !s.ok()) {
+    return usage_error(std::string(s.message()));
+  }
+
+  Report report;
+  report.options = o;
+  report.compare = absl::GetFlag(FLAGS_compare);
+  report.device = o.cuda ? gpu_name() : "simulated device (model on the CPU)";
+  print_setup(report, choice);
 
   const StepCallback progress = [&](const RunResult& run, const StepRecord& step) {
     std::printf("%s\n", progress_line(run, step, o.steps).c_str());
@@ -415,27 +498,9 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   };
   if (report.compare) {
-    // With --strata_overlap=backward each policy that moves anything runs twice, without and with
-    // the step overlapped with backward, so that the comparison covers both.
-    std::vector<std::string> runs;
-    for (const std::string& p : policies) {
-      if (p == "hybrid" && !(o.roles == rt::RoleSet::optimizer_states())) {
-        std::printf("(hybrid left out: it moves optimizer states only, and --strata_roles=%s)\n",
-                    o.roles.to_string().c_str());
-        continue;
-      }
-      runs.push_back(p);
-      if (o.overlap == rt::Overlap::kBackward && p != "keep_on_gpu") {
-        runs.push_back(str_cat(p, kOverlapSuffix));
-      }
-    }
-    for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
-      runs.push_back(baseline_name(b));
-    }
-    if (!selected_runs.empty()) runs = selected_runs;
     TrainOptions plain = o;
     plain.overlap = rt::Overlap::kNone;
-    for (const std::string& p : runs) {
+    for (const std::string& p : compare_run_names(o, *selected_runs)) {
       if (const std::optional<TorchBaseline> b = baseline_named(p)) {
         std::printf("\n== PyTorch, %s\n", p.c_str());
         report.runs.push_back(run_torch(o, *b, progress));
@@ -470,17 +535,7 @@ int run(int argc, char** argv) {
     }
     std::printf("wrote %s\n", flag.c_str());
   }
-
-  bool ok = true;
-  for (const RunResult& r : report.runs) {
-    if (r.strata && r.ok && !r.leak_free) ok = false;
-  }
-  if (report.compare) {
-    ok = ok && report.comparison.losses_identical;
-  } else if (!report.runs.front().ok) {
-    return usage_failure(report.runs.front()) ? kExitUsage : kExitFailed;
-  }
-  return ok ? 0 : kExitFailed;
+  return exit_code(report);
 }
 
 }  // namespace
