@@ -138,16 +138,11 @@ void write_trace(rt::CopyTracer& tracer, rt::Runtime& runtime, const std::string
   std::printf("wrote the copy trace %s (%zu copies)\n", path.c_str(), spans.size());
 }
 
-// The strata run proper; throws (c10::Error) on failure, which run_strata records.
-void train_strata(const TrainOptions& o, const std::string& run_name, const StepCallback& on_step,
-                  RunResult& result, bool& started) {
-  std::string policy = run_name;
-  rt::Overlap overlap = o.overlap;
-  if (policy.ends_with(kOverlapSuffix)) {
-    policy.resize(policy.size() - kOverlapSuffix.size());
-    overlap = rt::Overlap::kBackward;
-  }
-  const bool overlapped = overlap == rt::Overlap::kBackward;
+// The run's runtime, from the options (runtime/setup.h); `tracer` is set when `trace_dir` asks for
+// a copy trace on the GPU.
+std::unique_ptr<rt::Runtime> make_runtime(const TrainOptions& o, const std::string& policy,
+                                          rt::Overlap overlap, const std::string& trace_dir,
+                                          rt::CopyTracer*& tracer) {
   rt::ProgramSetup setup;
   setup.policy = policy;
   setup.device = o.cuda ? rt::DeviceKind::kCuda : rt::DeviceKind::kSimulated;
@@ -161,17 +156,66 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
   rt::RuntimeOptions ro = rt::runtime_options(setup);
   // STRATA_TRACE_DIR: the last step's copies, and where each layer's backward ended, go to
   // DIR/<run>.csv (runtime/copy_trace.h), for a plot of the link against backward's layers.
-  const char* trace_env = std::getenv("STRATA_TRACE_DIR");
-  const std::string trace_dir = trace_env != nullptr ? trace_env : "";
-  rt::CopyTracer* tracer = nullptr;
   if (!trace_dir.empty() && o.cuda) {
     auto traced =
         std::make_unique<rt::CopyTracer>(bridge::unwrap(rt::make_device(rt::DeviceKind::kCuda)));
     tracer = traced.get();
     ro.device_override = std::move(traced);
   }
-  std::unique_ptr<rt::Runtime> runtime =
-      bridge::unwrap(rt::Runtime::create(std::move(ro), policy::builtin_policies()));
+  return bridge::unwrap(rt::Runtime::create(std::move(ro), policy::builtin_policies()));
+}
+
+// AdamW over the bound model: weight decay for the matrices only (GptImpl::decays), states in the
+// options' dtype. Prints the step placement when the policy places steps.
+std::unique_ptr<optim::Adam> make_adam(rt::Runtime& rt, bridge::TorchBinding& binding,
+                                       GptImpl& model, const TrainOptions& o,
+                                       const std::string& run_name) {
+  optim::AdamOptions ao;
+  ao.state_dtype = o.state_dtype;
+  ao.groups.resize(2);
+  ao.groups[0].hyper = {.lr = o.lr, .weight_decay = o.weight_decay, .decoupled = true};
+  ao.groups[1].hyper = {.lr = o.lr, .weight_decay = 0.0, .decoupled = true};
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
+    const std::size_t g = GptImpl::decays(p.key()) ? 0 : 1;
+    ao.groups[g].params.push_back({binding.handle(p.value()), binding.handle(p.value().grad())});
+  }
+  // Adam registers its states and lets the policy lay everything out under the GPU budget: a
+  // budget too small fails here, at setup.
+  std::unique_ptr<optim::Adam> adam = bridge::unwrap(optim::Adam::create(rt, std::move(ao)));
+  if (!adam->placement().empty()) {
+    std::printf("[%s] %s\n", run_name.c_str(), adam->placement().c_str());
+  }
+  return adam;
+}
+
+// Each layer's gradients, in the model's layer grouping.
+std::vector<std::vector<torch::Tensor>> layer_gradients(GptImpl& model) {
+  std::vector<std::vector<torch::Tensor>> out(model.num_layers());
+  const auto params = model.named_parameters(/*recurse=*/true);
+  const std::vector<std::vector<std::string>> grouping = model.layer_grouping();
+  for (std::size_t layer = 0; layer < grouping.size(); ++layer) {
+    for (const std::string& name : grouping[layer]) out[layer].push_back(params[name].grad());
+  }
+  return out;
+}
+
+// The strata run proper; throws (c10::Error) on failure, which run_strata records. Its step loop
+// is kept whole, longer than a screen: a step's order (hooks, forward and backward per micro-batch,
+// clipping's scale, the optimizer, the clocks, the reads) is the thing to check, and reads top to
+// bottom here.
+void train_strata(const TrainOptions& o, const std::string& run_name, const StepCallback& on_step,
+                  RunResult& result, bool& started) {
+  std::string policy = run_name;
+  rt::Overlap overlap = o.overlap;
+  if (policy.ends_with(kOverlapSuffix)) {
+    policy.resize(policy.size() - kOverlapSuffix.size());
+    overlap = rt::Overlap::kBackward;
+  }
+  const bool overlapped = overlap == rt::Overlap::kBackward;
+  const char* trace_env = std::getenv("STRATA_TRACE_DIR");
+  const std::string trace_dir = trace_env != nullptr ? trace_env : "";
+  rt::CopyTracer* tracer = nullptr;
+  std::unique_ptr<rt::Runtime> runtime = make_runtime(o, policy, overlap, trace_dir, tracer);
   rt::Runtime& rt = *runtime;
 
   release_torch_cache(o);
@@ -187,21 +231,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     for (torch::Tensor& p : model->parameters()) p.mutable_grad() = torch::zeros_like(p);
     binding.register_gradients(*model, rt::Tier::kGpu);
 
-    optim::AdamOptions ao;
-    ao.state_dtype = o.state_dtype;
-    ao.groups.resize(2);
-    ao.groups[0].hyper = {.lr = o.lr, .weight_decay = o.weight_decay, .decoupled = true};
-    ao.groups[1].hyper = {.lr = o.lr, .weight_decay = 0.0, .decoupled = true};
-    for (const auto& p : model->named_parameters(/*recurse=*/true)) {
-      const std::size_t g = GptImpl::decays(p.key()) ? 0 : 1;
-      ao.groups[g].params.push_back({binding.handle(p.value()), binding.handle(p.value().grad())});
-    }
-    // Adam registers its states and lets the policy lay everything out under the GPU budget: a
-    // budget too small fails here, at setup.
-    adam = bridge::unwrap(optim::Adam::create(rt, std::move(ao)));
-    if (!adam->placement().empty()) {
-      std::printf("[%s] %s\n", run_name.c_str(), adam->placement().c_str());
-    }
+    adam = make_adam(rt, binding, *model, o, run_name);
     result.placement = adam->placement();
     result.host_layers = adam->host_layers();
     result.host_threads = adam->host_threads();
@@ -218,18 +248,8 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
     // overflow check take each layer's part as its backward finishes, before the policy sends its
     // gradients away (bridge/model_hooks.h; See Note [Zeroing streamed gradients] in
     // bridge/model_hooks.cpp).
-    std::vector<std::vector<torch::Tensor>> grads_of_layer(model->num_layers());
-    {
-      const auto params = model->named_parameters(/*recurse=*/true);
-      const std::vector<std::vector<std::string>> grouping = model->layer_grouping();
-      for (std::size_t layer = 0; layer < grouping.size(); ++layer) {
-        for (const std::string& name : grouping[layer]) {
-          grads_of_layer[layer].push_back(params[name].grad());
-        }
-      }
-    }
     bridge::ModelHooks hooks(rt, /*zero_before_backward=*/true);
-    hooks.set_layer_gradients(grads_of_layer);
+    hooks.set_layer_gradients(layer_gradients(*model));
     LossScaler scaler(o);
     // Only loss scaling reads found_inf (See Note [Opt-in inf check] in bridge/grad_stats.h).
     hooks.stats().set_check_non_finite(scaler.enabled);
