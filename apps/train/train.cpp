@@ -11,6 +11,7 @@
 
 #include "apps/train/phase_switch.h"
 #include "apps/train/pinned_states.h"
+#include "apps/train/run_parts.h"
 #include "apps/train/torch_adamw.h"
 #include "apps/train/torch_device.h"
 #include "base/host_memory.h"
@@ -25,98 +26,8 @@
 #include "runtime/runtime.h"
 #include "runtime/setup.h"
 
-#ifdef STRATA_HAS_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
-
 namespace strata::apps {
 namespace {
-
-// torch's own GPU memory (activations, temporaries; everything for a PyTorch run).
-void reset_torch_peak(const TrainOptions& o) {
-  init_torch_cuda(o);
-#ifdef STRATA_HAS_CUDA
-  if (o.cuda) c10::cuda::CUDACachingAllocator::resetPeakStats(0);
-#endif
-}
-std::int64_t torch_peak_bytes(const TrainOptions& o) {
-#ifdef STRATA_HAS_CUDA
-  if (o.cuda) {
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(0)
-        .reserved_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
-        .peak;
-  }
-#endif
-  return 0;
-}
-
-// The same model, from the same seed (drawn in float32, then converted), on the run's device.
-Gpt make_model(const TrainOptions& o) {
-  torch::manual_seed(o.seed);
-  Gpt model(o.model);
-  model->to(device_of(o), o.dtype);
-  return model;
-}
-
-// torch.amp.GradScaler's dynamic loss scale, kept on the device with its growth tracker (float16
-// runs; a scale of 1 that never changes otherwise).
-struct LossScaler {
-  bool enabled;
-  torch::Tensor scale;   // float32 scalar
-  torch::Tensor growth;  // int32 scalar
-  explicit LossScaler(const TrainOptions& o) : enabled(o.dtype == torch::kHalf) {
-    const auto on = torch::TensorOptions().device(device_of(o));
-    scale = torch::full({}, enabled ? kInitialLossScale : 1.0, on.dtype(torch::kFloat));
-    growth = torch::zeros({}, on.dtype(torch::kInt));
-  }
-  torch::Tensor scaled(const torch::Tensor& loss) const { return enabled ? loss * scale : loss; }
-  // Backs off after a step whose gradients overflowed, grows after a run of clean ones.
-  void update(const torch::Tensor& found_inf) {
-    if (enabled) {
-      at::_amp_update_scale_(scale, growth, found_inf, 2.0, 0.5, kLossScaleGrowthInterval);
-    }
-  }
-};
-
-struct Batch {
-  torch::Tensor inputs, targets;
-};
-// Micro-batch `micro` of `step` (1-based; one per step without accumulation: micro 0).
-Batch batch_for(const TrainOptions& o, int step, int micro = 0) {
-  const int index = (step - 1) * o.grad_accum + micro + 1;
-  torch::Tensor tokens = (o.text != nullptr ? o.text->batch(o.model, o.seed, index)
-                                            : synthetic_batch(o.model, o.seed, index))
-                             .to(device_of(o));
-  return {tokens.slice(1, 0, -1), tokens.slice(1, 1)};
-}
-
-// In float32 whatever the model's dtype, as mixed-precision training computes its loss.
-torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(
-      logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
-}
-
-// Note [PyTorch's step, no host wait]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The baselines step as a PyTorch user's loop does, with nothing read on the host before the step's
-// end: torch.nn.utils.clip_grad_norm_ as Python runs it on CUDA (foreach norms, their norm, the
-// coefficient clamped to 1 and multiplied in on the GPU; the C++ API's version reads the norm on
-// the host and takes one kernel per tensor), and under loss scaling GradScaler's found_inf handed
-// to the fused kernel, which then changes nothing (GradScaler.step does not read it for an
-// optimizer that supports it). The norm, the loss scale and found_inf are read with the loss, after
-// the step's time.
-torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm) {
-  const std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2.0);
-  const torch::Tensor total = at::linalg_vector_norm(at::stack(norms), 2.0);
-  const torch::Tensor coef = at::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
-  at::_foreach_mul_(grads, coef);
-  return total;
-}
-
-std::string message_of(const std::exception& e) {
-  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
-  return e.what();
-}
 
 // The traced step's copies and marks as CSV: kind (h2d or d2h for the link's copy streams, other
 // for copies on any other stream, such as the undo copies an overlapped step keeps on the GPU, or
@@ -416,147 +327,6 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
   result.ok = true;
 }
 
-// A PyTorch trainer's phase switch at its best: parameters, gradients and (when resident) Adam
-// states to host memory with non_blocking copies (torch pins the destinations and caches them),
-// torch's cache emptied; back the same way. set_data keeps each parameter's identity, under
-// which the optimizer keeps its state.
-PhaseSwitchOps torch_phase_switch(const TrainOptions& o, Gpt& model,
-                                  std::vector<torch::Tensor>& masters, TorchFusedAdamW& optimizer,
-                                  bool states_resident,
-                                  std::pair<std::int64_t, std::int64_t>& moved) {
-  auto move_all = [&o, &model, &masters, &optimizer, states_resident, &moved](bool to_host) {
-    const torch::Device to = to_host ? torch::Device(torch::kCPU) : device_of(o);
-    std::int64_t& counter = to_host ? moved.second : moved.first;
-    auto move = [&](const torch::Tensor& t) {
-      if (o.cuda) counter += static_cast<std::int64_t>(t.nbytes());
-      return t.to(to, /*non_blocking=*/true);
-    };
-    for (torch::Tensor& p : model->parameters()) {
-      p.set_data(move(p.data()));
-      if (p.grad().defined()) p.mutable_grad() = move(p.grad());
-    }
-    for (torch::Tensor& m : masters) {
-      m.set_data(move(m.data()));
-      if (m.grad().defined()) m.mutable_grad() = move(m.grad());
-    }
-    if (states_resident) {
-      for (torch::Tensor* t : optimizer.states()) *t = move(*t);
-    }
-    synchronize(o);
-    if (to_host) release_torch_cache(o);
-  };
-  return PhaseSwitchOps{.offload = [move_all] { move_all(true); },
-                        .reload = [move_all] { move_all(false); },
-                        .gpu_bytes =
-                            [&o] {
-#ifdef STRATA_HAS_CUDA
-                              if (o.cuda) {
-                                return c10::cuda::CUDACachingAllocator::getDeviceStats(0)
-                                    .allocated_bytes[static_cast<std::size_t>(
-                                        c10::CachingAllocator::StatType::AGGREGATE)]
-                                    .current;
-                              }
-#endif
-                              return std::int64_t{0};
-                            },
-                        .moved_bytes = [&moved] { return moved; }};
-}
-
-void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback& on_step,
-                 RunResult& result) {
-  release_torch_cache(o);
-  reset_torch_peak(o);
-  Gpt model = make_model(o);
-  // Mixed precision as PyTorch users train: the optimizer steps float32 master weights, and the
-  // model's bfloat16 / float16 parameters are copied from them (rounded to nearest even) after
-  // each step. In float32 the masters are the parameters themselves.
-  const bool low = o.dtype != torch::kFloat;
-  std::vector<torch::Tensor> params, masters, decay, no_decay;
-  for (const auto& p : model->named_parameters(/*recurse=*/true)) {
-    params.push_back(p.value());
-    masters.push_back(low ? p.value().detach().to(torch::kFloat).clone() : p.value());
-    (GptImpl::decays(p.key()) ? decay : no_decay).push_back(masters.back());
-  }
-  std::vector<torch::Tensor> low_masters = low ? masters : std::vector<torch::Tensor>();
-  LossScaler scaler(o);
-  // torch.optim.AdamW(fused=True)'s kernel, the best PyTorch offers for this step.
-  TorchFusedAdamW optimizer({{decay, o.lr, o.weight_decay}, {no_decay, o.lr, 0.0}});
-  PinnedStates pinned;  // the .to() baseline's states between steps
-  const torch::Device device = device_of(o);
-  std::pair<std::int64_t, std::int64_t> moved;  // by phase switches: host -> GPU, GPU -> host
-
-  StepClock clock(o, nullptr);
-  bridge::ScalarReader reader;
-  for (int step = 1; step <= o.steps; ++step) {
-    reset_torch_peak(o);
-    const Clock::time_point start = clock.start();
-    model->zero_grad();
-    torch::Tensor loss = torch::zeros({}, torch::TensorOptions().device(device));
-    for (int micro = 0; micro < o.grad_accum; ++micro) {
-      const Batch batch = batch_for(o, step, micro);
-      torch::Tensor micro_loss =
-          loss_of(model->forward(batch.inputs, [](int) {}), batch.targets) / o.grad_accum;
-      scaler.scaled(micro_loss).backward();
-      loss = loss + micro_loss.detach();
-    }
-    clock.wait();
-    const Clock::time_point optimizer_start = Clock::now();
-    StepRecord r;
-    std::vector<torch::Tensor> grads;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      if (low) masters[i].mutable_grad() = params[i].grad().to(torch::kFloat);
-      grads.push_back(masters[i].grad());
-    }
-    // The step as PyTorch users run it, with no host wait
-    // (See Note [PyTorch's step, no host wait]).
-    const torch::Tensor step_scale = scaler.scale.clone();
-    torch::Tensor found_inf = torch::zeros({}, scaler.scale.options());
-    if (scaler.enabled) {
-      at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scaler.scale.reciprocal());
-    }
-    const torch::Tensor grad_norm =
-        o.clip_grad_norm > 0 ? clip_grad_norm(grads, o.clip_grad_norm) : torch::Tensor();
-    if (which == TorchBaseline::kMovedWithTo) pinned.to_gpu(optimizer.states(), device);
-    optimizer.step(scaler.enabled ? found_inf : torch::Tensor());
-    if (which == TorchBaseline::kMovedWithTo) pinned.to_host(optimizer.states());
-    if (low) {
-      // A skipped step left the masters as they were: the parameters are rewritten unchanged.
-      torch::NoGradGuard no_grad;
-      for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(masters[i]);
-    }
-    scaler.update(found_inf);
-    clock.wait();
-    const double optimizer_ms = ms_since(optimizer_start);
-    r.step = step;
-    r.step_ms = clock.end(start);
-    const std::vector<double> read = reader.read({loss, grad_norm, step_scale, found_inf});
-    r.loss = static_cast<float>(read[0]);
-    r.skipped = read[3] != 0.0;
-    // As before this step read its values on the host: a skipped step reports no norm.
-    r.grad_norm = grad_norm.defined() && !r.skipped ? static_cast<float>(read[1]) : 0.0f;
-    r.loss_scale = static_cast<float>(read[2]);
-    r.optimizer_ms = optimizer_ms;
-    if (which == TorchBaseline::kMovedWithTo && o.cuda) {
-      // The states' bytes, each way (the first step only moves them out).
-      const std::int64_t bytes = optimizer.moment_bytes();
-      r.h2d_bytes = step > 1 ? bytes : 0;
-      r.d2h_bytes = bytes;
-    }
-    r.peak_gpu_bytes = torch_peak_bytes(o);
-    r.host_rss_bytes = resident_bytes();
-    result.steps.push_back(r);
-    if (o.phase_switch_every > 0 && step % o.phase_switch_every == 0) {
-      const bool states_resident = which == TorchBaseline::kResident;
-      result.phase_switches.push_back(phase_switch(
-          o, step, torch_phase_switch(o, model, low_masters, optimizer, states_resident, moved)));
-      clock.synchronized();
-    }
-    if (on_step) on_step(result, r);
-  }
-  result.drain_ms = clock.drain(nullptr);
-  result.ok = true;
-}
-
 }  // namespace
 
 std::vector<std::int64_t> layer_step_bytes(const TrainOptions& options) {
@@ -588,27 +358,6 @@ RunResult run_strata(const TrainOptions& options, const std::string& policy,
           " (the parameters and gradients stay on the GPU; --strata_roles=all "
           "streams them too)";
     }
-  }
-  result.peak_host_rss_bytes = fresh_peak ? peak_resident_bytes() : -1;
-  release_torch_cache(options);
-  return result;
-}
-
-std::string baseline_name(TorchBaseline which) {
-  return which == TorchBaseline::kResident ? "torch_adamw_resident" : "torch_adamw_to";
-}
-
-RunResult run_torch(const TrainOptions& options, TorchBaseline which, const StepCallback& on_step) {
-  RunResult result;
-  result.name = baseline_name(which);
-  result.strata = false;
-  const bool fresh_peak = reset_peak_resident();
-  result.host_rss_at_start_bytes = resident_bytes();
-  try {
-    train_torch(options, which, on_step, result);
-  } catch (const std::exception& e) {
-    result.ok = false;
-    result.error = message_of(e);
   }
   result.peak_host_rss_bytes = fresh_peak ? peak_resident_bytes() : -1;
   release_torch_cache(options);
