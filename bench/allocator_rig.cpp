@@ -3,6 +3,7 @@
 
 #include <cstddef>
 
+#include "allocator/cuda_status.h"
 #include "base/strings.h"
 
 namespace strata::bench {
@@ -27,9 +28,9 @@ absl::StatusOr<std::unique_ptr<alloc::TieredAllocator>> make_allocator(
 
 #ifdef STRATA_HAS_CUDA
 bool cuda_ok(benchmark::State& state, cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return true;
-  (void)cudaGetLastError();  // so the next benchmark does not inherit a sticky-looking error
-  skip(state, str_cat(what, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+  const absl::Status s = alloc::cuda_status(err, what);
+  if (s.ok()) return true;
+  skip(state, std::string(s.message()));
   return false;
 }
 #endif

@@ -61,7 +61,7 @@ rt::OffloadOptions moments_only() {
 // bulk against the PyTorch .to() round trip, giving the emptied GPU memory back to the driver at
 // every offload_all (the default: another engine may take it) and keeping it in strata's pool
 // (OffloadOptions::keep_cached); offload_all + reload_all alone, with expandable and with fixed
-// GPU segments.
+// GPU segments. One function, longer than a screen: the comparisons in the order they print.
 void part_bulk(int rounds) {
   const Model& model = full_model();
   const double moments = model.moment_bytes();

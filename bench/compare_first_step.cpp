@@ -31,7 +31,8 @@ double rss_bytes() { return static_cast<double>(std::max<std::int64_t>(resident_
 
 }  // namespace
 
-// Time from nothing to the end of the first step, and the host memory it took.
+// Time from nothing to the end of the first step, and the host memory it took. One function,
+// longer than a screen: the measurements in the order they print.
 void part_first_step(int rounds) {
   // The GPU copies of the value sources exist before any timing (every approach uses them).
   if (absl::StatusOr<DeviceSources> d = device_sources(); !d.ok()) {

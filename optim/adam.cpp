@@ -147,21 +147,21 @@ std::string Adam::name_of_state(rt::TensorHandle h) const {
   return it == slot_of_state_.end() ? str_cat("handle ", h.id) : name_in(slots_[it->second], h);
 }
 
-absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOptions options) {
-  std::unique_ptr<Adam> adam(new Adam(runtime, std::move(options)));
+// Checks every group, parameter and gradient before anything is registered, so that a bad input
+// registers nothing; adds up each layer's step bytes on the GPU.
+absl::Status Adam::check_groups() {
   std::set<std::uint64_t> seen;
-  // Check everything first, so a bad input registers nothing.
-  const StateType moments = adam->options_.state_dtype;
-  for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
-    STRATA_RETURN_IF_ERROR(check_hyper(adam->groups_[g].hyper, g));
-    if (adam->groups_[g].hyper.amsgrad && moments != StateType::kF32) {
+  const StateType moments = options_.state_dtype;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    STRATA_RETURN_IF_ERROR(check_hyper(groups_[g].hyper, g));
+    if (groups_[g].hyper.amsgrad && moments != StateType::kF32) {
       return absl::InvalidArgumentError(
           str_cat("Adam: group ", g, " has amsgrad, which needs float32 moments; state_dtype is ",
                   state_dtype_name(moments), ": use state_dtype float32 or turn amsgrad off"));
     }
-    for (auto [param, grad] : adam->groups_[g].params) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime.info(param));
-      if (!grad.valid() && !adam->options_.gradients_given) {
+    for (auto [param, grad] : groups_[g].params) {
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(param));
+      if (!grad.valid() && !options_.gradients_given) {
         return absl::InvalidArgumentError(
             str_cat("Adam: parameter '", p.spec.name, "' has no gradient"));
       }
@@ -171,7 +171,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       d.bytes = 0;
       d.spec.role = rt::Role::kGradient;
       if (grad.valid()) {
-        STRATA_ASSIGN_OR_RETURN(d, runtime.info(grad));
+        STRATA_ASSIGN_OR_RETURN(d, runtime_.info(grad));
       }
       STRATA_RETURN_IF_ERROR(check_tensor(d, rt::Role::kGradient, "gradient"));
       if (d.spec.dtype != p.spec.dtype && d.spec.dtype != rt::DType::kFloat32) {
@@ -191,25 +191,24 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       }
       const auto numel = static_cast<std::int64_t>(p.bytes / rt::dtype_size(p.spec.dtype));
       const std::int64_t states = state_bytes(
-          adam_states(adam->groups_[g].hyper, p.spec.dtype, rt::StepPlace::kGpu, moments), numel);
-      adam->step_bytes_[p.spec.layer] += p.bytes + d.bytes + static_cast<std::size_t>(states);
+          adam_states(groups_[g].hyper, p.spec.dtype, rt::StepPlace::kGpu, moments), numel);
+      step_bytes_[p.spec.layer] += p.bytes + d.bytes + static_cast<std::size_t>(states);
     }
   }
-  // The policy places each layer's step before any state is registered (See Note [Step placement]
-  // in runtime/policy.h); a layer stepped on the host needs only what rests on the GPU already.
-  if (runtime.places_steps()) {
-    STRATA_RETURN_IF_ERROR(adam->place_steps());
-    for (int layer : adam->host_layers_) adam->step_bytes_.erase(layer);
-  }
-  STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime, adam->step_bytes_));
+  return absl::OkStatus();
+}
+
+// Registers each parameter's declared states (See Note [Declared states] in state_decl.h).
+absl::Status Adam::register_states() {
+  const StateType moments = options_.state_dtype;
   // All or nothing: a registration that fails (a name taken, no room) returns with `adam`, whose
   // destructor unregisters the states registered before it (See Note [Adam owns its states]).
-  for (std::size_t g = 0; g < adam->groups_.size(); ++g) {
-    for (auto [param, grad] : adam->groups_[g].params) {
-      rt::TensorInfo p = *runtime.info(param);
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    for (auto [param, grad] : groups_[g].params) {
+      rt::TensorInfo p = *runtime_.info(param);
       rt::TensorInfo d = p;
       d.spec.name = str_cat(p.spec.name, ".grad");
-      if (grad.valid()) d = *runtime.info(grad);
+      if (grad.valid()) d = *runtime_.info(grad);
       Slot slot;
       slot.param = param;
       slot.grad = grad;
@@ -223,19 +222,18 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
       slot.seed = state_seed(p.spec.name.data(), p.spec.name.size());
       // See Note [Declared states] in state_decl.h.
       const rt::StepPlace place =
-          adam->steps_on_host(slot.layer) ? rt::StepPlace::kHost : rt::StepPlace::kGpu;
-      for (const StateDecl& decl :
-           adam_states(adam->groups_[g].hyper, p.spec.dtype, place, moments)) {
+          steps_on_host(slot.layer) ? rt::StepPlace::kHost : rt::StepPlace::kGpu;
+      for (const StateDecl& decl : adam_states(groups_[g].hyper, p.spec.dtype, place, moments)) {
         std::vector<float> initial;
         if (decl.from_parameter) {
           // The master copy starts as the parameter's values, exactly (every bfloat16 and float16
           // value is a float32 value).
           initial.resize(static_cast<std::size_t>(slot.numel));
           if (slot.param_type == ElemType::kF32) {
-            STRATA_RETURN_IF_ERROR(runtime.read(param, initial.data()));
+            STRATA_RETURN_IF_ERROR(runtime_.read(param, initial.data()));
           } else {
             std::vector<std::uint16_t> low(initial.size());
-            STRATA_RETURN_IF_ERROR(runtime.read(param, low.data()));
+            STRATA_RETURN_IF_ERROR(runtime_.read(param, low.data()));
             for (std::size_t i = 0; i < low.size(); ++i)
               initial[i] = load_elem(low.data(), slot.param_type, static_cast<std::int64_t>(i));
           }
@@ -248,18 +246,32 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
         if (decl.int8_blocks) spec.shape = {state_bytes(decl, slot.numel)};
         STRATA_ASSIGN_OR_RETURN(
             rt::TensorHandle h,
-            runtime.register_tensor(spec, decl.from_parameter ? initial.data() : nullptr));
-        adam->owned_.push_back(h);
+            runtime_.register_tensor(spec, decl.from_parameter ? initial.data() : nullptr));
+        owned_.push_back(h);
         *slot.state_named(decl.name) = h;
       }
       for (rt::TensorHandle h : slot.states()) {
-        if (h.valid()) adam->slot_of_state_[h.id] = adam->slots_.size();
+        if (h.valid()) slot_of_state_[h.id] = slots_.size();
       }
-      adam->slot_of_param_[param.id] = adam->slots_.size();
-      adam->by_layer_[slot.layer].push_back(adam->slots_.size());
-      adam->slots_.push_back(slot);
+      slot_of_param_[param.id] = slots_.size();
+      by_layer_[slot.layer].push_back(slots_.size());
+      slots_.push_back(slot);
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOptions options) {
+  std::unique_ptr<Adam> adam(new Adam(runtime, std::move(options)));
+  STRATA_RETURN_IF_ERROR(adam->check_groups());
+  // The policy places each layer's step before any state is registered (See Note [Step placement]
+  // in runtime/policy.h); a layer stepped on the host needs only what rests on the GPU already.
+  if (runtime.places_steps()) {
+    STRATA_RETURN_IF_ERROR(adam->place_steps());
+    for (int layer : adam->host_layers_) adam->step_bytes_.erase(layer);
+  }
+  STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime, adam->step_bytes_));
+  STRATA_RETURN_IF_ERROR(adam->register_states());
   adam->skip_.assign(adam->slots_.size(), false);
   const std::size_t counters = std::max<std::size_t>(adam->slots_.size(), 1);
   STRATA_ASSIGN_OR_RETURN(

@@ -340,6 +340,10 @@ class Adam {
   }
   // create(): hands the policy each layer's costs and the measured rates, and keeps where it put
   // each layer's step.
+  // create(): every input checked before anything is registered, then the declared states
+  // registered (See adam.cpp).
+  absl::Status check_groups();
+  absl::Status register_states();
   absl::Status place_steps();
   // create(): the pinned buffers host steps copy gradients into and low-precision parameters out
   // of.

@@ -193,6 +193,8 @@ absl::Status Adam::save(std::ostream& out) {
 //     optimizer's (its states differ); step counters must not be negative; the checksum must match;
 //   - the states' current values are kept and written back if a write fails part way.
 // Bytes after the checksum are not read: a checkpoint may be followed by other data in the stream.
+// Longer than a screen on purpose: it reads the format in the order it is written, every check
+// before the one write-back.
 absl::Status Adam::load(std::istream& in) {
   Reader r(in);
   char magic[14];

@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   if constexpr (S == StateType::kBF16) {
-    // Four elements a thread at a time, their loads first (as for int8 above).
+    // Four elements a thread at a time, their loads first.
     constexpr int kUnroll = 4;
     auto* m16 = static_cast<std::uint16_t*>(x.exp_avg);
     auto* v16 = static_cast<std::uint16_t*>(x.exp_avg_sq);

@@ -317,6 +317,7 @@ std::string rates_json(const std::optional<rt::StepRates>& r) {
 
 }  // namespace
 
+// Written top to bottom as the document reads (longer than a screen on purpose).
 std::string to_json(const Report& report) {
   const TrainOptions& o = report.options;
   const bool budget = o.gpu_budget != static_cast<std::size_t>(-1);
@@ -428,6 +429,7 @@ std::string to_json(const Report& report) {
   return j;
 }
 
+// Drawn top to bottom as the chart reads (longer than a screen on purpose).
 std::string to_svg(const Report& report) {
   constexpr int kWidth = 1000, kPanelWidth = 470, kLabelWidth = 170, kRowHeight = 34;
   constexpr int kTop = 108, kBarHeight = 20;

@@ -5,7 +5,7 @@
 // Example:
 //   Gpt model = make_model(o);
 //   const Batch b = batch_for(o, /*step=*/1);
-//   loss_of(model->forward(b.inputs), b.targets).backward();
+//   loss_of(model->forward(b.inputs, [](int) {}, [](int) {}), b.targets).backward();
 #pragma once
 
 #include <torch/torch.h>

@@ -1,7 +1,7 @@
 // python/src/adam_binding.h: strata._strata.Adam, optim::Adam over tensors bound to a
 // strata._strata.Runtime, which it keeps alive: groups of (parameter, gradient) pairs with their
 // hyperparameters, the step (sequential, or inside backward), its placement and state values for
-// state dicts. strata/optim.py is its only caller.
+// state dicts. strata.optim (optim.py and its parts) is its only caller.
 //
 // Example (Python):
 //   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0, "float32")

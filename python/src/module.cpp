@@ -13,7 +13,7 @@
 //                        roles="optimizer_states", device="auto", pinned_budget=None,
 //                        overlap="none", undo_on_gpu=False, hybrid_fraction=None)
 //   rt.register(p, "w", 0, "parameter", None); rt.register(p.grad, "w.grad", 0, "gradient", None)
-//   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0)
+//   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0, "float32")
 //   rt.begin_step(); ...; adam.step(None, None); rt.end_step()
 #include <torch/extension.h>
 
@@ -61,6 +61,8 @@ void print_native_backtrace(int sig) {
 
 }  // namespace
 
+// One table of bindings, a .def a line, longer than a screen on purpose: what Python sees of the
+// engine reads in one place.
 PYBIND11_MODULE(_strata, m) {
   if (std::getenv("STRATA_SEGV_BACKTRACE") != nullptr) signal(SIGSEGV, print_native_backtrace);
   using strata::python::Adam;
