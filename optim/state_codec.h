@@ -70,19 +70,30 @@ STRATA_HD std::int64_t int8_state_bytes(std::int64_t numel) {
 
 // 32 random bits for element i of a tensor keyed `seed`, at step `step`, from stream 0 or 1 (two
 // independent draws: exp_avg's and exp_avg_sq's): murmur3's 32-bit finalizer over a combination of
-// the four. 32-bit multiplies only, which the GPU issues at full rate and AVX2 vectorizes.
-STRATA_HD std::uint32_t state_random_bits(std::uint32_t seed, std::int64_t step, std::int64_t i,
-                                          std::uint32_t stream = 0) {
-  const auto u = static_cast<std::uint64_t>(i);
-  std::uint32_t h = static_cast<std::uint32_t>(u) * 0x9E3779B1u;
-  h ^= static_cast<std::uint32_t>(u >> 32) * 0x27D4EB2Fu;
-  h ^= static_cast<std::uint32_t>(step) * 0x85EBCA77u + seed + stream * 0x68E31DA4u;
+// the four. 32-bit multiplies only, which the GPU issues at full rate and AVX2 vectorizes. The
+// combination is an exclusive or of the index's low word's part and a key of everything else
+// (state_key), so a kernel computes the key once for a run of elements that share their high word
+// (a block of moments does: 2^32 is a multiple of kStateBlock) and mixes each element's low word
+// into it (state_mix).
+STRATA_HD std::uint32_t state_key(std::uint32_t seed, std::int64_t step, std::uint32_t high,
+                                  std::uint32_t stream) {
+  return (high * 0x27D4EB2Fu) ^
+         (static_cast<std::uint32_t>(step) * 0x85EBCA77u + seed + stream * 0x68E31DA4u);
+}
+STRATA_HD std::uint32_t state_mix(std::uint32_t low, std::uint32_t key) {
+  std::uint32_t h = (low * 0x9E3779B1u) ^ key;
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
   h *= 0xC2B2AE35u;
   h ^= h >> 16;
   return h;
+}
+STRATA_HD std::uint32_t state_random_bits(std::uint32_t seed, std::int64_t step, std::int64_t i,
+                                          std::uint32_t stream = 0) {
+  const auto u = static_cast<std::uint64_t>(i);
+  return state_mix(static_cast<std::uint32_t>(u),
+                   state_key(seed, step, static_cast<std::uint32_t>(u >> 32), stream));
 }
 
 // A tensor's key from its parameter's name (FNV-1a), the same in every run.

@@ -92,6 +92,30 @@ TEST(CompressedStatesTest, EncodingToNearestIsWithinHalfAGap) {
   }
 }
 
+// The random bits are part of what a checkpoint resumes (See Note [Compressed moments]): these
+// values were drawn before the hash was split into a key a block and a mix an element, and every
+// later version must draw them again; state_key and state_mix compose to the same function.
+TEST(CompressedStatesTest, TheRandomBitsAreTheSameInEveryVersion) {
+  struct Draw {
+    std::uint32_t seed;
+    std::int64_t step, i;
+    std::uint32_t stream, bits;
+  };
+  constexpr Draw kDraws[] = {{0u, 1, 0, 0, 0x9BB31115u},
+                             {305441741u, 7, 255, 1, 0x60430815u},
+                             {42u, 1000, 70001, 0, 0x287E3A00u},
+                             {42u, 1000, 70001, 1, 0x595CB7A7u},
+                             {3735928559u, 3, (std::int64_t{1} << 32) + 5, 0, 0x3EE9AB99u},
+                             {3735928559u, 3, (std::int64_t{1} << 33) + 511, 1, 0xC619430Fu}};
+  for (const Draw& d : kDraws) {
+    EXPECT_EQ(state_random_bits(d.seed, d.step, d.i, d.stream), d.bits) << d.i;
+    const auto u = static_cast<std::uint64_t>(d.i);
+    EXPECT_EQ(state_mix(static_cast<std::uint32_t>(u),
+                        state_key(d.seed, d.step, static_cast<std::uint32_t>(u >> 32), d.stream)),
+              d.bits);
+  }
+}
+
 TEST(CompressedStatesTest, StochasticRoundingPicksANeighbourAndIsUnbiased) {
   constexpr int kDraws = 40000;
   std::mt19937_64 rng(5);
@@ -192,7 +216,8 @@ struct Pair {
 constexpr Pair kPairs[] = {{ElemType::kF32, ElemType::kF32},
                            {ElemType::kBF16, ElemType::kBF16},
                            {ElemType::kBF16, ElemType::kF32},
-                           {ElemType::kF16, ElemType::kF16}};
+                           {ElemType::kF16, ElemType::kF16},
+                           {ElemType::kF16, ElemType::kF32}};
 
 // The parameters step exactly as float32 moments holding the decoded values step them (the update
 // takes the moments before they are rounded), and the new moments decode within one gap of the
@@ -478,11 +503,15 @@ class GpuCompressedStatesTest : public ::testing::Test {
   }
 };
 
-void* upload(const void* host, std::size_t bytes) {
+// A device copy of `bytes` from host, `offset` bytes into its allocation (kept in `allocations`).
+void* upload(const void* host, std::size_t bytes, std::vector<void*>& allocations,
+             std::size_t offset = 0) {
   void* d = nullptr;
-  EXPECT_EQ(cudaMalloc(&d, std::max<std::size_t>(bytes, 1)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  return d;
+  EXPECT_EQ(cudaMalloc(&d, std::max<std::size_t>(bytes, 1) + offset), cudaSuccess);
+  allocations.push_back(d);
+  void* at = static_cast<unsigned char*>(d) + offset;
+  EXPECT_EQ(cudaMemcpy(at, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  return at;
 }
 
 void download(void* host, const void* d, std::size_t bytes) {
@@ -492,26 +521,32 @@ void download(void* host, const void* d, std::size_t bytes) {
 // The CUDA kernel's bits are the host kernel's, given the device's bias corrections (See Note
 // [Bias corrections from the device] in optim/adam_kernels.h): parameters, masters, codes and
 // scales, over tensors that cross the kernel's chunks and end in part blocks, with a loss scale
-// and a step found_inf skips.
+// and a step found_inf skips; every kind of tensor also with its parameter and gradient one
+// element off the alignment that lets the kernel load four elements at once.
 TEST_F(GpuCompressedStatesTest, GpuKernelIsBitwiseTheHostKernel) {
   ThreadPool pool(3);
   const AdamHyper h{.lr = 1e-2, .weight_decay = 0.05};
   for (StateType type : {StateType::kBF16, StateType::kI8}) {
     std::vector<Host> cpu;
-    for (const Pair& pair : kPairs) {
-      for (std::int64_t n : {1, 300, 70001, 131072 + 77})
-        cpu.emplace_back(n, pair.p, pair.g, type, n);
+    std::vector<bool> off;  // the parameter and gradient one element past their allocation's start
+    for (bool shifted : {false, true}) {
+      for (const Pair& pair : kPairs) {
+        for (std::int64_t n : {1, 300, 70001, 131072 + 77}) {
+          cpu.emplace_back(n, pair.p, pair.g, type, n);
+          off.push_back(shifted);
+        }
+      }
     }
     std::vector<Host> gpu = cpu;
-    std::vector<std::array<void*, 6>> dev(cpu.size());
+    std::vector<std::array<void*, 5>> dev(cpu.size());
+    std::vector<void*> allocations;
     for (std::size_t k = 0; k < cpu.size(); ++k) {
       Host& x = gpu[k];
-      dev[k] = {upload(x.param.data(), x.param.size()),
-                upload(x.grad.data(), x.grad.size()),
-                upload(x.m.data(), x.m.size()),
-                upload(x.v.data(), x.v.size()),
-                x.master.empty() ? nullptr : upload(x.master.data(), x.master.size() * 4),
-                nullptr};
+      dev[k] = {
+          upload(x.param.data(), x.param.size(), allocations, off[k] ? elem_size(x.param_type) : 0),
+          upload(x.grad.data(), x.grad.size(), allocations, off[k] ? elem_size(x.grad_type) : 0),
+          upload(x.m.data(), x.m.size(), allocations), upload(x.v.data(), x.v.size(), allocations),
+          x.master.empty() ? nullptr : upload(x.master.data(), x.master.size() * 4, allocations)};
     }
     float* scalars = nullptr;  // grad_scale, found_inf, then 2 floats of bias corrections a tensor
     ASSERT_EQ(
@@ -573,8 +608,8 @@ TEST_F(GpuCompressedStatesTest, GpuKernelIsBitwiseTheHostKernel) {
       EXPECT_EQ(got.m, want.m) << "type " << static_cast<int>(type) << " tensor " << k;
       EXPECT_EQ(got.v, want.v) << "type " << static_cast<int>(type) << " tensor " << k;
       EXPECT_EQ(skipped[k], 1);
-      for (void* p : dev[k]) cudaFree(p);
     }
+    for (void* p : allocations) cudaFree(p);
     cudaFreeHost(scalars);
     cudaFreeHost(skipped);
   }
