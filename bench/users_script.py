@@ -20,8 +20,9 @@ zero_grad() after every step. The approaches (--approaches, all by default):
   strata_int8, strata_bf16, strata_tuned_int8
                   strata and strata_tuned with state_dtype="int8" or "bfloat16": the moments
                   stored and streamed compressed (See Note [Compressed moments])
-  NAME:dK         a strata_tuned approach with prefetch_depth=K instead of 3, e.g.
-                  strata_tuned_int8:d12
+  NAME:dK         a strata_tuned approach with prefetch_depth=K instead of 3, or strata_int8 /
+                  strata_bf16 with prefetch_depth=K given, e.g. strata_tuned_int8:d12
+  NAME+undo       a strata_tuned approach with undo_on_gpu=True, e.g. strata_tuned_int8:d28+undo
   torchao_8bit    torchao's AdamW8bit, every state on the GPU (its 8-bit moments are GPU
                   tensors; it does not offload)
   deepspeed       DeepSpeed ZeRO-Offload as its users configure it: ZeRO stage 2 with
@@ -47,6 +48,7 @@ resident run of the same batch, and the device peak.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -128,6 +130,16 @@ class Poller:
         self.peak = max(self.peak, self.used())
 
 
+# strata's byte and copy counters (Runtime.stats()), or {} for a peer.
+def strata_counters(opt) -> dict:
+    runtime = getattr(opt, "runtime", None)
+    if runtime is None or not hasattr(runtime, "stats"):
+        return {}
+    keys = ("migrated_bytes_h2d", "migrated_bytes_d2h", "undo_copied_bytes", "timed_bytes_d2h")
+    stats = runtime.stats()
+    return {k: stats[k] for k in keys if k in stats}
+
+
 def one_run(args):
     import torch
 
@@ -185,7 +197,8 @@ def one_run(args):
             import strata
 
             moments = "int8" if args.one == "strata_int8" else "bfloat16"
-            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, state_dtype=moments)
+            depth = {"prefetch_depth": args.tuned_depth} if args.depth_given else {}
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, state_dtype=moments, **depth)
         elif args.one == "torchao_8bit":
             try:
                 from torchao.optim import AdamW8bit
@@ -224,6 +237,7 @@ def one_run(args):
                 overlap="backward",
                 max_grad_norm=1.0,
                 state_dtype="int8" if args.one == "strata_tuned_int8" else "float32",
+                undo_on_gpu=True if args.undo_on_gpu else None,
             )
             clip_in_loop = False
         else:
@@ -255,11 +269,23 @@ def one_run(args):
         for _ in range(args.warmup - 1):
             losses.append(step())
         torch.cuda.synchronize()
+        # Each timed step's time between events on the current stream (recorded as the loop
+        # reaches them, no host wait), to tell a slow run from one slow step.
+        # strata's counters over the timed steps, and what each step was (in backward, after it,
+        # redone: See Note [When to step in backward]).
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+        counters = strata_counters(opt)
+        outcomes = []
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for k in range(args.steps):
+            marks[k].record()
             losses.append(step())
+            outcomes.append(getattr(opt, "last_step_outcome", None))
+        marks[-1].record()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        step_ms = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+        counters = {k: (v - counters[k]) / args.steps for k, v in strata_counters(opt).items()}
         if args.profile:  # a few more steps under torch.profiler, after the timed ones
             from torch.profiler import ProfilerActivity, profile
 
@@ -280,6 +306,9 @@ def one_run(args):
         "approach": args.one,
         "batch": args.batch,
         "ms_per_step": ms,
+        "step_ms": step_ms,
+        "step_outcomes": outcomes,
+        "strata_per_step": counters,
         "first_step_ms": first_ms,
         "device_peak_gib": poll.peak / 2**30,
         "device_base_gib": base_used / 2**30,
@@ -320,7 +349,12 @@ def driver(args):
                     env["PATH"] = os.environ["DS_PKGS"] + "/bin:" + env.get("PATH", "")
                 try:
                     p = subprocess.run(
-                        cmd, capture_output=True, text=True, timeout=args.timeout, env=env
+                        cmd,
+                        capture_output=True,
+                        text=True,
+                        timeout=args.timeout,
+                        env=env,
+                        check=False,
                     )
                 except subprocess.TimeoutExpired:
                     print(f"round {r} b{batch} {approach}: TIMED OUT", flush=True)
@@ -338,6 +372,7 @@ def driver(args):
                 results.append(res)
                 print(
                     f"round {r} b{batch} {approach:<14} {res['ms_per_step']:8.1f} ms  "
+                    f"(steps {min(res['step_ms']):.1f}-{max(res['step_ms']):.1f})  "
                     f"peak {res['device_peak_gib']:6.2f} GiB  ({time.time() - t0:.0f} s)",
                     flush=True,
                 )
@@ -394,10 +429,17 @@ def main():
     )
     args = ap.parse_args()
     if args.one:
+        args.one, _, extra = args.one.partition("+")
+        if extra not in ("", "undo"):
+            raise SystemExit(f"--one ...+{extra}: the only suffix is +undo")
+        args.undo_on_gpu = extra == "undo"
         args.one, _, depth = args.one.partition(":d")
         args.tuned_depth = int(depth) if depth else 3
-        if depth and not args.one.startswith("strata_tuned"):
-            raise SystemExit(f"--one {args.one}:d{depth}: only strata_tuned approaches take :dK")
+        args.depth_given = bool(depth)
+        if depth and not args.one.startswith(("strata_tuned", "strata_int8", "strata_bf16")):
+            raise SystemExit(
+                f"--one {args.one}:d{depth}: only strata_tuned, strata_int8 and strata_bf16 take :dK"
+            )
         one_run(args)
     else:
         driver(args)

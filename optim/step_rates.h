@@ -36,7 +36,7 @@ namespace strata::optim {
 
 struct MeasureOptions {
   std::size_t link_bytes = std::size_t{64} << 20;     // per copy
-  std::int64_t adam_params = std::int64_t{1} << 24;   // the host kernel's runs (the GPU's: 2^22)
+  std::int64_t adam_params = std::int64_t{1} << 24;   // each Adam kernel's run, host and GPU
   std::size_t memory_bytes = std::size_t{256} << 20;  // host memory copy
   int repeats = 3;
   // How the kernels' moments are stored: the step's Adam rates are those of its own kernels.

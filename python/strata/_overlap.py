@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 
 import torch
 
@@ -46,6 +47,12 @@ class Overlap:
         self._spec_wait, self._spec_backoff = 0, 0
         self._coef_host: torch.Tensor | None = None  # See Note [When to step in backward]
         self._coef_ready = None
+        # Iteration times by where the step ran (See Note [When to step in backward]): None where
+        # nothing can be timed (parameters off the GPU).
+        cuda = any(local(p).is_cuda for p in trainable[:1])
+        self._clock: StepClock | None = StepClock() if cuda else None
+        self._times: dict = {"backward": [], "after": []}
+        self._slower_wait = 0  # the wait after speculation measured slower; doubles each time
         if runtime.overlap == "backward":
             self._set_speculating(True)
             if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
@@ -110,6 +117,7 @@ class Overlap:
         self._layer_seen = {}
         if self._runtime.overlap == "backward":
             self._adapt_speculation(outcome)
+            self._measured_choice(outcome)
         if self._runtime.overlap == "backward" and grad_scale is not None:
             # The next step's layers stepped in backward divide by this scale; it holds unless
             # GradScaler.update changes it (See Note [GradScaler] in strata/optim.py).
@@ -128,6 +136,17 @@ class Overlap:
     # not known yet: its coefficient is copied to the host without a wait (_note_clip) and read once
     # the copy is done, so a run in which clipping fires at every step steps after backward at every
     # step but the first, with no host wait added. last_step_outcome says what each step was.
+    #
+    # A step that holds can cost more in backward too: each layer stepped there keeps what a redo
+    # would need (its states before the step, copied off to the host unless undo_on_gpu), and those
+    # copies share the link with the states' own; after backward, a ring deep enough to hold the
+    # states staged during forward leaves little to wait for. So the time of each iteration (one
+    # step's end to the next's, from events on the current stream, read once they are done, with no
+    # host wait) is kept by where its step ran; once steps in backward have been timed twice and
+    # steps after backward have not, the next two run after backward to time them; and while the
+    # median of the last few in backward exceeds that of the last few after it, the steps run after
+    # backward (16 steps, then 32, ... up to 1024 while that stays so), then backward is tried
+    # again. Without a GPU nothing is timed and only redone steps decide.
     def _adapt_speculation(self, outcome: str | None) -> None:
         if self._spec_wait > 0:  # this step was taken after backward by choice
             self._spec_wait -= 1
@@ -150,6 +169,42 @@ class Overlap:
             self._set_speculating(False)
         elif outcome == "speculation":
             self._spec_backoff = 0
+
+    # Where the next steps run by the measured iteration times (See Note [When to step in
+    # backward]).
+    def _measured_choice(self, outcome: str | None) -> None:
+        if self._clock is None:
+            return
+        where = {"speculation": "backward", "sequential": "after"}.get(outcome)
+        self._clock.mark(where)  # a redone step's iteration is neither's
+        for where, ms in self._clock.done():
+            self._times[where] = (self._times[where] + [ms])[-4:]
+        if not self._speculating or self._spec_wait > 0:
+            return
+        in_backward, after = self._times["backward"], self._times["after"]
+        if len(in_backward) < 2:
+            return
+        if len(after) < 2:  # never timed after backward: time two steps there
+            self._spec_wait = 2
+            self._set_speculating(False)
+            return
+        if statistics.median(in_backward) <= statistics.median(after):
+            self._slower_wait = 0
+            return
+        self._slower_wait = min(2 * self._slower_wait, 1024) if self._slower_wait else 16
+        if self._slower_wait == 16:
+            _log.info(
+                "strata.optim.%s: steps taken in backward measured %.1f ms an iteration, after "
+                "backward %.1f ms; the next %d steps run after backward (Note [When to step in "
+                "backward])",
+                self._name,
+                statistics.median(in_backward),
+                statistics.median(after),
+                self._slower_wait,
+            )
+        self._times["backward"] = []
+        self._spec_wait = self._slower_wait
+        self._set_speculating(False)
 
     # The last clip coefficient, on its way to the host (See Note [When to step in backward]).
     def _note_clip(self, coef: torch.Tensor) -> None:
@@ -266,3 +321,28 @@ class Overlap:
         coef = clip_coef(total, self._max_grad_norm)
         self._note_clip(coef)
         return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False, total
+
+
+class StepClock:
+    """Iteration times on the GPU: mark(label) records an event on the current stream at a step's
+    end; done() returns (label, ms) for each iteration, from the mark before to that step's mark,
+    whose events are complete (queried, never waited on), oldest first. A label of None is not
+    returned (See Note [When to step in backward])."""
+
+    def __init__(self) -> None:
+        self._last = None
+        self._pending: list = []  # (label, start event, end event)
+
+    def mark(self, label: str | None) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if self._last is not None and label is not None:
+            self._pending.append((label, self._last, event))
+        self._last = event
+
+    def done(self) -> list:
+        out = []
+        while self._pending and self._pending[0][2].query():
+            label, start, end = self._pending.pop(0)
+            out.append((label, start.elapsed_time(end)))
+        return out

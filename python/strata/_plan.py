@@ -85,20 +85,26 @@ def layer_state_bytes(layer: list, amsgrad: bool, state_dtype: str) -> int:
     return sum(state_bytes(p, amsgrad, state_dtype) for _, p in layer)
 
 
-# Prefetch depth from the budget: 3 without one; with one, as many slots of the largest layer's
-# states as fit beside the parameters (and FSDP2's gradients) strata keeps on the GPU, less one,
-# between 1 and 3. Other gradients stay torch's (See Note [Gradients given at each step] in
-# optim/adam.h).
+# Prefetch depth: as many slots of the largest layer's states as the ring of depth 3 would take with
+# float32 moments, so that compressed moments (a quarter or half the bytes) get more layers ahead
+# for the same GPU memory (float32 parameters: 3 with float32 moments, 7 bfloat16, 14 int8; a
+# master counts too), and at most one a layer. With a budget, no more than fit beside the
+# parameters (and FSDP2's gradients) strata keeps on the GPU, less one, and at least 1. Other
+# gradients stay torch's (See Note [Gradients given at each step] in optim/adam.h).
 def auto_depth(plan: list, budget: int | None, amsgrad: bool, state_dtype: str) -> int:
-    if budget is None or not plan:
+    if not plan:
         return 3
-    slot = max(layer_state_bytes(layer, amsgrad, state_dtype) for layer in plan)
+    slot = max(max(layer_state_bytes(layer, amsgrad, state_dtype) for layer in plan), 1)
+    float32 = max(layer_state_bytes(layer, amsgrad, "float32") for layer in plan)
+    depth = max(3, min(len(plan), (3 + 1) * float32 // slot - 1))
+    if budget is None:
+        return depth
     resident = sum(
         (2 if is_dtensor(p) else 1) * local(p).numel() * local(p).element_size()
         for layer in plan
         for _, p in layer
     )
-    return max(1, min(3, (budget - resident) // max(slot, 1) - 1))
+    return max(1, min(depth, (budget - resident) // slot - 1))
 
 
 # The INFO line of what was chosen, the step placement's line when the policy places steps, and a

@@ -83,6 +83,22 @@ def test_the_one_line_trains_equal_to_torch_with_states_over_the_budget(how, cap
     assert opt.close() == []
 
 
+@pytest.mark.parametrize("state_dtype, depth", [("float32", 3), ("bfloat16", 7), ("int8", 14)])
+def test_the_ring_holds_the_bytes_of_float32_moments_at_depth_3(state_dtype, depth):
+    # Without a budget the prefetch depth is as many layers as a ring of depth 3 holds with float32
+    # moments (See _plan.auto_depth); never more than the layers; with a budget, what fits.
+    model = Blocks(n=20, d=256)
+    opt = strata.optim.AdamW(model.parameters(), model=model, state_dtype=state_dtype)
+    assert opt.runtime.num_layers > 14
+    assert opt.runtime.prefetch_depth == depth
+    train(model, opt, steps=2)
+    assert opt.close() == []
+    few = Blocks(n=4, d=256)
+    opt = strata.optim.AdamW(few.parameters(), model=few, state_dtype=state_dtype)
+    assert opt.runtime.prefetch_depth == max(3, min(depth, opt.runtime.num_layers))
+    assert opt.close() == []
+
+
 def test_layers_follow_the_blocks_by_name_and_by_module():
     model = Blocks(n=6)  # each block under 1 / (depth + 1) of the whole: not opened
     named = list(model.named_parameters())

@@ -330,6 +330,48 @@ def test_with_max_grad_norm_the_step_stays_after_backward_while_clipping_fires()
     assert opt.close() == []
 
 
+class FakeClock:
+    """Iteration times by where the step ran, as strata._overlap.StepClock gives them, but fixed
+    and done at once."""
+
+    def __init__(self, ms: dict) -> None:
+        self.ms, self.started, self.out = ms, False, []
+
+    def mark(self, label) -> None:
+        if self.started and label is not None:
+            self.out.append((label, self.ms[label]))
+        self.started = True
+
+    def done(self) -> list:
+        out, self.out = self.out, []
+        return out
+
+
+@pytest.mark.parametrize("faster", ["backward", "after"])
+def test_steps_run_where_iterations_were_measured_faster(faster):
+    # Three steps in backward, two after it to time them, then in backward again if that was
+    # faster, else after backward for the next 16 (See Note [When to step in backward] in
+    # strata/_overlap.py). Either way the parameters are the sequential step's, bit for bit.
+    seq = run(Mlp, strata_opt("layer_prefetch", layer_bytes="1KiB"), plain_loop, steps=8)
+    model = Mlp()
+    opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
+    opt._overlap._clock = FakeClock(
+        {"backward": 50.0, "after": 60.0}
+        if faster == "backward"
+        else {"backward": 100.0, "after": 60.0}
+    )
+    outcomes = []
+    for step in range(8):
+        opt.zero_grad()
+        mse_step(model, step)
+        opt.step()
+        outcomes.append(opt.last_step_outcome)
+    then = "speculation" if faster == "backward" else "sequential"
+    assert outcomes == ["speculation"] * 3 + ["sequential"] * 2 + [then] * 3, outcomes
+    assert_bitwise(params_of(model), seq[1])
+    assert opt.close() == []
+
+
 def test_an_lr_schedule_under_overlap_steps_with_the_rate_of_each_step():
     # The scheduler changes the rate after step(); layers stepped in the next backward use the new
     # one (and a rate changed after backward redoes the step).
