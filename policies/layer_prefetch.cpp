@@ -64,10 +64,12 @@ absl::Status LayerPrefetch::on_begin_step(rt::PolicyContext& rt) {
   STRATA_RETURN_IF_ERROR(settle(rt));
   stepped_.clear();
   overlapping_ = overlap();
-  if (!overlapping_ || streams_parameters()) return absl::OkStatus();
-  // States come in backward order, the first while forward runs (See Note [Overlapped backward]).
+  ahead_ = !overlapping_ && config().roles == state_roles();
+  if (!(overlapping_ || ahead_) || streams_parameters()) return absl::OkStatus();
+  // Under overlap the states come in backward order, the first while forward runs (See Note
+  // [Overlapped backward]); else in the optimizer step's (See Note [States staged ahead]).
   order_ = streamed_layers(rt, config().roles);
-  std::reverse(order_.begin(), order_.end());
+  if (overlapping_) std::reverse(order_.begin(), order_.end());
   STRATA_RETURN_IF_ERROR(configure(rt));
   next_ = 0;
   return refill_optimizer(rt);
@@ -143,6 +145,16 @@ absl::Status LayerPrefetch::on_after_backward(rt::PolicyContext& rt, int layer) 
   return absl::OkStatus();
 }
 
+// Note [States staged ahead]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Without overlap the optimizer step needs every layer's states, and nothing else needs the ring
+// while forward and backward run when only the states stream. So begin_step, which a client calls
+// before forward (strata-train) or as the first gradient arrives (strata.optim), stages the first
+// layers of the optimizer step's order then, as far as the ring holds: their copies run beside
+// forward and backward instead of in front of the step. The step then takes them first, as they
+// are (See Note [Staged for a step not taken in backward]). A step that ends with no optimizer step
+// drops them without a copy back.
+
 // Note [Staged for a step not taken in backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Under overlap, begin_step stages the states of the layers backward reaches first, while forward
@@ -156,9 +168,10 @@ absl::Status LayerPrefetch::on_after_backward(rt::PolicyContext& rt, int layer) 
 // optimizer step (a micro-batch before the last) drops them without a copy back; their fetch
 // during forward is still spent.
 absl::Status LayerPrefetch::on_begin_optimizer_step(rt::PolicyContext& rt) {
-  const bool untouched =
-      overlapping_ && !streams_parameters() && stepped_.empty() && awaiting_.empty() && settled_;
+  const bool untouched = (overlapping_ || ahead_) && !streams_parameters() && stepped_.empty() &&
+                         awaiting_.empty() && settled_;
   overlapping_ = false;
+  ahead_ = false;
   first_.clear();
   if (untouched) {
     STRATA_RETURN_IF_ERROR(release_held(rt));
@@ -213,13 +226,14 @@ absl::Status LayerPrefetch::on_undo_rolled_back(rt::PolicyContext&) {
 }
 
 absl::Status LayerPrefetch::on_end_step(rt::PolicyContext& rt) {
-  if (overlapping_ && !streams_parameters() && stepped_.empty() && awaiting_.empty()) {
+  if ((overlapping_ || ahead_) && !streams_parameters() && stepped_.empty() && awaiting_.empty()) {
     // A micro-batch before the last: what forward staged for backward was not written, so it
     // goes home without a copy (See Note [Staged for a step not taken in backward]).
     STRATA_RETURN_IF_ERROR(release_held(rt));
     while (!staged_.empty()) STRATA_RETURN_IF_ERROR(unstage(rt, staged_.front(), RoleSet{}));
   }
   overlapping_ = false;
+  ahead_ = false;
   return reset(rt);
 }
 

@@ -229,6 +229,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Between begin_step and the optimizer step under kBackward; layers staged after their backward
   // until their release; layers released so far (See Note [Overlapped backward]).
   bool overlapping_ = false;
+  // Between begin_step and the optimizer step without overlap, when only states stream
+  // (See Note [States staged ahead]).
+  bool ahead_ = false;
   std::vector<int> awaiting_;
   std::vector<int> stepped_;
   // Staged before the optimizer step began, stepped first

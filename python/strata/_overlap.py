@@ -57,6 +57,12 @@ class Overlap:
             self._set_speculating(True)
             if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
                 self._hook_gradients()
+        elif runtime.policy == "layer_prefetch" and not runtime._hooks:
+            # The step begins with the first gradient, so that the states the step takes first
+            # are staged while backward runs (See Note [States staged ahead] in
+            # policies/layer_prefetch.cpp); strata.attach's hooks begin it before forward.
+            for p in trainable:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._begin_step))
 
     def close(self) -> None:
         """Removes the hooks and lets go of the optimizer's kernels (their states are freed with

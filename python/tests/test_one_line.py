@@ -99,6 +99,27 @@ def test_the_ring_holds_the_bytes_of_float32_moments_at_depth_3(state_dtype, dep
     assert opt.close() == []
 
 
+def test_the_states_the_step_takes_first_are_staged_during_backward():
+    # Without overlap, the step begins with the first gradient, and the states it takes first are
+    # on their way to the GPU before step() (See Note [States staged ahead] in
+    # policies/layer_prefetch.cpp); the step then trains as torch's.
+    model = Blocks()
+    opt = strata.optim.AdamW(model.parameters(), lr=1e-3, model=model)
+    rt = opt.runtime
+    for step in range(3):
+        x, y = data(step)
+        loss = F.mse_loss(model(x), y)
+        assert not rt._rt.in_step()
+        before = rt.stats()["migrated_bytes_h2d"]
+        loss.backward()
+        assert rt._rt.in_step()
+        assert rt.stats()["migrated_bytes_h2d"] > before
+        opt.step()
+        opt.zero_grad()
+    assert_close(params_of(model), reference(3), rel=1e-5)
+    assert opt.close() == []
+
+
 def test_layers_follow_the_blocks_by_name_and_by_module():
     model = Blocks(n=6)  # each block under 1 / (depth + 1) of the whole: not opened
     named = list(model.named_parameters())
