@@ -29,7 +29,13 @@ class Overlap:
     _strata.Adam, `trainable` its parameters that require grad."""
 
     def __init__(
-        self, name: str, runtime, adam, trainable: list, max_grad_norm: float | None
+        self,
+        name: str,
+        runtime,
+        adam,
+        trainable: list,
+        max_grad_norm: float | None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         self._name = name
         self._runtime = runtime
@@ -63,6 +69,10 @@ class Overlap:
             # policies/layer_prefetch.cpp); strata.attach's hooks begin it before forward.
             for p in trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._begin_step))
+        if model is not None and not runtime._hooks and not fsdp_modules():
+            # Given the model, the step begins with its forward: the states come in while forward
+            # runs too (FSDP2's units begin it so under overlap).
+            self._hooks.append(model.register_forward_pre_hook(self._begin_from_forward))
 
     def close(self) -> None:
         """Removes the hooks and lets go of the optimizer's kernels (their states are freed with
@@ -246,6 +256,13 @@ class Overlap:
         modules = {id(units[id(p)]): units[id(p)] for p in params if id(p) in units}
         for m in modules.values():
             self._hooks.append(m.register_forward_pre_hook(self._begin_step))
+
+    # The model's forward, where a step follows: one with autograd recording, while the runtime's
+    # tensors are in place (an evaluation under no_grad, or one between offload_all and
+    # reload_all, begins nothing).
+    def _begin_from_forward(self, *_) -> None:
+        if torch.is_grad_enabled() and not self._runtime.offloaded:
+            self._begin_step()
 
     def _begin_step(self, *_) -> None:
         # The first unit's forward: the states backward needs first start coming now.

@@ -256,7 +256,7 @@ class Adam(torch.optim.Optimizer):
         # Stepping in backward (overlap="backward") and clipping (See Note [Clipping in the step]
         # in strata/_overlap.py).
         self._overlap = Overlap(
-            self._name, runtime, self._adam, self._trainable, self._max_grad_norm
+            self._name, runtime, self._adam, self._trainable, self._max_grad_norm, model
         )
 
     def _device_for(self, first: torch.Tensor, device: Optional[str]) -> str:

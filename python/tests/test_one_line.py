@@ -99,18 +99,24 @@ def test_the_ring_holds_the_bytes_of_float32_moments_at_depth_3(state_dtype, dep
     assert opt.close() == []
 
 
-def test_the_states_the_step_takes_first_are_staged_during_backward():
-    # Without overlap, the step begins with the first gradient, and the states it takes first are
-    # on their way to the GPU before step() (See Note [States staged ahead] in
-    # policies/layer_prefetch.cpp); the step then trains as torch's.
+@pytest.mark.parametrize("given", ["parameters", "model"])
+def test_the_states_the_step_takes_first_are_staged_before_step(given):
+    # Without overlap, the step begins with the first gradient (with the model's forward when the
+    # model is given), and the states it takes first are on their way to the GPU before step()
+    # (See Note [States staged ahead] in policies/layer_prefetch.cpp); an evaluation under no_grad
+    # begins nothing; the step trains as torch's.
     model = Blocks()
-    opt = strata.optim.AdamW(model.parameters(), lr=1e-3, model=model)
+    kw = {"model": model} if given == "model" else {}
+    opt = strata.optim.AdamW(model.parameters(), lr=1e-3, **kw)
     rt = opt.runtime
     for step in range(3):
-        x, y = data(step)
-        loss = F.mse_loss(model(x), y)
+        with torch.no_grad():
+            model(data(step)[0])
         assert not rt._rt.in_step()
+        x, y = data(step)
         before = rt.stats()["migrated_bytes_h2d"]
+        loss = F.mse_loss(model(x), y)
+        assert rt._rt.in_step() == (given == "model")
         loss.backward()
         assert rt._rt.in_step()
         assert rt.stats()["migrated_bytes_h2d"] > before
