@@ -6,7 +6,9 @@ strata/optim.py), chooses when to step in backward at all (See Note [When to ste
 keeps the gradients each layer's step read (See Note [Gradients changed after their layer
 stepped]), and takes the step of a backward back when one cannot go on. Clipping lives here too,
 under either overlap: its coefficient decides whether the step taken in backward stands
-(See Note [Clipping in the step]).
+(See Note [Clipping in the step]). Without overlap it begins the runtime's step before step(), at
+the model's forward or the first gradient, so that the states come in while they run (See Note
+[States staged ahead] in policies/layer_prefetch.cpp).
 """
 
 from __future__ import annotations
@@ -265,7 +267,8 @@ class Overlap:
             self._begin_step()
 
     def _begin_step(self, *_) -> None:
-        # The first unit's forward: the states backward needs first start coming now.
+        # The runtime's step begins where the states it stages first should start coming: the
+        # first unit's forward, the model's, or the first gradient.
         if not self._closed and not self._runtime._rt.in_step():
             self._runtime._rt.begin_step()
 
@@ -355,9 +358,10 @@ class StepClock:
     def __init__(self) -> None:
         self._last = None
         self._pending: list = []  # (label, start event, end event)
+        self._free: list = []  # events read and done with, recorded again rather than made anew
 
     def mark(self, label: str | None) -> None:
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         event.record()
         if self._last is not None and label is not None:
             self._pending.append((label, self._last, event))
@@ -368,4 +372,5 @@ class StepClock:
         while self._pending and self._pending[0][2].query():
             label, start, end = self._pending.pop(0)
             out.append((label, start.elapsed_time(end)))
+            self._free.append(start)  # no later iteration starts or ends with it
         return out

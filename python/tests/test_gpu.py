@@ -170,3 +170,29 @@ def test_stepping_in_backward_on_the_gpu_is_bitwise_the_step_after_it(policy, at
     for a, b in zip(params, want_params):
         assert torch.equal(a, b)
     assert 0 < redone < len(norms)
+
+
+@pytest.mark.gpu
+def test_the_step_clock_times_each_labelled_iteration_and_reuses_its_events():
+    # strata._overlap.StepClock (See Note [When to step in backward]): an iteration is timed from
+    # the mark before it to its own, a None label is not returned, and events are recorded again.
+    from strata._overlap import StepClock
+
+    clock = StepClock()
+    x = torch.randn(2048, 2048, device="cuda")
+    labels = [None, "backward", "after", None, "after", "backward", "after", "after"]
+    got = []
+    for label in labels:
+        for _ in range(20):
+            x = x @ x
+            x = x / x.norm()
+        clock.mark(label)
+        got += clock.done()
+    torch.cuda.synchronize()
+    got += clock.done()
+    assert [label for label, _ in got] == [label for label in labels[1:] if label is not None]
+    assert all(ms > 0 for _, ms in got)
+    free = len(clock._free)  # the events of iterations read
+    assert free >= 1
+    clock.mark("after")
+    assert len(clock._free) == free - 1
