@@ -156,15 +156,16 @@ class Overlap:
     # step but the first, with no host wait added. last_step_outcome says what each step was.
     #
     # A step that holds can cost more in backward too: each layer stepped there keeps what a redo
-    # would need (its states before the step, copied off to the host unless undo_on_gpu), and those
-    # copies share the link with the states' own; after backward, a ring deep enough to hold the
-    # states staged during forward leaves little to wait for. So the time of each iteration (one
-    # step's end to the next's, from events on the current stream, read once they are done, with no
-    # host wait) is kept by where its step ran; once steps in backward have been timed twice and
-    # steps after backward have not, the next two run after backward to time them; and while the
-    # median of the last few in backward exceeds that of the last few after it, the steps run after
-    # backward (16 steps, then 32, ... up to 1024 while that stays so), then backward is tried
-    # again. Without a GPU nothing is timed and only redone steps decide.
+    # would need (the bytes its kernel overwrites of tensors resting on the GPU, the parameters,
+    # copied off to the host unless undo_on_gpu), and those copies share the link with the states';
+    # after backward, with the ring filled while backward ran, little is left to wait for. So the
+    # time of each iteration (one step's end to the next's, from events on the current stream, read
+    # once they are done, with no host wait) is kept by where its step ran; once steps in backward
+    # have been timed twice and steps after backward have not, the next two run after backward to
+    # time them; and while the median of the last few in backward exceeds that of the last few
+    # after it, the steps run after backward (16 steps, then 32, ... up to 1024 while that stays
+    # so), then backward is tried again. Without a GPU nothing is timed and only redone steps
+    # decide.
     def _adapt_speculation(self, outcome: str | None) -> None:
         if self._spec_wait > 0:  # this step was taken after backward by choice
             self._spec_wait -= 1
