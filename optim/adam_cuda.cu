@@ -64,26 +64,50 @@ __device__ __forceinline__ void update4(float4& p, const float4& g, float4& m, f
   adam_element(p.w, g.w, m.w, v.w, nullptr, s, inv);
 }
 
-// Four elements of a bfloat16 / float16 (8 bytes) or float32 (16 bytes) tensor from index i.
-__device__ __forceinline__ void load4(const void* base, ElemType type, std::int64_t i, float* out) {
-  if (type == ElemType::kF32) {
+__device__ __forceinline__ std::uint32_t to_low(float v, ElemType type) {
+  return type == ElemType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
+}
+
+// Four elements of type T (known when compiled) from index i, a multiple of 4: one float4 (float32)
+// or one uint2 (bfloat16 / float16) load; and back.
+template <ElemType T>
+__device__ __forceinline__ void load4_as(const void* base, std::int64_t i, float* out) {
+  if constexpr (T == ElemType::kF32) {
     const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
     out[0] = f.x;
     out[1] = f.y;
     out[2] = f.z;
     out[3] = f.w;
-    return;
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const std::uint16_t*>(base) + i);
+    const std::uint32_t w[2] = {u.x, u.y};
+    for (int k = 0; k < 4; ++k) {
+      const auto h = static_cast<std::uint16_t>(w[k / 2] >> (16 * (k % 2)));
+      out[k] = T == ElemType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
+    }
   }
-  const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const std::uint16_t*>(base) + i);
-  const std::uint16_t h[4] = {
-      static_cast<std::uint16_t>(u.x & 0xffffu), static_cast<std::uint16_t>(u.x >> 16),
-      static_cast<std::uint16_t>(u.y & 0xffffu), static_cast<std::uint16_t>(u.y >> 16)};
-  for (int k = 0; k < 4; ++k)
-    out[k] = type == ElemType::kBF16 ? bf16_to_float(h[k]) : f16_to_float(h[k]);
+}
+template <ElemType T>
+__device__ __forceinline__ void store4_as(void* base, std::int64_t i, const float* in) {
+  if constexpr (T == ElemType::kF32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(base) + i) = {in[0], in[1], in[2], in[3]};
+  } else {
+    const uint2 u = {to_low(in[0], T) | (to_low(in[1], T) << 16),
+                     to_low(in[2], T) | (to_low(in[3], T) << 16)};
+    *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(base) + i) = u;
+  }
 }
 
-__device__ __forceinline__ std::uint32_t to_low(float v, ElemType type) {
-  return type == ElemType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
+// The same load with the type read where it runs.
+__device__ __forceinline__ void load4(const void* base, ElemType type, std::int64_t i, float* out) {
+  switch (type) {
+    case ElemType::kF32:
+      return load4_as<ElemType::kF32>(base, i, out);
+    case ElemType::kBF16:
+      return load4_as<ElemType::kBF16>(base, i, out);
+    default:
+      return load4_as<ElemType::kF16>(base, i, out);
+  }
 }
 
 // Mixed precision four elements at a time (See Note [Mixed precision] in adam_math.h): 28 bytes a
@@ -114,35 +138,6 @@ constexpr ElemType param_of(I8Layout l) {
 }
 constexpr ElemType grad_of(I8Layout l) {
   return l == kBF16 ? ElemType::kBF16 : (l == kF16 ? ElemType::kF16 : ElemType::kF32);
-}
-
-// Four elements of type T from index i (a multiple of 4): one float4 or one uint2 load; and back.
-template <ElemType T>
-__device__ __forceinline__ void load4_as(const void* base, std::int64_t i, float* out) {
-  if constexpr (T == ElemType::kF32) {
-    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    out[0] = f.x;
-    out[1] = f.y;
-    out[2] = f.z;
-    out[3] = f.w;
-  } else {
-    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const std::uint16_t*>(base) + i);
-    const std::uint32_t w[2] = {u.x, u.y};
-    for (int k = 0; k < 4; ++k) {
-      const auto h = static_cast<std::uint16_t>(w[k / 2] >> (16 * (k % 2)));
-      out[k] = T == ElemType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
-    }
-  }
-}
-template <ElemType T>
-__device__ __forceinline__ void store4_as(void* base, std::int64_t i, const float* in) {
-  if constexpr (T == ElemType::kF32) {
-    *reinterpret_cast<float4*>(static_cast<float*>(base) + i) = {in[0], in[1], in[2], in[3]};
-  } else {
-    const uint2 u = {to_low(in[0], T) | (to_low(in[1], T) << 16),
-                     to_low(in[2], T) | (to_low(in[3], T) << 16)};
-    *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(base) + i) = u;
-  }
 }
 
 // A warp steps the int8 moments of the chunk [begin, end) a block of kStateBlock elements at a

@@ -227,8 +227,9 @@ absl::Status LayerPrefetch::on_undo_rolled_back(rt::PolicyContext&) {
 
 absl::Status LayerPrefetch::on_end_step(rt::PolicyContext& rt) {
   if ((overlapping_ || ahead_) && !streams_parameters() && stepped_.empty() && awaiting_.empty()) {
-    // A micro-batch before the last: what forward staged for backward was not written, so it
-    // goes home without a copy (See Note [Staged for a step not taken in backward]).
+    // A micro-batch before the last, or a step with no optimizer step: what begin_step staged was
+    // not written, so it goes home without a copy (See Note [Staged for a step not taken in
+    // backward] and See Note [States staged ahead]).
     STRATA_RETURN_IF_ERROR(release_held(rt));
     while (!staged_.empty()) STRATA_RETURN_IF_ERROR(unstage(rt, staged_.front(), RoleSet{}));
   }

@@ -214,8 +214,8 @@ class Overlap:
         if self._slower_wait == 16:
             _log.info(
                 "strata.optim.%s: steps taken in backward measured %.1f ms an iteration, after "
-                "backward %.1f ms; the next %d steps run after backward (Note [When to step in "
-                "backward])",
+                "backward %.1f ms; the next %d steps run after backward "
+                "(Note [When to step in backward])",
                 self._name,
                 statistics.median(in_backward),
                 statistics.median(after),

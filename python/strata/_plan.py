@@ -88,7 +88,7 @@ def layer_state_bytes(layer: list, amsgrad: bool, state_dtype: str) -> int:
 # Prefetch depth: as many slots of the largest layer's states as the ring of depth 3 would take with
 # float32 moments, so that compressed moments (a quarter or half the bytes) get more layers ahead
 # for the same GPU memory (float32 parameters: 3 with float32 moments, 7 bfloat16, 14 int8; a
-# master counts too), and at most one a layer. With a budget, no more than fit beside the
+# master counts too); past 3, at most one a layer. With a budget, no more than fit beside the
 # parameters (and FSDP2's gradients) strata keeps on the GPU, less one, and at least 1. Other
 # gradients stay torch's (See Note [Gradients given at each step] in optim/adam.h).
 def auto_depth(plan: list, budget: int | None, amsgrad: bool, state_dtype: str) -> int:
