@@ -14,14 +14,14 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   step, the layers whose states fit what the GPU has free stay there
   strata_hybrid   strata.optim.AdamW(model.parameters(), policy="hybrid"): the cost model places
                   each block's step on the GPU (streamed) or the host, from rates measured at setup
-  strata_tuned    strata.optim.AdamW(model.parameters(), model=model, prefetch_depth=3,
-                  overlap="backward", max_grad_norm=1.0): the step inside backward, clipping
-                  in the optimizer
+  strata_tuned    strata.optim.AdamW(model.parameters(), model=model, overlap="backward",
+                  max_grad_norm=1.0): the step inside backward, clipping in the optimizer;
+                  the prefetch depth and undo_on_gpu strata's defaults
   strata_int8, strata_bf16, strata_tuned_int8
                   strata and strata_tuned with state_dtype="int8" or "bfloat16": the moments
                   stored and streamed compressed (See Note [Compressed moments])
-  NAME:dK         a strata_tuned approach with prefetch_depth=K instead of 3, or strata_int8 /
-                  strata_bf16 with prefetch_depth=K given, e.g. strata_tuned_int8:d12
+  NAME:dK         a strata_tuned, strata_int8 or strata_bf16 approach with prefetch_depth=K
+                  given, e.g. strata_tuned_int8:d12
   NAME+undo       a strata_tuned approach with undo_on_gpu=True, e.g. strata_tuned_int8:d28+undo
   torchao_8bit    torchao's AdamW8bit, every state on the GPU (its 8-bit moments are GPU
                   tensors; it does not offload)
@@ -229,11 +229,12 @@ def one_run(args):
         elif args.one in ("strata_tuned", "strata_tuned_int8"):
             import strata
 
+            depth = {"prefetch_depth": args.tuned_depth} if args.depth_given else {}
             opt = strata.optim.AdamW(
                 model.parameters(),
                 lr=1e-4,
                 model=model,
-                prefetch_depth=args.tuned_depth,
+                **depth,
                 overlap="backward",
                 max_grad_norm=1.0,
                 state_dtype="int8" if args.one == "strata_tuned_int8" else "float32",
@@ -320,8 +321,10 @@ def one_run(args):
     if args.one.startswith("strata") or args.one == "fsdp2_strata":
         stats = opt.runtime.memory_stats()
         out["strata_gpu_reserved_peak_gib"] = stats.get("gpu.reserved_bytes.peak", 0) / 2**30
-        budget = opt.runtime.stats()["gpu_budget_bytes"]
+        rt_stats = opt.runtime.stats()
+        budget = rt_stats["gpu_budget_bytes"]
         out["strata_gpu_budget_gib"] = None if budget is None else budget / 2**30
+        out["strata_undo_on_gpu"] = [rt_stats["undo_on_gpu"], rt_stats["undo_on_gpu_from"]]
         out["strata_steps_redone"] = getattr(opt, "steps_redone", None)
         out["strata_layers"] = opt.runtime.num_layers
         out["prefetch_depth"] = opt.runtime.prefetch_depth

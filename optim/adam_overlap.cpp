@@ -59,7 +59,7 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   // link, so it waits for finish_step without being acquired.
   rt.staged_tensors(layer, arrived_);
   const bool over_link = !arrived_.empty();
-  if (!over_link && !rt.policy().config().undo_on_gpu) return absl::OkStatus();
+  if (!over_link && !rt.undo_on_gpu()) return absl::OkStatus();
   const rt::StreamHandle stream = rt.compute_stream();
   std::vector<rt::TensorHandle> held;
   // What cannot be released now (a device error) is released by the next step_layer or

@@ -131,6 +131,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
                                      std::move(bounce_pool));
   impl->choice = choice;
   impl->policy = std::move(*policy);
+  impl->undo_on_gpu = impl->policy->config().undo_on_gpu;
   STRATA_RETURN_IF_ERROR(impl->engine.create_streams());
   return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }

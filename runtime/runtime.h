@@ -283,6 +283,13 @@ class Runtime {
   [[nodiscard]] absl::Status rollback_undo();
   // Tensors kept now.
   std::size_t undo_tensors() const;
+  // Where the undo of a tensor resting on the GPU goes from the next keep_for_undo on: the GPU
+  // (while its tier has room under the budget) or pinned host memory. It starts as
+  // PolicyConfig::undo_on_gpu; strata.optim turns it on once it has measured the room
+  // (See Note [The undo on the GPU when there is room] in python/strata/budget.py). Between steps,
+  // with nothing kept: kFailedPrecondition otherwise.
+  [[nodiscard]] absl::Status set_undo_on_gpu(bool on);
+  bool undo_on_gpu() const;
   std::vector<int> optimizer_layer_order() const;
   // See Note [Step placement] in policy.h. Whether the policy places steps; handing it the
   // optimizer's costs (before the optimizer registers its states: kFailedPrecondition once any

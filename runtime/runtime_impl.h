@@ -88,6 +88,9 @@ struct Runtime::Impl {
   int next_callback = 1;
   std::map<int, std::function<absl::Status()>> before_optimizer_step;
   internal::UndoLog undo;  // See Note [Undo log] in undo_log.cpp
+  // Where the undo of a tensor resting on the GPU is kept: PolicyConfig::undo_on_gpu at first,
+  // then Runtime::set_undo_on_gpu's.
+  bool undo_on_gpu = false;
   mutable std::mutex mu;
 };
 

@@ -13,14 +13,14 @@
 //     tier, which becomes the tensor's home. No byte more crosses the link; the price is host
 //     memory, a second home for every kept tensor until the step is validated.
 //   - resting on the GPU (keep_on_gpu, bulk, layer_prefetch's resident layers, FSDP2's float32
-//     shards when only states stream): with PolicyConfig::undo_on_gpu, and while the GPU tier has
-//     room under the budget, the bytes are copied on the GPU, on the stream the optimizer computes
-//     on, ahead of its kernel: no link traffic, GPU memory of the tensor's size until the step is
-//     validated. Otherwise (the default: a budget is usually sized with no room for a second copy)
-//     they are copied to pinned host memory on the D2H stream, which the compute stream waits for
-//     before the kernel overwrites them. That costs D2H traffic, which the write-backs of streamed
-//     states need too during backward (4 bytes a float32 parameter more: a third on top of its
-//     moments' 8).
+//     shards when only states stream): with the undo on the GPU (PolicyConfig::undo_on_gpu, or
+//     Runtime::set_undo_on_gpu between steps), and while the GPU tier has room under the budget,
+//     the bytes are copied on the GPU, on the stream the optimizer computes on, ahead of its
+//     kernel: no link traffic, GPU memory of the tensor's size until the step is validated.
+//     Otherwise (a budget is usually sized with no room for a second copy) they are copied to
+//     pinned host memory on the D2H stream, which the compute stream waits for before the kernel
+//     overwrites them. That costs D2H traffic, which the write-backs of streamed states need too
+//     during backward (4 bytes a float32 parameter more: a third on top of its moments' 8).
 // commit_undo frees what was kept behind the streams that may still use it, with no host wait: a
 // fetch queued earlier may still read an old home block, a copy on the GPU may still be running.
 // rollback_undo waits for everything, swaps a kept home block back where the tensor's fresh block
@@ -237,7 +237,7 @@ absl::Status Runtime::keep_for_undo(TensorHandle tensor, StreamHandle stream, bo
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
   STRATA_ASSIGN_OR_RETURN(internal::Entry * e, im.registry.get(tensor));
-  return im.undo.keep(e, stream, over_link, im.policy->config().undo_on_gpu);
+  return im.undo.keep(e, stream, over_link, im.undo_on_gpu);
 }
 
 absl::Status Runtime::commit_undo() {
@@ -257,6 +257,23 @@ absl::Status Runtime::rollback_undo() {
 std::size_t Runtime::undo_tensors() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->undo.size();
+}
+
+absl::Status Runtime::set_undo_on_gpu(bool on) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  if (im.step.in_step || im.step.in_optimizer_step) {
+    return absl::FailedPreconditionError(
+        "set_undo_on_gpu: a step is under way; call it between steps");
+  }
+  STRATA_RETURN_IF_ERROR(im.undo.check_empty("set_undo_on_gpu"));
+  im.undo_on_gpu = on;
+  return absl::OkStatus();
+}
+
+bool Runtime::undo_on_gpu() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->undo_on_gpu;
 }
 
 }  // namespace strata::rt

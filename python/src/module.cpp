@@ -197,6 +197,11 @@ PYBIND11_MODULE(_strata, m) {
              strata::bridge::check(r.rt().set_gpu_budget(budget ? static_cast<std::size_t>(*budget)
                                                                 : strata::alloc::kNoBudget));
            })
+      // Where the undo of a tensor resting on the GPU goes (Runtime::set_undo_on_gpu: between
+      // steps, with nothing kept).
+      .def("undo_on_gpu", [](Runtime& r) { return r.rt().undo_on_gpu(); })
+      .def("set_undo_on_gpu",
+           [](Runtime& r, bool on) { strata::bridge::check(r.rt().set_undo_on_gpu(on)); })
       .def("memory_stats", &Runtime::memory_stats)
       .def("memory_summary", [](Runtime& r) { return r.rt().allocator().format_stats(); })
       // Every registered tensor: name, layer, role, bytes, the tier its data is in, whether it is

@@ -157,7 +157,8 @@ class Overlap:
     #
     # A step that holds can cost more in backward too: each layer stepped there keeps what a redo
     # would need (the bytes its kernel overwrites of tensors resting on the GPU, the parameters,
-    # copied off to the host unless undo_on_gpu), and those copies share the link with the states';
+    # copied off to the host unless undo_on_gpu; See Note [The undo on the GPU when there is room]
+    # in strata/budget.py), and those copies share the link with the states';
     # after backward, with the ring filled while backward ran, little is left to wait for. So the
     # time of each iteration (one step's end to the next's, from events on the current stream, read
     # once they are done, with no host wait) is kept by where its step ran; once steps in backward

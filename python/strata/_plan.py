@@ -107,6 +107,16 @@ def auto_depth(plan: list, budget: int | None, amsgrad: bool, state_dtype: str) 
     return max(1, min(depth, (budget - resident) // slot - 1))
 
 
+# The overlap and, under it, where a step in backward keeps its undo
+# (See Note [The undo on the GPU when there is room] in strata/budget.py).
+def overlap_line(runtime) -> str:
+    if runtime.overlap != "backward":
+        return runtime.overlap
+    if runtime.undo_from == "undecided":
+        return "backward (undo on the GPU or the host: decided after the first step)"
+    return f"backward (undo on the {'GPU' if runtime._rt.undo_on_gpu() else 'host'})"
+
+
 # The INFO line of what was chosen, the step placement's line when the policy places steps, and a
 # warning when one layer holds most of the states. `name` is the optimizer's ("AdamW"), `adam` its
 # _strata.Adam, `budget` bytes, "auto" or None; called from the optimizer's constructor (the
@@ -149,7 +159,7 @@ def log_choice(
         runtime.prefetch_depth,
         depth_from,
         budget,
-        runtime.overlap,
+        overlap_line(runtime),
     )
     if adam.placement():  # See Note [Step placement] in runtime/policy.h
         _log.info("strata.optim.%s: %s", name, adam.placement())

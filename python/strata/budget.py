@@ -1,4 +1,5 @@
-"""gpu_budget="auto": the GPU budget strata.optim sets itself once the first step has run.
+"""gpu_budget="auto": the GPU budget strata.optim sets itself once the first step has run; and,
+under overlap="backward", where a step in backward keeps its undo, decided the same way.
 
     opt = strata.optim.AdamW(model.parameters(), gpu_budget="auto")
     # step 1 streams every layer's states; after it, the budget is what the GPU has free less
@@ -19,6 +20,20 @@ policies/ring_plan.cpp): they never cross the link again. The budget is set once
 one line, and reported in Runtime.stats() as gpu_budget_bytes with gpu_budget_from "auto". On the
 simulated device there is no driver to ask: the memory comes from device_memory, which tests
 replace.
+
+Note [The undo on the GPU when there is room]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A step taken in backward keeps, for its redo, the bytes its kernels overwrite of tensors resting on
+the GPU (See Note [Undo log] in runtime/undo_log.cpp): with float32 parameters and streamed states,
+4 bytes a parameter. Copied to pinned memory they cross the link beside the states' own write-backs
+and can make the step in backward slower than the step after it (See Note [When to step in
+backward] in strata/_overlap.py); kept on the GPU they cost GPU memory until step() and no link
+time. Without undo_on_gpu given, strata.optim decides after the first step that copied an undo off
+the GPU, which shows what one costs (`undo_copied_bytes`): under a budget (given in bytes, or set
+by gpu_budget="auto") the budget bounds it, so the undo goes on the GPU wherever the budget has
+room; without one, it goes there when it fits in what the driver has free less torch's headroom
+(as for the automatic budget), and stays in pinned memory otherwise. Decided once and logged in one
+line; Runtime.stats() reports undo_on_gpu and undo_on_gpu_from "auto".
 """
 
 from __future__ import annotations
@@ -85,4 +100,35 @@ def set_auto_budget(runtime, name: str) -> None:
         "strata.optim.%s: gpu_budget auto: %s",
         name,
         describe(mem, budget, headroom, sum(layers.values()), len(layers)),
+    )
+
+
+def set_auto_undo(runtime, name: str, need: int) -> None:
+    """Decides where a step in backward keeps its undo once one step copied `need` bytes of it off
+    the GPU (See Note [The undo on the GPU when there is room]) and logs it in one line; `name` is
+    the optimizer's ("AdamW"). On the simulated device, with no driver to ask, it stays off."""
+    try:
+        mem = device_memory(runtime)
+    except RuntimeError:
+        runtime.undo_from = "auto"
+        return
+    if runtime._rt.gpu_budget() is not None:
+        on, why = True, "the GPU budget bounds it"
+    else:
+        _, headroom = auto_budget(mem, 0)
+        room = max(0, mem.free - headroom)
+        on = need <= room
+        why = (
+            f"the GPU had {mem.free / _GIB:.2f} GiB free and torch may need "
+            f"{headroom / _GIB:.2f} GiB more"
+        )
+    runtime._rt.set_undo_on_gpu(on)
+    runtime.undo_from = "auto"
+    _log.info(
+        "strata.optim.%s: undo_on_gpu auto: a step in backward keeps %.2f GiB of the tensors "
+        "resting on the GPU for its redo; %s, so it is kept %s",
+        name,
+        need / _GIB,
+        why,
+        "on the GPU" if on else "in pinned host memory",
     )

@@ -171,7 +171,13 @@ class Adam(torch.optim.Optimizer):
         # None until the first step has run (See Note [The automatic budget] in strata/budget.py).
         self._auto_budget = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
         budget = None if self._auto_budget else parse_bytes(gpu_budget, "gpu_budget")
-        if undo_on_gpu is None:  # on the GPU when a budget says how much room there is
+        # Without a budget in bytes, where a step in backward keeps its undo is decided after the
+        # first one (See Note [The undo on the GPU when there is room] in strata/budget.py).
+        self._auto_undo = (
+            undo_on_gpu is None and budget is None and runtime is None and overlap == "backward"
+        )
+        self._undo_seen = 0  # undo_copied_bytes at the last step's end, while undecided
+        if undo_on_gpu is None:
             undo_on_gpu = budget is not None
         unbound = [p for p in self._trainable if runtime is None or not runtime.is_bound(p)]
         amsgrad = any(g["amsgrad"] for g in self.param_groups)
@@ -205,6 +211,8 @@ class Adam(torch.optim.Optimizer):
                 "the runtime with the depth wanted"
             )
         self._runtime = runtime
+        if self._auto_undo:
+            runtime.undo_from = "undecided"
         if self._auto_budget:
             try:
                 _budget.device_memory(runtime)
@@ -450,9 +458,20 @@ class Adam(torch.optim.Optimizer):
         if self._auto_budget:
             self._auto_budget = False
             _budget.set_auto_budget(self._runtime, self._name)
+        if self._auto_undo:
+            self._decide_undo()
         self._keep_alive = (grad_scale, found_inf, scale)
         self._overlap.step_ended(self.last_step_outcome, grad_scale)
         return loss
+
+    # Once a step has copied an undo off the GPU, where the next ones keep it
+    # (See Note [The undo on the GPU when there is room] in strata/budget.py).
+    def _decide_undo(self) -> None:
+        copied = self._runtime._rt.stats()["undo_copied_bytes"]
+        if copied > self._undo_seen:
+            self._auto_undo = False
+            _budget.set_auto_undo(self._runtime, self._name, copied - self._undo_seen)
+        self._undo_seen = copied
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: set_to_none drops every gradient (a parameter that then gets none in
@@ -544,8 +563,9 @@ class AdamW(Adam):
             after the first step to what the GPU has free less torch's headroom, so that as many
             layers' states as fit stay on the GPU (See Note [The automatic budget] in
             strata/budget.py); None (default): no budget, every layer's states stream.
-        prefetch_depth: layers layer_prefetch brings ahead of use; None: from the budget (3
-            without one, else as many as fit, 1 to 3).
+        prefetch_depth: layers layer_prefetch brings ahead of use; None: as many as the bytes of
+            a ring of depth 3 with float32 moments hold (3 for float32 moments, more for
+            compressed ones), fewer where a budget leaves less room.
         layer_bytes: None (default): strata finds its layers (See Note [Layers without being told]
             in strata/layers.py): FSDP2's units, the blocks of `model` when given, the blocks in the
             parameters' names when named_parameters() is passed, else runs of parameters sized from
@@ -562,7 +582,9 @@ class AdamW(Adam):
         undo_on_gpu: with overlap, keep the bytes a redo needs of tensors resting on the GPU
             (parameters, FSDP2's float32 shards) on the GPU while the budget has room, instead
             of copying them to pinned host memory over the link. None (default): on when a
-            gpu_budget in bytes is given (without one nothing bounds the copies).
+            gpu_budget in bytes is given; otherwise decided after the first step in backward
+            from what the driver has free (See Note [The undo on the GPU when there is room] in
+            strata/budget.py).
         state_dtype: how the moments (exp_avg, exp_avg_sq) are stored: "float32" (default),
             "bfloat16" (stochastically rounded) or "int8" (a float32 scale per block of 256), on
             every tier and on the link; the step is float32 either way, and the state dict holds

@@ -134,6 +134,9 @@ class Runtime:
         # Where the GPU budget came from: "argument", "none", or "auto" (strata.optim's gpu_budget
         # "auto"; See Note [The automatic budget] in strata/budget.py).
         self.budget_from = "none" if gpu_budget is None else "argument"
+        # Where undo_on_gpu came from: "argument", or "auto" once strata.optim has decided it
+        # (See Note [The undo on the GPU when there is room] in strata/budget.py).
+        self.undo_from = "argument"
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
         self._layer_grads: list = []  # per layer, the bound gradients
@@ -456,11 +459,14 @@ class Runtime:
 
     def stats(self) -> dict:
         """Bytes moved each way, link GB/s, prefetch hits, waits and stalls, GPU bytes reserved,
-        and the GPU budget: gpu_budget_bytes (None: none) and gpu_budget_from ("argument",
-        "auto" or "none")."""
+        the GPU budget: gpu_budget_bytes (None: none) and gpu_budget_from ("argument",
+        "auto" or "none"), and where an overlapped step keeps its undo: undo_on_gpu and
+        undo_on_gpu_from ("argument", "auto", or "undecided" until strata.optim has measured)."""
         out = self._rt.stats()
         out["gpu_budget_bytes"] = self._rt.gpu_budget()
         out["gpu_budget_from"] = self.budget_from
+        out["undo_on_gpu"] = self._rt.undo_on_gpu()
+        out["undo_on_gpu_from"] = self.undo_from
         return out
 
     # --- the end ---

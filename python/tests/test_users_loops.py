@@ -4,6 +4,8 @@ p.grad = ...), frozen LoRA base weights, an unused head, mixture-of-experts rout
 keywords, GradScaler, the loop's own clipping and gradient accumulation under overlap, and a
 Hugging Face-shaped model attached with the layers found in its module tree."""
 
+import logging
+
 import pytest
 import strata
 import torch
@@ -368,6 +370,44 @@ def test_steps_run_where_iterations_were_measured_faster(faster):
         outcomes.append(opt.last_step_outcome)
     then = "speculation" if faster == "backward" else "sequential"
     assert outcomes == ["speculation"] * 3 + ["sequential"] * 2 + [then] * 3, outcomes
+    assert_bitwise(params_of(model), seq[1])
+    assert opt.close() == []
+
+
+# See Note [The undo on the GPU when there is room] in strata/budget.py. The simulated device has no
+# driver to ask, so the memory after the first step comes from a stand-in for device_memory.
+@pytest.mark.parametrize("room", [True, False])
+def test_the_undo_goes_on_the_gpu_when_the_first_step_shows_room(room, monkeypatch, caplog):
+    from strata import budget as strata_budget
+
+    margin = 1 << 30  # a twentieth of 20 GiB is less: the margin is 1 GiB
+    free = margin + (64 << 20 if room else 64)  # 64 MiB beyond torch's headroom, or 64 bytes
+    mem = strata_budget.DeviceMemory(
+        free=free, total=20 << 30, torch_reserved=8 << 20, torch_peak=8 << 20
+    )
+    monkeypatch.setattr(strata_budget, "device_memory", lambda rt: mem)
+    seq = run(Mlp, strata_opt("layer_prefetch", layer_bytes="1KiB"), plain_loop, steps=5)
+    model = Mlp()
+    with caplog.at_level(logging.INFO, logger="strata"):
+        opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
+        assert opt.runtime.stats()["undo_on_gpu_from"] == "undecided"
+        copied = []
+        for step in range(5):
+            opt.zero_grad()
+            mse_step(model, step)
+            opt.step()
+            assert opt.last_step_outcome == "speculation"
+            copied.append(opt.runtime.stats()["undo_copied_bytes"])
+    stats = opt.runtime.stats()
+    assert (stats["undo_on_gpu"], stats["undo_on_gpu_from"]) == (room, "auto")
+    assert copied[0] > 0  # the first step kept the parameters' undo over the link
+    if room:  # and the later ones on the GPU
+        assert copied == [copied[0]] * 5, copied
+    else:
+        assert copied == [copied[0] * (i + 1) for i in range(5)], copied
+    line = [r.getMessage() for r in caplog.records if "undo_on_gpu auto" in r.getMessage()]
+    assert len(line) == 1, caplog.text
+    assert ("kept on the GPU" if room else "kept in pinned host memory") in line[0]
     assert_bitwise(params_of(model), seq[1])
     assert opt.close() == []
 

@@ -156,5 +156,44 @@ TEST(UndoLogTest, RefusalsKeepNothingAndChangeNothing) {
   EXPECT_EQ(read_all(*rt, *h), before);
 }
 
+// set_undo_on_gpu moves where the next undo of a resting tensor goes, between steps only and with
+// nothing kept; a refusal leaves the setting as it was.
+TEST(UndoLogTest, SetUndoOnGpuTakesEffectBetweenStepsOnly) {
+  auto [rt, dev] = make_runtime("keep_on_gpu", PolicyConfig{}, /*deferred=*/true);
+  const std::vector<unsigned char> before = pattern(4.0f), after = pattern(-1.0f);
+  absl::StatusOr<TensorHandle> h =
+      rt->register_tensor(spec("w", 0, Role::kOptimizerState, kN), before.data());
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_FALSE(rt->undo_on_gpu());
+  const StreamHandle s = rt->compute_stream();
+  auto keep_and_roll_back = [&] {
+    absl::StatusOr<void*> p = rt->acquire(*h, Tier::kGpu, s);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(rt->keep_for_undo(*h, s).ok());
+    // With something kept, the setting cannot change under it.
+    EXPECT_EQ(rt->set_undo_on_gpu(!rt->undo_on_gpu()).code(),
+              absl::StatusCode::kFailedPrecondition);
+    write_on(*dev, s, *p, after);
+    ASSERT_TRUE(rt->release(*h, s).ok());
+    ASSERT_TRUE(rt->rollback_undo().ok());
+    ASSERT_TRUE(rt->wait_all().ok());
+    dev->run_pending();
+    EXPECT_EQ(read_all(*rt, *h), before);
+  };
+  keep_and_roll_back();
+  const std::int64_t copied = rt->stats().undo_copied_bytes;
+  EXPECT_EQ(copied, static_cast<std::int64_t>(kN * 4)) << "off: kept over the link";
+
+  ASSERT_TRUE(rt->begin_step().ok());
+  EXPECT_EQ(rt->set_undo_on_gpu(true).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(rt->end_step().ok());
+  EXPECT_FALSE(rt->undo_on_gpu()) << "a refused call changed the setting";
+
+  ASSERT_TRUE(rt->set_undo_on_gpu(true).ok());
+  EXPECT_TRUE(rt->undo_on_gpu());
+  keep_and_roll_back();
+  EXPECT_EQ(rt->stats().undo_copied_bytes, copied) << "on: kept on the GPU, with no copy off it";
+}
+
 }  // namespace
 }  // namespace strata::rt
