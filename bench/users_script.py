@@ -34,6 +34,9 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   torch.optim.AdamW(fused=True), every state on the GPU
   fsdp2_offload   the same with CPUOffloadPolicy(pin_memory=True): fused CPU AdamW
   fsdp2_strata    the same FSDP2 model with strata.optim.AdamW(model.parameters())
+  fsdp2_strata_tuned
+                  the same with overlap="backward", max_grad_norm=1.0: each unit steps in its
+                  backward, clipping in the optimizer
 
 Each run is a process of its own, so that its device peak is its own: cudaMemGetInfo polled every
 5 ms by a thread (the driver's view, torch's and strata's included), beside torch's
@@ -72,6 +75,7 @@ APPROACHES = [
     "fsdp2",
     "fsdp2_offload",
     "fsdp2_strata",
+    "fsdp2_strata_tuned",
 ]
 
 
@@ -185,6 +189,13 @@ def one_run(args):
             import strata
 
             opt = strata.optim.AdamW(model.parameters(), lr=1e-4)
+        elif args.one == "fsdp2_strata_tuned":
+            import strata
+
+            opt = strata.optim.AdamW(
+                model.parameters(), lr=1e-4, overlap="backward", max_grad_norm=1.0
+            )
+            clip_in_loop = False
         elif args.one == "strata_auto":
             import strata
 
@@ -318,7 +329,7 @@ def one_run(args):
         "gpu": torch.cuda.get_device_name(),
         "params": sum(p.numel() for p in model.parameters()),
     }
-    if args.one.startswith("strata") or args.one == "fsdp2_strata":
+    if "strata" in args.one:
         stats = opt.runtime.memory_stats()
         out["strata_gpu_reserved_peak_gib"] = stats.get("gpu.reserved_bytes.peak", 0) / 2**30
         rt_stats = opt.runtime.stats()
