@@ -28,7 +28,8 @@ _log = logging.getLogger("strata")
 class Overlap:
     """The optimizer's part in stepping during backward: gradient hooks, the choice to speculate,
     the gradients a step read, clipping. `name` is the optimizer's ("AdamW"), `adam` its
-    _strata.Adam, `trainable` its parameters that require grad."""
+    _strata.Adam, `trainable` its parameters that require grad; `first_after`: the first step
+    runs after backward."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class Overlap:
         trainable: list,
         max_grad_norm: float | None,
         model: torch.nn.Module | None = None,
+        first_after: bool = False,
     ) -> None:
         self._name = name
         self._runtime = runtime
@@ -62,7 +64,10 @@ class Overlap:
         self._times: dict = {"backward": [], "after": []}
         self._slower_wait = 0  # the wait after speculation measured slower; doubles each time
         if runtime.overlap == "backward":
-            self._set_speculating(True)
+            # The first step after backward, while the optimizer learns where the undo goes
+            # (See Note [The undo on the GPU when there is room] in strata/budget.py).
+            self._spec_wait = 1 if first_after else 0
+            self._set_speculating(not first_after)
             if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
                 self._hook_gradients()
         elif runtime.policy == "layer_prefetch" and not runtime._hooks:

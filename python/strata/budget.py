@@ -28,12 +28,15 @@ the GPU (See Note [Undo log] in runtime/undo_log.cpp): with float32 parameters a
 4 bytes a parameter. Copied to pinned memory they cross the link beside the states' own write-backs
 and can make the step in backward slower than the step after it (See Note [When to step in
 backward] in strata/_overlap.py); kept on the GPU they cost GPU memory until step() and no link
-time. Without undo_on_gpu given, strata.optim decides after the first step that copied an undo off
-the GPU, which shows what one costs (`undo_copied_bytes`): under a budget (given in bytes, or set
-by gpu_budget="auto") the budget bounds it, so the undo goes on the GPU wherever the budget has
-room; without one, it goes there when it fits in what the driver has free less torch's headroom
-(as for the automatic budget), and stays in pinned memory otherwise. Decided once and logged in one
-line; Runtime.stats() reports undo_on_gpu and undo_on_gpu_from "auto".
+time. Without undo_on_gpu given (and no budget in bytes), strata.optim takes its first step after
+backward, which shows torch's peak, and then decides: the undo is the bytes of the parameters and
+states resting on the GPU in the layers stepped on the GPU (undo_need); it goes on the GPU when it
+fits in what the driver has free less torch's headroom (as for the automatic budget; under a budget
+set by gpu_budget="auto" the budget bounds it instead), and stays in pinned memory otherwise.
+Stepping the first step in backward would have copied that much off the GPU, and held as much
+pinned memory, only to learn it. Decided once and logged in one line; Runtime.stats() reports
+undo_on_gpu and undo_on_gpu_from "auto". On the simulated device there is no driver to ask: the
+undo stays in (simulated) pinned memory, as with undo_on_gpu=False.
 """
 
 from __future__ import annotations
@@ -103,15 +106,25 @@ def set_auto_budget(runtime, name: str) -> None:
     )
 
 
+def undo_need(runtime, host_layers) -> int:
+    """The bytes a step in backward keeps for its redo on the GPU, were the undo there: the
+    parameters and states resting on the GPU (not staged) outside `host_layers`, the layers
+    stepped on the host (See Note [The undo on the GPU when there is room])."""
+    return sum(
+        t["bytes"]
+        for t in runtime._rt.tensors()
+        if t["role"] in ("parameter", "optimizer_state")
+        and t["tier"] == "gpu"
+        and not t["staged"]
+        and t["layer"] not in host_layers
+    )
+
+
 def set_auto_undo(runtime, name: str, need: int) -> None:
-    """Decides where a step in backward keeps its undo once one step copied `need` bytes of it off
-    the GPU (See Note [The undo on the GPU when there is room]) and logs it in one line; `name` is
-    the optimizer's ("AdamW"). On the simulated device, with no driver to ask, it stays off."""
-    try:
-        mem = device_memory(runtime)
-    except RuntimeError:
-        runtime.undo_from = "auto"
-        return
+    """Decides where a step in backward keeps its undo of `need` bytes after the first step
+    (See Note [The undo on the GPU when there is room]) and logs it in one line; `name` is the
+    optimizer's ("AdamW")."""
+    mem = device_memory(runtime)
     if runtime._rt.gpu_budget() is not None:
         on, why = True, "the GPU budget bounds it"
     else:
@@ -126,7 +139,7 @@ def set_auto_undo(runtime, name: str, need: int) -> None:
     runtime.undo_from = "auto"
     _log.info(
         "strata.optim.%s: undo_on_gpu auto: a step in backward keeps %.2f GiB of the tensors "
-        "resting on the GPU for its redo; %s, so it is kept %s",
+        "resting on the GPU for its redo; %s, so it is kept %s; the steps in backward begin",
         name,
         need / _GIB,
         why,

@@ -176,7 +176,6 @@ class Adam(torch.optim.Optimizer):
         self._auto_undo = (
             undo_on_gpu is None and budget is None and runtime is None and overlap == "backward"
         )
-        self._undo_seen = 0  # undo_copied_bytes at the last step's end, while undecided
         if undo_on_gpu is None:
             undo_on_gpu = budget is not None
         unbound = [p for p in self._trainable if runtime is None or not runtime.is_bound(p)]
@@ -212,7 +211,11 @@ class Adam(torch.optim.Optimizer):
             )
         self._runtime = runtime
         if self._auto_undo:
-            runtime.undo_from = "undecided"
+            try:
+                _budget.device_memory(runtime)  # no driver to ask: the undo stays off the GPU
+                runtime.undo_from = "undecided"
+            except RuntimeError:
+                self._auto_undo = False
         if self._auto_budget:
             try:
                 _budget.device_memory(runtime)
@@ -264,7 +267,13 @@ class Adam(torch.optim.Optimizer):
         # Stepping in backward (overlap="backward") and clipping (See Note [Clipping in the step]
         # in strata/_overlap.py).
         self._overlap = Overlap(
-            self._name, runtime, self._adam, self._trainable, self._max_grad_norm, model
+            self._name,
+            runtime,
+            self._adam,
+            self._trainable,
+            self._max_grad_norm,
+            model,
+            first_after=self._auto_undo,
         )
 
     def _device_for(self, first: torch.Tensor, device: Optional[str]) -> str:
@@ -464,14 +473,12 @@ class Adam(torch.optim.Optimizer):
         self._overlap.step_ended(self.last_step_outcome, grad_scale)
         return loss
 
-    # Once a step has copied an undo off the GPU, where the next ones keep it
+    # After the first step (taken after backward), where the steps in backward keep their undo
     # (See Note [The undo on the GPU when there is room] in strata/budget.py).
     def _decide_undo(self) -> None:
-        copied = self._runtime._rt.stats()["undo_copied_bytes"]
-        if copied > self._undo_seen:
-            self._auto_undo = False
-            _budget.set_auto_undo(self._runtime, self._name, copied - self._undo_seen)
-        self._undo_seen = copied
+        self._auto_undo = False
+        need = _budget.undo_need(self._runtime, set(self._adam.host_layers()))
+        _budget.set_auto_undo(self._runtime, self._name, need)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: set_to_none drops every gradient (a parameter that then gets none in
