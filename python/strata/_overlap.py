@@ -24,6 +24,9 @@ from .scalars import read_scalars
 
 _log = logging.getLogger("strata")
 
+# Iterations timed on each side before the medians decide (See Note [When to step in backward]).
+_TIMED = 3
+
 
 class Overlap:
     """The optimizer's part in stepping during backward: gradient hooks, the choice to speculate,
@@ -167,11 +170,12 @@ class Overlap:
     # after backward, with the ring filled while backward ran, little is left to wait for. So the
     # time of each iteration (one step's end to the next's, from events on the current stream, read
     # once they are done, with no host wait) is kept by where its step ran; once steps in backward
-    # have been timed twice and steps after backward have not, the next two run after backward to
-    # time them; and while the median of the last few in backward exceeds that of the last few
-    # after it, the steps run after backward (16 steps, then 32, ... up to 1024 while that stays
-    # so), then backward is tried again. Without a GPU nothing is timed and only redone steps
-    # decide.
+    # have been timed three times and steps after backward have not, the next three run after
+    # backward to time them; and while the median of the last few in backward exceeds that of the
+    # last few after it, the steps run after backward (16 steps, then 32, ... up to 1024 while that
+    # stays so), then backward is tried again. Three, so that one iteration slowed by something
+    # else (the host, another process) does not decide alone. Without a GPU nothing is timed and
+    # only redone steps decide.
     def _adapt_speculation(self, outcome: str | None) -> None:
         if self._spec_wait > 0:  # this step was taken after backward by choice
             self._spec_wait -= 1
@@ -203,14 +207,14 @@ class Overlap:
         where = {"speculation": "backward", "sequential": "after"}.get(outcome)
         self._clock.mark(where)  # a redone step's iteration is neither's
         for where, ms in self._clock.done():
-            self._times[where] = (self._times[where] + [ms])[-4:]
+            self._times[where] = (self._times[where] + [ms])[-_TIMED:]
         if not self._speculating or self._spec_wait > 0:
             return
         in_backward, after = self._times["backward"], self._times["after"]
-        if len(in_backward) < 2:
+        if len(in_backward) < _TIMED:
             return
-        if len(after) < 2:  # never timed after backward: time two steps there
-            self._spec_wait = 2
+        if len(after) < _TIMED:  # never timed after backward: time steps there
+            self._spec_wait = _TIMED
             self._set_speculating(False)
             return
         if statistics.median(in_backward) <= statistics.median(after):
