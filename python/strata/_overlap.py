@@ -24,8 +24,10 @@ from .scalars import read_scalars
 
 _log = logging.getLogger("strata")
 
-# Iterations timed on each side before the medians decide (See Note [When to step in backward]).
+# Iterations timed on each side before the medians decide, and the most kept for them
+# (See Note [When to step in backward]).
 _TIMED = 3
+_KEPT = 5
 
 
 class Overlap:
@@ -171,11 +173,11 @@ class Overlap:
     # time of each iteration (one step's end to the next's, from events on the current stream, read
     # once they are done, with no host wait) is kept by where its step ran; once steps in backward
     # have been timed three times and steps after backward have not, the next three run after
-    # backward to time them; and while the median of the last few in backward exceeds that of the
-    # last few after it, the steps run after backward (16 steps, then 32, ... up to 1024 while that
-    # stays so), then backward is tried again. Three, so that one iteration slowed by something
-    # else (the host, another process) does not decide alone. Without a GPU nothing is timed and
-    # only redone steps decide.
+    # backward to time them; and while the median of the last five (or as many as there are) in
+    # backward exceeds that of the last five after it, the steps run after backward (16 steps,
+    # then 32, ... up to 1024 while that stays so), then backward is tried again. Medians of
+    # several, so that an iteration or two slowed by something else (the host, another process)
+    # do not decide alone. Without a GPU nothing is timed and only redone steps decide.
     def _adapt_speculation(self, outcome: str | None) -> None:
         if self._spec_wait > 0:  # this step was taken after backward by choice
             self._spec_wait -= 1
@@ -207,7 +209,7 @@ class Overlap:
         where = {"speculation": "backward", "sequential": "after"}.get(outcome)
         self._clock.mark(where)  # a redone step's iteration is neither's
         for where, ms in self._clock.done():
-            self._times[where] = (self._times[where] + [ms])[-_TIMED:]
+            self._times[where] = (self._times[where] + [ms])[-_KEPT:]
         if not self._speculating or self._spec_wait > 0:
             return
         in_backward, after = self._times["backward"], self._times["after"]

@@ -334,14 +334,17 @@ def test_with_max_grad_norm_the_step_stays_after_backward_while_clipping_fires()
 
 class FakeClock:
     """Iteration times by where the step ran, as strata._overlap.StepClock gives them, but fixed
-    and done at once."""
+    (or taken in turn from a list, the last one repeated) and done at once."""
 
     def __init__(self, ms: dict) -> None:
         self.ms, self.started, self.out = ms, False, []
 
     def mark(self, label) -> None:
         if self.started and label is not None:
-            self.out.append((label, self.ms[label]))
+            ms = self.ms[label]
+            if isinstance(ms, list):
+                ms = ms.pop(0) if len(ms) > 1 else ms[0]
+            self.out.append((label, ms))
         self.started = True
 
     def done(self) -> list:
@@ -412,6 +415,23 @@ def test_the_undo_goes_on_the_gpu_when_the_first_step_shows_room(room, monkeypat
     assert len(line) == 1, caplog.text
     assert ("kept on the GPU" if room else "kept in pinned host memory") in line[0]
     assert_bitwise(params_of(model), seq[1])
+    assert opt.close() == []
+
+
+def test_two_slow_iterations_in_backward_do_not_send_the_step_away():
+    # Backward measured faster, then two of its iterations slowed by something else: the median of
+    # the last five still says backward (See Note [When to step in backward] in
+    # strata/_overlap.py).
+    model = Mlp()
+    opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
+    opt._overlap._clock = FakeClock({"backward": [50.0] * 3 + [200.0, 200.0, 50.0], "after": 60.0})
+    outcomes = []
+    for step in range(12):
+        opt.zero_grad()
+        mse_step(model, step)
+        opt.step()
+        outcomes.append(opt.last_step_outcome)
+    assert outcomes == ["speculation"] * 4 + ["sequential"] * 3 + ["speculation"] * 5, outcomes
     assert opt.close() == []
 
 
