@@ -64,7 +64,7 @@ class ModelHooks {
   // Once the gradient of layer `layer`'s output is complete, before anything of its backward runs
   // (a hook on the output): the runtime's before_backward. Optional for a model whose backward
   // runs its layers in the reverse order of forward; needed otherwise (parallel branches, two
-  // embeddings summed; See Note [Backward out of order] in policies/layer_prefetch.cpp).
+  // embeddings summed; See Note [Backward out of order] in policies/parameter_streaming.cpp).
   void before_backward(int layer);
   // Once layer `layer`'s backward is done (its gradients accumulated): its part of the statistics,
   // then the runtime's after_backward; with zero_before_backward, then zeroes the gradients of the

@@ -116,7 +116,7 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   }
   overlapped_.push_back(layer);
   // The policy writes the layer back and fetches the next (See Note [Overlapped backward] in
-  // policies/layer_prefetch.cpp).
+  // policies/state_streaming.cpp).
   unreleased_layer_ = layer;
   unreleased_held_.insert(unreleased_held_.end(), held.begin(), held.end());
   held.clear();

@@ -1,8 +1,10 @@
 // policies/layer_prefetch.h (internal): the LayerPrefetch class behind the layer_prefetch and
-// hybrid policies, whose members are defined by concept: the hooks that stream layers through
-// forward, backward and the optimizer step (layer_prefetch.cpp), the ring's layout under the budget
-// with the resident layers (ring_plan.cpp), and the hybrid's step placement (hybrid.cpp). Only
-// policies/ includes it; make_layer_prefetch and make_hybrid (builtin.h) make one.
+// hybrid policies, whose members are defined by concept: parameters streamed through forward and
+// backward (parameter_streaming.cpp), the optimizer's states streamed for its step
+// (state_streaming.cpp), the ring's layout under the budget with the resident layers
+// (ring_plan.cpp), the hybrid's step placement (hybrid.cpp), and what they share
+// (layer_prefetch.cpp). Only policies/ includes it; make_layer_prefetch and make_hybrid
+// (builtin.h) make one.
 //
 // Example:
 //   std::unique_ptr<rt::ResidencyPolicy> p(new internal::LayerPrefetch(config,
@@ -37,6 +39,22 @@ using rt::RoleSet;
 //     together with their gradients; after backward of layer i its gradients are written back and
 //     the next backward layer is fetched. A model whose parameters do not fit the GPU thus trains
 //     with K + 1 layers of it on the GPU at a time.
+//
+// Note [Layer prefetch's phases]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A step goes begin_step, forward, backward, the optimizer step, end_step, and the policy keeps
+// where it is in two enums, one for each stream:
+//   - pass_, while parameters stream: kNone until the first forward hook, kForward until the first
+//     backward hook (enter_backward), kBackward until everything goes home (reset). A forward hook
+//     in kBackward, or one for a layer at or before the layer held in kForward, starts a new
+//     forward: everything goes home first.
+//   - states_, from begin_step to the optimizer step: kInBackward under overlap (the states come in
+//     backward order, for steps taken there: See Note [Overlapped backward]); kAhead without
+//     overlap when only states stream (the first layers of the optimizer step's order are staged
+//     while forward and backward run: See Note [States staged ahead]); kInStep otherwise, and
+//     again from begin_optimizer_step or end_step on.
+// The ring's own state (slots_, staged_, next_) is laid out by ring_plan.cpp with the resident
+// layers (See Note [Resident layers]).
 class LayerPrefetch final : public rt::ResidencyPolicy {
  public:
   LayerPrefetch(const rt::PolicyConfig& c, bool keep_resident_layers, bool hybrid)
@@ -148,7 +166,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   absl::Status refill(rt::PolicyContext& rt, const std::vector<int>& order, RolesOf roles_of,
                       StageOrderOf stage_order) {
     while (staged_.size() < slots_ && next_ < order.size()) {
-      if (in_backward_ && &order == &backward_ &&
+      if (pass_ == Pass::kBackward && &order == &backward_ &&
           backward_state_[next_] != BackwardState::kPending) {
         ++next_;
         continue;
@@ -214,8 +232,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   std::size_t slots_ = 1;            // slots of the ring
   // The most slots the budget leaves room for (See Note [Ring under a budget]).
   std::size_t slots_cap_;
-  bool in_forward_ = false;
-  bool in_backward_ = false;
+  // Where the parameters stream (See Note [Layer prefetch's phases]).
+  enum class Pass { kNone, kForward, kBackward };
+  Pass pass_ = Pass::kNone;
   enum class BackwardState { kPending, kBegun, kDone };
   // Per backward_ position (See Note [Backward out of order]).
   std::vector<BackwardState> backward_state_;
@@ -226,12 +245,12 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Layers held for forward (one) or backward (those whose backward may be under way).
   std::vector<Held> held_;
   int last_ = -1;  // the layer held last
-  // Between begin_step and the optimizer step under kBackward; layers staged after their backward
-  // until their release; layers released so far (See Note [Overlapped backward]).
-  bool overlapping_ = false;
-  // Between begin_step and the optimizer step without overlap, when only states stream
-  // (See Note [States staged ahead]).
-  bool ahead_ = false;
+  // When the states stream, from begin_step to the optimizer step (See Note [Layer prefetch's
+  // phases]).
+  enum class StateStream { kInStep, kInBackward, kAhead };
+  StateStream states_ = StateStream::kInStep;
+  // Under kInBackward: layers staged after their backward until their release; layers released so
+  // far (See Note [Overlapped backward]).
   std::vector<int> awaiting_;
   std::vector<int> stepped_;
   // Staged before the optimizer step began, stepped first

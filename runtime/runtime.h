@@ -244,7 +244,7 @@ class Runtime {
   // nothing of the layer's backward has been queued yet. Optional, but a model whose layers'
   // backward passes do not run in the reverse order of their forward (parallel branches, several
   // embeddings feeding one sum) must call it so the policy can hold the layer before autograd
-  // touches its tensors (See Note [Backward out of order] in policies/layer_prefetch.cpp).
+  // touches its tensors (See Note [Backward out of order] in policies/parameter_streaming.cpp).
   [[nodiscard]] absl::Status before_backward(int layer);
   [[nodiscard]] absl::Status after_backward(int layer);
   [[nodiscard]] absl::Status begin_optimizer_step();

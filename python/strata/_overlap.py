@@ -8,7 +8,7 @@ stepped]), and takes the step of a backward back when one cannot go on. Clipping
 under either overlap: its coefficient decides whether the step taken in backward stands
 (See Note [Clipping in the step]). Without overlap it begins the runtime's step before step(), at
 the model's forward or the first gradient, so that the states come in while they run (See Note
-[States staged ahead] in policies/layer_prefetch.cpp).
+[States staged ahead] in policies/state_streaming.cpp).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Overlap:
         elif runtime.policy == "layer_prefetch" and not runtime._hooks:
             # The step begins with the first gradient, so that the states the step takes first
             # are staged while backward runs (See Note [States staged ahead] in
-            # policies/layer_prefetch.cpp); strata.attach's hooks begin it before forward.
+            # policies/state_streaming.cpp); strata.attach's hooks begin it before forward.
             for p in trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._begin_step))
         if model is not None and not runtime._hooks and not fsdp_modules():

@@ -589,7 +589,7 @@ def _post_hook(runtime: Runtime, layer: int):
         # backward: the runtime holds the layer first, so autograd never writes into a layer whose
         # data is still arriving. Layers whose backward does not follow the reverse order of
         # forward (two embeddings summed, parallel branches) need it; the first output to get its
-        # gradient tells (See Note [Backward out of order] in policies/layer_prefetch.cpp).
+        # gradient tells (See Note [Backward out of order] in policies/parameter_streaming.cpp).
         for t in _output_tensors(output):
             if t.requires_grad:
                 t.register_hook(lambda g: runtime._before_backward(layer))

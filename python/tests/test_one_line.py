@@ -103,7 +103,7 @@ def test_the_ring_holds_the_bytes_of_float32_moments_at_depth_3(state_dtype, dep
 def test_the_states_the_step_takes_first_are_staged_before_step(given):
     # Without overlap, the step begins with the first gradient (with the model's forward when the
     # model is given), and the states it takes first are on their way to the GPU before step()
-    # (See Note [States staged ahead] in policies/layer_prefetch.cpp); an evaluation under no_grad
+    # (See Note [States staged ahead] in policies/state_streaming.cpp); an evaluation under no_grad
     # begins nothing; the step trains as torch's.
     model = Blocks()
     kw = {"model": model} if given == "model" else {}

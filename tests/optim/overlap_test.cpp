@@ -1,5 +1,5 @@
 // The overlapped step (See Note [Overlapped step] in optim/adam.h, See Note [Undo log] in
-// runtime/undo_log.cpp and See Note [Overlapped backward] in policies/layer_prefetch.cpp): a small
+// runtime/undo_log.cpp and See Note [Overlapped backward] in policies/state_streaming.cpp): a small
 // model trained through every hook, with Adam stepping each layer during backward (step_layer) and
 // finish_step validating, ends bitwise where the sequential step (Adam::step after backward) ends,
 // under every policy and parameter dtype, over steps where clipping triggers and steps where it
@@ -178,10 +178,10 @@ std::vector<Case> cases() {
   return out;
 }
 
-// See Note [Staged for a step not taken in backward] in policies/layer_prefetch.cpp: a runtime made
-// for overlap whose client steps after backward ends bitwise where the sequential runtime does,
-// and moves the same bytes: the layers staged for backward while forward ran are stepped first,
-// not sent home and fetched again.
+// See Note [Staged for a step not taken in backward] in policies/state_streaming.cpp: a runtime
+// made for overlap whose client steps after backward ends bitwise where the sequential runtime
+// does, and moves the same bytes: the layers staged for backward while forward ran are stepped
+// first, not sent home and fetched again.
 TEST(OverlapTest, AStepAfterBackwardUnderOverlapMovesNoByteMoreThanTheSequentialStep) {
   constexpr int kSteps = 6;
   for (const Case& setup : basic_cases()) {

@@ -2,7 +2,7 @@
 // every role) on the simulated device in deferred mode with copies completing at random: a small
 // model trained through every hook must end bitwise as under keep_on_gpu, with the layers' backward
 // passes in the reverse order of forward and out of it (See Note [Backward out of order] in
-// policies/layer_prefetch.cpp); and which tier every tensor is on at each hook.
+// policies/parameter_streaming.cpp); and which tier every tensor is on at each hook.
 #include <cmath>
 #include <functional>
 #include <map>
@@ -233,7 +233,7 @@ TEST(ParameterStreamingTest, AModelLargerThanTheGpuBudgetTrainsLikeKeepOnGpu) {
 
 // Two or three parallel roots (embeddings summed into the first block) run their backward right
 // after the block's, the one after_backward does not hold first (See Note [Backward out of order]
-// in policies/layer_prefetch.cpp). With before_backward, every depth, with and without layers
+// in policies/parameter_streaming.cpp). With before_backward, every depth, with and without layers
 // resident beside the ring, trains bitwise as keep_on_gpu does while copies complete at random.
 // (Without it the first root's gradients were accumulated into its slot before the fetch arrived,
 // which then overwrote them.)

@@ -137,7 +137,7 @@ TEST(TimelineTest, LayerPrefetchStreamsStatesThroughTheRing) {
   register_model(*rt);
   std::vector<std::string> got = timeline(*rt);
   // The first layers' states are staged at begin_step, while forward and backward run (See Note
-  // [States staged ahead] in policies/layer_prefetch.cpp), and stepped first.
+  // [States staged ahead] in policies/state_streaming.cpp), and stepped first.
   std::vector<std::string> want = {
       "begin_step: G S S G S S G P P",      "forward: G S S G S S G P P",
       "backward: G S S G S S G P P",        "begin_optimizer_step: G S S G S S G P P",
@@ -155,7 +155,7 @@ TEST(TimelineTest, LayerPrefetchStreamsStatesThroughTheRing) {
 
 // A step that ends with no optimizer step (an evaluation, a backward whose step() never came)
 // drops what begin_step staged ahead without a copy back, and the states read back as they were
-// (See Note [States staged ahead] in policies/layer_prefetch.cpp).
+// (See Note [States staged ahead] in policies/state_streaming.cpp).
 TEST(TimelineTest, StatesStagedAheadOfAStepNotTakenGoHomeWithoutACopy) {
   auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1});
   register_model(*rt);
