@@ -307,12 +307,10 @@ def one_run(args):
                     step()
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
-            with open(
-                os.path.join(
-                    args.profile, f"profile-{args.one}-d{args.tuned_depth}-b{args.batch}.txt"
-                ),
-                "w",
-            ) as f:
+            runtime = getattr(opt, "runtime", None)
+            depth = f"-d{runtime.prefetch_depth}" if hasattr(runtime, "prefetch_depth") else ""
+            name = f"profile-{args.one}{depth}-b{args.batch}.txt"
+            with open(os.path.join(args.profile, name), "w") as f:
                 f.write(f"3 steps of {args.one}, batch {args.batch}\n{table}\n")
     out = {
         "approach": args.one,
@@ -447,6 +445,8 @@ def main():
         if extra not in ("", "undo"):
             raise SystemExit(f"--one ...+{extra}: the only suffix is +undo")
         args.undo_on_gpu = extra == "undo"
+        if args.undo_on_gpu and not args.one.startswith("strata_tuned"):
+            raise SystemExit(f"--one {args.one}: only strata_tuned approaches take +undo")
         args.one, _, depth = args.one.partition(":d")
         args.tuned_depth = int(depth) if depth else 3
         args.depth_given = bool(depth)

@@ -109,7 +109,7 @@ def make_optimizer(args, kind, model, rank, device):
             prefetch_depth=args.prefetch_depth,
             overlap=args.overlap,
             max_grad_norm=args.max_grad_norm if clips_in_optimizer(args) else None,
-            undo_on_gpu=args.undo_on_gpu,
+            undo_on_gpu=True if args.undo_on_gpu else None,
             hybrid_fraction=args.hybrid_fraction,
             state_dtype=args.state_dtype,
             **opt_kw,
@@ -275,7 +275,8 @@ def main():
     p.add_argument(
         "--undo_on_gpu",
         action="store_true",
-        help="strata with overlap: keep the redo's copy of the float32 shards on the GPU",
+        help="strata with overlap: keep the redo's copy of the float32 shards on the GPU (without "
+        "it, strata decides after the first step from the GPU's free memory)",
     )
     p.add_argument(
         "--hybrid_fraction",

@@ -60,7 +60,8 @@ RoleSet LayerPrefetch::write_back() const {
 }
 
 RoleSet LayerPrefetch::backward_roles() const {
-  if (overlap()) return config().roles;  // See Note [Overlapped backward]
+  // See Note [Overlapped backward] in policies/state_streaming.cpp.
+  if (overlap()) return config().roles;
   return config().roles.contains(Role::kGradient) ? RoleSet{Role::kParameter, Role::kGradient}
                                                   : RoleSet{Role::kParameter};
 }

@@ -21,7 +21,6 @@ namespace internal {
 // when a slot is free); a layer begun with no slot free is held where it is, at home, and torch
 // uses it there. A layer whose backward began or ended is not staged again in the same backward, so
 // nothing moves under autograd.
-//
 
 absl::Status LayerPrefetch::on_before_forward(rt::PolicyContext& rt, int layer) {
   if (!streams_parameters()) return absl::OkStatus();
@@ -73,7 +72,8 @@ absl::Status LayerPrefetch::on_after_backward(rt::PolicyContext& rt, int layer) 
   STRATA_RETURN_IF_ERROR(release_hold(rt, layer));
   if (states_ == StateStream::kInBackward && rt.is_staged(layer) &&
       rt.layer_bytes(layer, state_roles()) > 0) {
-    // It stays until the optimizer released it (See Note [Overlapped backward]).
+    // It stays until the optimizer released it (See Note [Overlapped backward] in
+    // policies/state_streaming.cpp).
     if (std::find(awaiting_.begin(), awaiting_.end(), layer) == awaiting_.end()) {
       awaiting_.push_back(layer);
     }

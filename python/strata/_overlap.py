@@ -319,7 +319,7 @@ class Overlap:
             self._runtime._rt.finish_backward()
             self._runtime._rt.end_step()
         finally:
-            self._adam.set_step_in_backward(True)
+            self._adam.set_step_in_backward(self._speculating)
             self._layer_seen = {}
             self._versions = {}
 

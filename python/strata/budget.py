@@ -28,8 +28,8 @@ the GPU (See Note [Undo log] in runtime/undo_log.cpp): with float32 parameters a
 4 bytes a parameter. Copied to pinned memory they cross the link beside the states' own write-backs
 and can make the step in backward slower than the step after it (See Note [When to step in
 backward] in strata/_overlap.py); kept on the GPU they cost GPU memory until step() and no link
-time. Without undo_on_gpu given (and no budget in bytes), strata.optim takes its first step after
-backward, which shows torch's peak, and then decides: the undo is the bytes of the parameters and
+time. Without undo_on_gpu given (and no budget in bytes), strata.optim, when it makes the runtime,
+takes its first step after backward, which shows torch's peak, and then decides: the undo is the bytes of the parameters and
 states resting on the GPU in the layers stepped on the GPU (undo_need); it goes on the GPU when it
 fits in what the driver has free less torch's headroom (as for the automatic budget; under a budget
 set by gpu_budget="auto" the budget bounds it instead), and stays in pinned memory otherwise.
@@ -139,7 +139,7 @@ def set_auto_undo(runtime, name: str, need: int) -> None:
     runtime.undo_from = "auto"
     _log.info(
         "strata.optim.%s: undo_on_gpu auto: a step in backward keeps %.2f GiB of the tensors "
-        "resting on the GPU for its redo; %s, so it is kept %s; the steps in backward begin",
+        "resting on the GPU for its redo; %s, so it is kept %s",
         name,
         need / _GIB,
         why,

@@ -176,6 +176,7 @@ class Adam(torch.optim.Optimizer):
         self._auto_undo = (
             undo_on_gpu is None and budget is None and runtime is None and overlap == "backward"
         )
+        undo_on_gpu_given = undo_on_gpu
         if undo_on_gpu is None:
             undo_on_gpu = budget is not None
         unbound = [p for p in self._trainable if runtime is None or not runtime.is_bound(p)]
@@ -210,6 +211,8 @@ class Adam(torch.optim.Optimizer):
                 "the runtime with the depth wanted"
             )
         self._runtime = runtime
+        if self._owns_runtime:
+            runtime.undo_from = "default" if undo_on_gpu_given is None else "argument"
         if self._auto_undo:
             try:
                 _budget.device_memory(runtime)  # no driver to ask: the undo stays off the GPU
@@ -587,11 +590,12 @@ class AdamW(Adam):
             inside the step, as clip_grad_norm_ would before it; the norm is in last_grad_norm.
             None: no clipping. Needed for clipping with overlap="backward".
         undo_on_gpu: with overlap, keep the bytes a redo needs of tensors resting on the GPU
-            (parameters, FSDP2's float32 shards) on the GPU while the budget has room, instead
-            of copying them to pinned host memory over the link. None (default): on when a
-            gpu_budget in bytes is given; otherwise decided after the first step in backward
-            from what the driver has free (See Note [The undo on the GPU when there is room] in
-            strata/budget.py).
+            (parameters, FSDP2's float32 shards, the states of layers resident on the GPU) on the
+            GPU while the budget has room, instead of copying them to pinned host memory over the
+            link. None (default): on under a gpu_budget (in bytes, or "auto" once set); without
+            one, the first step runs after backward and then it is decided from what the driver
+            has free (See Note [The undo on the GPU when there is room] in strata/budget.py).
+            With runtime= given, the runtime's setting.
         state_dtype: how the moments (exp_avg, exp_avg_sq) are stored: "float32" (default),
             "bfloat16" (stochastically rounded) or "int8" (a float32 scale per block of 256), on
             every tier and on the link; the step is float32 either way, and the state dict holds

@@ -134,8 +134,9 @@ class Runtime:
         # Where the GPU budget came from: "argument", "none", or "auto" (strata.optim's gpu_budget
         # "auto"; See Note [The automatic budget] in strata/budget.py).
         self.budget_from = "none" if gpu_budget is None else "argument"
-        # Where undo_on_gpu came from: "argument", or "auto" once strata.optim has decided it
-        # (See Note [The undo on the GPU when there is room] in strata/budget.py).
+        # Where undo_on_gpu came from: "argument"; from strata.optim's own runtime "default" (from
+        # the budget), "undecided", or "auto" once it has decided (See Note [The undo on the GPU
+        # when there is room] in strata/budget.py).
         self.undo_from = "argument"
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
@@ -461,7 +462,8 @@ class Runtime:
         """Bytes moved each way, link GB/s, prefetch hits, waits and stalls, GPU bytes reserved,
         the GPU budget: gpu_budget_bytes (None: none) and gpu_budget_from ("argument",
         "auto" or "none"), and where an overlapped step keeps its undo: undo_on_gpu and
-        undo_on_gpu_from ("argument", "auto", or "undecided" until strata.optim has measured)."""
+        undo_on_gpu_from ("argument"; or, set by strata.optim, "default" (from the budget),
+        "undecided" until it has measured, "auto")."""
         out = self._rt.stats()
         out["gpu_budget_bytes"] = self._rt.gpu_budget()
         out["gpu_budget_from"] = self.budget_from

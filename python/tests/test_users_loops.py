@@ -384,7 +384,7 @@ def test_steps_run_where_iterations_were_measured_faster(faster):
 def test_the_undo_goes_on_the_gpu_when_the_first_step_shows_room(room, monkeypatch, caplog):
     from strata import budget as strata_budget
 
-    margin = 1 << 30  # a twentieth of 20 GiB is less: the margin is 1 GiB
+    margin = 1 << 30  # a twentieth of 20 GiB, and the 1 GiB floor
     free = margin + (64 << 20 if room else 64)  # 64 MiB beyond torch's headroom, or 64 bytes
     mem = strata_budget.DeviceMemory(
         free=free, total=20 << 30, torch_reserved=8 << 20, torch_peak=8 << 20
@@ -415,6 +415,64 @@ def test_the_undo_goes_on_the_gpu_when_the_first_step_shows_room(room, monkeypat
     assert len(line) == 1, caplog.text
     assert ("kept on the GPU" if room else "kept in pinned host memory") in line[0]
     assert_bitwise(params_of(model), seq[1])
+    assert opt.close() == []
+
+
+def test_where_the_undo_goes_under_an_automatic_budget_a_given_runtime_and_hybrid(
+    monkeypatch, caplog
+):
+    # See Note [The undo on the GPU when there is room] in strata/budget.py, with device_memory
+    # stood in for as above.
+    from strata import budget as strata_budget
+
+    mem = strata_budget.DeviceMemory(
+        free=(1 << 30) + (64 << 20), total=20 << 30, torch_reserved=8 << 20, torch_peak=8 << 20
+    )
+    monkeypatch.setattr(strata_budget, "device_memory", lambda rt: mem)
+
+    def steps(model, opt, n):
+        outcomes = []
+        for step in range(n):
+            opt.zero_grad()
+            mse_step(model, step)
+            opt.step()
+            outcomes.append(opt.last_step_outcome)
+        return outcomes
+
+    # gpu_budget="auto": the budget is set after the first step, and it bounds the undo.
+    model = Mlp()
+    with caplog.at_level(logging.INFO, logger="strata"):
+        opt = strata_opt(
+            "layer_prefetch", overlap="backward", layer_bytes="1KiB", gpu_budget="auto"
+        )(model)
+        assert steps(model, opt, 3) == ["sequential", "speculation", "speculation"]
+    stats = opt.runtime.stats()
+    assert stats["gpu_budget_from"] == "auto" and stats["gpu_budget_bytes"] is not None
+    assert (stats["undo_on_gpu"], stats["undo_on_gpu_from"]) == (True, "auto")
+    assert "the GPU budget bounds it" in caplog.text
+    assert opt.close() == []
+
+    # A runtime given: its setting stands, and the first step is taken in backward.
+    model = Mlp()
+    rt = strata.Runtime(policy="layer_prefetch", overlap="backward", device="simulated")
+    opt = strata.optim.AdamW(model.parameters(), runtime=rt, layer_bytes="1KiB", **HYPER)
+    assert steps(model, opt, 2) == ["speculation", "speculation"]
+    assert (rt.stats()["undo_on_gpu"], rt.stats()["undo_on_gpu_from"]) == (False, "argument")
+    assert opt.close() == []
+    rt.close()
+
+    # hybrid: the layers stepped on the host keep no undo, so they do not count.
+    model = Mlp()
+    opt = strata_opt("hybrid", overlap="backward", layer_bytes="1KiB")(model)
+    host = set(opt.placement["host_layers"])
+    assert host
+    want = sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if opt.runtime._layer_of[id(p)] not in host
+    )
+    assert strata_budget.undo_need(opt.runtime, host) == want
+    assert want < sum(p.numel() * p.element_size() for p in model.parameters())
     assert opt.close() == []
 
 
