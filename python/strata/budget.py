@@ -29,10 +29,11 @@ the GPU (See Note [Undo log] in runtime/undo_log.cpp): with float32 parameters a
 and can make the step in backward slower than the step after it (See Note [When to step in
 backward] in strata/_overlap.py); kept on the GPU they cost GPU memory until step() and no link
 time. Without undo_on_gpu given (and no budget in bytes), strata.optim, when it makes the runtime,
-takes its first step after backward, which shows torch's peak, and then decides: the undo is the bytes of the parameters and
-states resting on the GPU in the layers stepped on the GPU (undo_need); it goes on the GPU when it
-fits in what the driver has free less torch's headroom (as for the automatic budget; under a budget
-set by gpu_budget="auto" the budget bounds it instead), and stays in pinned memory otherwise.
+takes its first step after backward, which shows torch's peak, and then decides: the undo is the
+bytes of the parameters and states resting on the GPU in the layers stepped on the GPU
+(undo_need); it goes on the GPU when it fits in what the driver has free less torch's headroom (as
+for the automatic budget; under a budget set by gpu_budget="auto" the budget bounds it instead),
+and stays in pinned memory otherwise.
 Stepping the first step in backward would have copied that much off the GPU, and held as much
 pinned memory, only to learn it. Decided once and logged in one line; Runtime.stats() reports
 undo_on_gpu and undo_on_gpu_from "auto". On the simulated device there is no driver to ask: the
@@ -71,12 +72,17 @@ def device_memory(runtime) -> DeviceMemory:
     )
 
 
+def headroom(mem: DeviceMemory) -> int:
+    """What torch may still take after the first step: its growth to its peak and a margin
+    (See Note [The automatic budget])."""
+    return max(0, mem.torch_peak - mem.torch_reserved) + max(_GIB, mem.total // 20)
+
+
 def auto_budget(mem: DeviceMemory, strata_now: int) -> tuple:
     """(budget in bytes, headroom in bytes) from the memory after the first step
     (See Note [The automatic budget]); the budget is never below what strata holds now."""
-    margin = max(_GIB, mem.total // 20)
-    headroom = max(0, mem.torch_peak - mem.torch_reserved) + margin
-    return strata_now + max(0, mem.free - headroom), headroom
+    room = headroom(mem)
+    return strata_now + max(0, mem.free - room), room
 
 
 def describe(mem: DeviceMemory, budget: int, headroom: int, resident: int, layers: int) -> str:
@@ -93,7 +99,7 @@ def set_auto_budget(runtime, name: str) -> None:
     """Sets the runtime's budget after the first step (See Note [The automatic budget]) and logs
     it in one line; `name` is the optimizer's ("AdamW")."""
     mem = device_memory(runtime)
-    budget, headroom = auto_budget(mem, runtime.stats()["gpu_reserved_bytes"])
+    budget, room = auto_budget(mem, runtime.stats()["gpu_reserved_bytes"])
     runtime._rt.set_gpu_budget(budget)
     layers = {}
     for t in runtime._rt.tensors():
@@ -102,7 +108,7 @@ def set_auto_budget(runtime, name: str) -> None:
     _log.info(
         "strata.optim.%s: gpu_budget auto: %s",
         name,
-        describe(mem, budget, headroom, sum(layers.values()), len(layers)),
+        describe(mem, budget, room, sum(layers.values()), len(layers)),
     )
 
 
@@ -128,12 +134,11 @@ def set_auto_undo(runtime, name: str, need: int) -> None:
     if runtime._rt.gpu_budget() is not None:
         on, why = True, "the GPU budget bounds it"
     else:
-        _, headroom = auto_budget(mem, 0)
-        room = max(0, mem.free - headroom)
-        on = need <= room
+        torch_more = headroom(mem)
+        on = need <= mem.free - torch_more
         why = (
             f"the GPU had {mem.free / _GIB:.2f} GiB free and torch may need "
-            f"{headroom / _GIB:.2f} GiB more"
+            f"{torch_more / _GIB:.2f} GiB more"
         )
     runtime._rt.set_undo_on_gpu(on)
     runtime.undo_from = "auto"

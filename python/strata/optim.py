@@ -213,17 +213,19 @@ class Adam(torch.optim.Optimizer):
         self._runtime = runtime
         if self._owns_runtime:
             runtime.undo_from = "default" if undo_on_gpu_given is None else "argument"
-        if self._auto_undo:
-            try:
-                _budget.device_memory(runtime)  # no driver to ask: the undo stays off the GPU
-                runtime.undo_from = "undecided"
-            except RuntimeError:
-                self._auto_undo = False
-        if self._auto_budget:
+        no_driver = None  # why the GPU's memory cannot be asked for, if it cannot
+        if self._auto_undo or self._auto_budget:
             try:
                 _budget.device_memory(runtime)
             except RuntimeError as e:
-                raise ValueError(f"strata.optim.{self._name}: {e}") from None
+                no_driver = e
+        if self._auto_undo:  # with no driver to ask, the undo stays off the GPU
+            self._auto_undo = no_driver is None
+            if self._auto_undo:
+                runtime.undo_from = "undecided"
+        if self._auto_budget:
+            if no_driver is not None:
+                raise ValueError(f"strata.optim.{self._name}: {no_driver}") from None
             runtime.budget_from = "auto"
         for layer in plan:
             runtime.add_layer(layer)

@@ -42,6 +42,17 @@ def mse_step(model, step):
     return loss.item()
 
 
+# `n` steps of the plain loop; where each step ran (strata.optim's last_step_outcome).
+def step_outcomes(model, opt, n):
+    outcomes = []
+    for step in range(n):
+        opt.zero_grad()
+        mse_step(model, step)
+        opt.step()
+        outcomes.append(opt.last_step_outcome)
+    return outcomes
+
+
 def hf_loop(model, opt, steps):
     """Hugging Face Trainer's order: model.zero_grad() (set_to_none) after every step."""
     losses = []
@@ -366,12 +377,7 @@ def test_steps_run_where_iterations_were_measured_faster(faster):
         if faster == "backward"
         else {"backward": 100.0, "after": 60.0}
     )
-    outcomes = []
-    for step in range(10):
-        opt.zero_grad()
-        mse_step(model, step)
-        opt.step()
-        outcomes.append(opt.last_step_outcome)
+    outcomes = step_outcomes(model, opt, 10)
     then = "speculation" if faster == "backward" else "sequential"
     assert outcomes == ["speculation"] * 4 + ["sequential"] * 3 + [then] * 3, outcomes
     assert_bitwise(params_of(model), seq[1])
@@ -430,22 +436,13 @@ def test_where_the_undo_goes_under_an_automatic_budget_a_given_runtime_and_hybri
     )
     monkeypatch.setattr(strata_budget, "device_memory", lambda rt: mem)
 
-    def steps(model, opt, n):
-        outcomes = []
-        for step in range(n):
-            opt.zero_grad()
-            mse_step(model, step)
-            opt.step()
-            outcomes.append(opt.last_step_outcome)
-        return outcomes
-
     # gpu_budget="auto": the budget is set after the first step, and it bounds the undo.
     model = Mlp()
     with caplog.at_level(logging.INFO, logger="strata"):
         opt = strata_opt(
             "layer_prefetch", overlap="backward", layer_bytes="1KiB", gpu_budget="auto"
         )(model)
-        assert steps(model, opt, 3) == ["sequential", "speculation", "speculation"]
+        assert step_outcomes(model, opt, 3) == ["sequential", "speculation", "speculation"]
     stats = opt.runtime.stats()
     assert stats["gpu_budget_from"] == "auto" and stats["gpu_budget_bytes"] is not None
     assert (stats["undo_on_gpu"], stats["undo_on_gpu_from"]) == (True, "auto")
@@ -456,7 +453,7 @@ def test_where_the_undo_goes_under_an_automatic_budget_a_given_runtime_and_hybri
     model = Mlp()
     rt = strata.Runtime(policy="layer_prefetch", overlap="backward", device="simulated")
     opt = strata.optim.AdamW(model.parameters(), runtime=rt, layer_bytes="1KiB", **HYPER)
-    assert steps(model, opt, 2) == ["speculation", "speculation"]
+    assert step_outcomes(model, opt, 2) == ["speculation", "speculation"]
     assert (rt.stats()["undo_on_gpu"], rt.stats()["undo_on_gpu_from"]) == (False, "argument")
     assert opt.close() == []
     rt.close()
@@ -483,12 +480,7 @@ def test_two_slow_iterations_in_backward_do_not_send_the_step_away():
     model = Mlp()
     opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
     opt._overlap._clock = FakeClock({"backward": [50.0] * 3 + [200.0, 200.0, 50.0], "after": 60.0})
-    outcomes = []
-    for step in range(12):
-        opt.zero_grad()
-        mse_step(model, step)
-        opt.step()
-        outcomes.append(opt.last_step_outcome)
+    outcomes = step_outcomes(model, opt, 12)
     assert outcomes == ["speculation"] * 4 + ["sequential"] * 3 + ["speculation"] * 5, outcomes
     assert opt.close() == []
 
