@@ -132,7 +132,9 @@ ABSL_FLAG(int, grad_accum, 1,
 ABSL_FLAG(std::string, runs, "",
           "with --compare: only these runs, in this order, e.g. "
           "layer_prefetch+overlap,torch_adamw_resident,layer_prefetch; a name given twice runs "
-          "twice, so that repetitions interleave (default: every strata policy, then PyTorch's)");
+          "twice, so that repetitions interleave (default: every strata policy, then "
+          "torch_adamw_resident and torch_adamw_to; torch_adamw_host, torch's fused AdamW on the "
+          "host with its copies, runs only when named)");
 ABSL_FLAG(bool, compare, false,
           "train under every strata policy and PyTorch's AdamW baselines, side by side");
 ABSL_FLAG(std::string, json, "", "write everything measured to this JSON file");
@@ -151,7 +153,7 @@ int usage_error(const std::string& message) {
 
 // The PyTorch baseline a run name names, if it names one.
 std::optional<TorchBaseline> baseline_named(std::string_view name) {
-  for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
+  for (TorchBaseline b : kTorchBaselines) {
     if (name == baseline_name(b)) return b;
   }
   return std::nullopt;
@@ -325,10 +327,10 @@ absl::StatusOr<std::vector<std::string>> runs_from_flag() {
     if (policy.ends_with(kOverlapSuffix)) policy.resize(policy.size() - kOverlapSuffix.size());
     if (!baseline_named(std::string(name)) &&
         std::find(known.begin(), known.end(), policy) == known.end()) {
-      return absl::InvalidArgumentError(str_cat("--runs: unknown run '", name,
-                                                "'; use policy names (with +overlap or not), ",
-                                                baseline_name(TorchBaseline::kResident), " or ",
-                                                baseline_name(TorchBaseline::kMovedWithTo)));
+      return absl::InvalidArgumentError(str_cat(
+          "--runs: unknown run '", name, "'; use policy names (with +overlap or not), ",
+          baseline_name(TorchBaseline::kResident), ", ", baseline_name(TorchBaseline::kMovedWithTo),
+          " or ", baseline_name(TorchBaseline::kHostStep)));
     }
     selected_runs.emplace_back(name);
   }
@@ -408,7 +410,8 @@ void print_setup(const Report& report, const rt::PolicyChoice& choice) {
 }
 
 // The runs of --compare: every policy (twice with --strata_overlap=backward, without and with the
-// step overlapped, so that the comparison covers both), then PyTorch's baselines; or --runs.
+// step overlapped, so that the comparison covers both), then PyTorch's resident and .to()
+// baselines (its host step, seconds a step, runs only where --runs names it); or --runs.
 std::vector<std::string> compare_run_names(const TrainOptions& o,
                                            const std::vector<std::string>& selected) {
   if (!selected.empty()) return selected;

@@ -1,6 +1,7 @@
 // apps/train/torch_run.cpp: strata-train's PyTorch baselines (TorchBaseline): the same model and
-// batches trained with torch's fused AdamW, its states resident on the GPU or moved to the host and
-// back with .to() around each step, phase switches done as a PyTorch trainer does them.
+// batches trained with torch's fused AdamW, its states resident on the GPU, moved to the host and
+// back with .to() around each step, or stepped on the host (HostStep), phase switches done as a
+// PyTorch trainer does them.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -85,6 +86,54 @@ PhaseSwitchOps torch_phase_switch(const TrainOptions& o, Gpt& model,
                         .moved_bytes = [&moved] { return moved; }};
 }
 
+// Note [The host step's baseline]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torch's own way to step on the host, as FSDP2's CPUOffloadPolicy takes it: float32 masters and
+// Adam states in host memory (the masters pinned), torch's fused AdamW on the CPU (its intra-op
+// threads), and around it the float32 gradients copied to pinned host buffers and the masters
+// copied back to the GPU, where a bfloat16 or float16 model's parameters are rounded from them.
+// Both copies move 4 bytes a parameter, as FSDP2 moves its float32 gradients and sharded
+// parameters. Nothing is pipelined: every gradient is out before the CPU steps, and the masters go
+// back after it, so the step costs the copies plus the host kernel (the figure strata's hybrid step
+// is measured against, issue 38).
+class HostStep {
+ public:
+  HostStep(const std::vector<torch::Tensor>& masters, const TrainOptions& o) {
+    for (const torch::Tensor& m : masters) {
+      const torch::TensorOptions host = m.options().device(torch::kCPU).pinned_memory(o.cuda);
+      host_masters_.push_back(torch::empty(m.sizes(), host));
+      host_masters_.back().copy_(m);
+      host_masters_.back().mutable_grad() = torch::empty(m.sizes(), host);
+    }
+  }
+  // The host masters, in the order of `masters`: what the host optimizer steps.
+  const std::vector<torch::Tensor>& masters() const { return host_masters_; }
+
+  // Gradients out, `optimizer` (over masters()) stepped on the host, the masters back into the GPU
+  // masters `to`. found_inf: undefined, or the GPU's flag.
+  void step(const std::vector<torch::Tensor>& grads, TorchFusedAdamW& optimizer,
+            const torch::Tensor& found_inf, std::vector<torch::Tensor>& to, const TrainOptions& o) {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      host_masters_[i].mutable_grad().copy_(grads[i], /*non_blocking=*/true);
+    }
+    const torch::Tensor inf = found_inf.defined() ? found_inf.to(torch::kCPU) : torch::Tensor();
+    synchronize(o);
+    optimizer.step(inf);
+    for (std::size_t i = 0; i < to.size(); ++i)
+      to[i].copy_(host_masters_[i], /*non_blocking=*/true);
+  }
+
+  std::int64_t bytes() const {
+    std::int64_t b = 0;
+    for (const torch::Tensor& m : host_masters_) b += static_cast<std::int64_t>(m.nbytes());
+    return b;
+  }
+
+ private:
+  std::vector<torch::Tensor> host_masters_;
+};
+
 void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback& on_step,
                  RunResult& result) {
   release_torch_cache(o);
@@ -102,6 +151,17 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
   }
   std::vector<torch::Tensor> low_masters = low ? masters : std::vector<torch::Tensor>();
   LossScaler scaler(o);
+  // See Note [The host step's baseline]: its optimizer steps host copies of the masters.
+  std::optional<HostStep> host;
+  if (which == TorchBaseline::kHostStep) {
+    host.emplace(masters, o);
+    decay.clear();
+    no_decay.clear();
+    const auto named = model->named_parameters(/*recurse=*/true);
+    for (std::size_t i = 0; i < named.size(); ++i) {
+      (GptImpl::decays(named[i].key()) ? decay : no_decay).push_back(host->masters()[i]);
+    }
+  }
   // torch.optim.AdamW(fused=True)'s kernel, the best PyTorch offers for this step.
   TorchFusedAdamW optimizer({{decay, o.lr, o.weight_decay}, {no_decay, o.lr, 0.0}});
   PinnedStates pinned;  // the .to() baseline's states between steps
@@ -140,7 +200,11 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
     const torch::Tensor grad_norm =
         o.clip_grad_norm > 0 ? clip_grad_norm(grads, o.clip_grad_norm) : torch::Tensor();
     if (which == TorchBaseline::kMovedWithTo) pinned.to_gpu(optimizer.states(), device);
-    optimizer.step(scaler.enabled ? found_inf : torch::Tensor());
+    if (host) {
+      host->step(grads, optimizer, scaler.enabled ? found_inf : torch::Tensor(), masters, o);
+    } else {
+      optimizer.step(scaler.enabled ? found_inf : torch::Tensor());
+    }
     if (which == TorchBaseline::kMovedWithTo) pinned.to_host(optimizer.states());
     if (low) {
       // A skipped step left the masters as they were: the parameters are rewritten unchanged.
@@ -165,6 +229,7 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
       r.h2d_bytes = step > 1 ? bytes : 0;
       r.d2h_bytes = bytes;
     }
+    if (host && o.cuda) r.h2d_bytes = r.d2h_bytes = host->bytes();  // gradients out, masters back
     r.peak_gpu_bytes = torch_peak_bytes(o);
     r.host_rss_bytes = resident_bytes();
     result.steps.push_back(r);
@@ -183,7 +248,15 @@ void train_torch(const TrainOptions& o, TorchBaseline which, const StepCallback&
 }  // namespace
 
 std::string baseline_name(TorchBaseline which) {
-  return which == TorchBaseline::kResident ? "torch_adamw_resident" : "torch_adamw_to";
+  switch (which) {
+    case TorchBaseline::kResident:
+      return "torch_adamw_resident";
+    case TorchBaseline::kMovedWithTo:
+      return "torch_adamw_to";
+    case TorchBaseline::kHostStep:
+      return "torch_adamw_host";
+  }
+  return "";
 }
 
 RunResult run_torch(const TrainOptions& options, TorchBaseline which, const StepCallback& on_step) {

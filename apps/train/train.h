@@ -185,7 +185,13 @@ std::vector<std::int64_t> layer_step_bytes(const TrainOptions& options);
 RunResult run_strata(const TrainOptions& options, const std::string& policy,
                      const StepCallback& on_step);
 
-enum class TorchBaseline { kResident, kMovedWithTo };
+// kResident: torch's fused AdamW with its states on the GPU. kMovedWithTo: the same, its states
+// moved to pinned host memory after each step and back before the next. kHostStep: torch's fused
+// AdamW on the host over float32 masters and states in host memory, the gradients copied out and
+// the masters copied back around it (the path of FSDP2's CPUOffloadPolicy); named in --runs only.
+enum class TorchBaseline { kResident, kMovedWithTo, kHostStep };
+inline constexpr TorchBaseline kTorchBaselines[] = {
+    TorchBaseline::kResident, TorchBaseline::kMovedWithTo, TorchBaseline::kHostStep};
 std::string baseline_name(TorchBaseline which);
 RunResult run_torch(const TrainOptions& options, TorchBaseline which, const StepCallback& on_step);
 

@@ -156,6 +156,31 @@ TEST(StrataTrainTest, CompareGivesIdenticalLossesAndAJsonWithEveryField) {
   EXPECT_TRUE(contains(chart, "Peak GPU memory"));
 }
 
+// The host step's baseline (See Note [The host step's baseline] in apps/train/torch_run.cpp) runs
+// only when named, and steps what the resident baseline steps: on the simulated device both run
+// torch's fused AdamW on the CPU, so their losses are the same, with bfloat16 masters and
+// clipping too.
+TEST(StrataTrainTest, TheHostStepBaselineRunsWhenNamedAndTrainsAsTheResidentOne) {
+  const std::string json = ::testing::TempDir() + "/host_step.json";
+  Outcome o = run_train(
+      "--compare --steps=4 --dtype=bfloat16 --clip_grad_norm=0.5 "
+      "--runs=bulk,layer_prefetch,torch_adamw_resident,torch_adamw_host --json=" +
+      json);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  const std::string j = read_file(json);
+  const auto loss_of = [&j](const std::string& name) {
+    const std::size_t at = j.find("\"name\": \"" + name + "\"");
+    const std::size_t loss = j.find("\"final_loss\": ", at);
+    return at == std::string::npos || loss == std::string::npos
+               ? std::string()
+               : j.substr(loss, j.find_first_of(",\n", loss) - loss);
+  };
+  EXPECT_FALSE(loss_of("torch_adamw_host").empty()) << j;
+  EXPECT_EQ(loss_of("torch_adamw_host"), loss_of("torch_adamw_resident")) << j;
+  Outcome all = run_train("--compare --steps=1");
+  EXPECT_FALSE(contains(all.output, "torch_adamw_host")) << all.output;
+}
+
 // Adam states (6.6 MiB) plus parameters and gradients (6.6 MiB) do not fit 12 MiB: keep_on_gpu
 // fails with the allocator's message; bulk and layer_prefetch train, with the same losses.
 TEST(StrataTrainTest, CompareOverBudgetKeepOnGpuFailsOthersTrainIdentically) {
