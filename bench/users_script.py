@@ -37,6 +37,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
   fsdp2_strata_tuned
                   the same with overlap="backward", max_grad_norm=1.0: each unit steps in its
                   backward, clipping in the optimizer
+  fsdp2_strata_int8, fsdp2_strata_tuned_int8
+                  fsdp2_strata and fsdp2_strata_tuned with state_dtype="int8"
 
 Each run is a process of its own, so that its device peak is its own: cudaMemGetInfo polled every
 5 ms by a thread (the driver's view, torch's and strata's included), beside torch's
@@ -76,6 +78,8 @@ APPROACHES = [
     "fsdp2_offload",
     "fsdp2_strata",
     "fsdp2_strata_tuned",
+    "fsdp2_strata_int8",
+    "fsdp2_strata_tuned_int8",
 ]
 
 
@@ -185,15 +189,17 @@ def one_run(args):
             from torchao.optim import CPUOffloadOptimizer
 
             opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
-        elif args.one in ("strata", "fsdp2_strata"):
+        elif args.one in ("strata", "fsdp2_strata", "fsdp2_strata_int8"):
             import strata
 
-            opt = strata.optim.AdamW(model.parameters(), lr=1e-4)
-        elif args.one == "fsdp2_strata_tuned":
+            int8 = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, **int8)
+        elif args.one in ("fsdp2_strata_tuned", "fsdp2_strata_tuned_int8"):
             import strata
 
+            int8 = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
             opt = strata.optim.AdamW(
-                model.parameters(), lr=1e-4, overlap="backward", max_grad_norm=1.0
+                model.parameters(), lr=1e-4, overlap="backward", max_grad_norm=1.0, **int8
             )
             clip_in_loop = False
         elif args.one == "strata_auto":
