@@ -26,7 +26,7 @@ install(TARGETS ${strata_installed} EXPORT strataTargets COMPONENT dev
 # state stay inside. Configuring fails if a public header includes one of strata's headers that is
 # not in the list, so the installed tree always compiles.
 set(strata_public_headers
-    base/status.h base/strings.h base/thread_pool.h base/units.h
+    base/serial_worker.h base/status.h base/strings.h base/thread_pool.h base/units.h
     allocator/block_pool.h allocator/budget.h allocator/stats.h allocator/stream_ops.h
     allocator/tier.h allocator/tiered_allocator.h allocator/upstream.h
     runtime/device.h runtime/policy.h runtime/runtime.h runtime/step_costs.h runtime/tensor.h

@@ -49,6 +49,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <istream>
 #include <map>
 #include <memory>
@@ -61,6 +62,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/serial_worker.h"
 #include "base/thread_pool.h"
 #include "optim/adam_math.h"
 #include "optim/state_decl.h"
@@ -142,11 +144,12 @@ class Adam {
   // (after the runtime's after_backward(layer)), dividing its gradients by `grad_scale` (the loss
   // scale, a device scalar that stays alive until finish_step; null: 1) and keeping what a redo
   // needs. The step's first call begins it (the step counters move); every call of a step passes
-  // the same grad_scale. A layer with a tensor not on the GPU (a policy that keeps it on the host
-  // during backward), whose undo does not fit the host, or that rests wholly on the GPU without
-  // room there for its undo (See Note [Resting layers] in adam_overlap.cpp), is left for
-  // finish_step, not an error. A failure leaves the layer unstepped and nothing held; finish_step
-  // still completes the step.
+  // the same grad_scale. A layer stepped on the host is posted to a host thread and its parameters
+  // reach the GPU in finish_step (See Note [Host steps in backward] in adam_host_speculation.cpp).
+  // A layer with a tensor not on the GPU (a policy that keeps it on the host during backward),
+  // whose undo does not fit the host, or that rests wholly on the GPU without room there for its
+  // undo (See Note [Resting layers] in adam_overlap.cpp), is left for finish_step, not an error. A
+  // failure leaves the layer unstepped and nothing held; finish_step still completes the step.
   [[nodiscard]] absl::Status step_layer(int layer, const float* grad_scale = nullptr);
   enum class StepOutcome {
     kSequential,   // no layer was stepped during backward: step() ran
@@ -355,6 +358,36 @@ class Adam {
   absl::Status begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
                                 const float* found_inf);
   absl::Status finish_host_steps(const std::vector<int>& layers);
+  // What the host kernel reads from the device for the slots of `layers` (grad_scale, found_inf
+  // and bias corrections; null: 1 and 0), queued on the compute stream into host_scalars_.
+  absl::Status queue_host_scalars(const std::vector<int>& layers, const float* grad_scale,
+                                  const float* found_inf);
+  // The host kernel's tensors of `layer`'s slots that take part in the step, by group, and those
+  // slots.
+  absl::Status host_kernel_tensors(int layer, std::vector<std::vector<AdamTensor>>& per_group,
+                                   std::vector<std::size_t>& stepped) const;
+  // Host-stepped slots' parameters queued back to the GPU on host_h2d_, and the compute stream
+  // made to wait for them.
+  absl::Status queue_parameters_back(const std::vector<std::size_t>& stepped);
+  absl::Status wait_for_parameters_back();
+  // See Note [Host steps in backward] in adam_host_speculation.cpp. Steps a host layer during
+  // backward (its states kept first), its parameters left for finish_step; OK without stepping it
+  // where no host memory holds the undo.
+  absl::Status speculate_host_layer(int layer);
+  // What a host step of slot `index` writes in host memory, where it rests: its states and a
+  // low-precision parameter's pinned copy, in that order.
+  struct Written {
+    void* data;
+    std::size_t bytes;
+  };
+  absl::StatusOr<std::vector<Written>> host_written(std::size_t index) const;
+  // Waits for the host steps posted in this step; the first of their failures.
+  absl::Status drain_host_steps();
+  // After drain_host_steps: puts back the states the host steps in backward overwrote (the step
+  // is taken back), or queues their parameters to the GPU (it held); then forgets them.
+  void restore_host_states();
+  absl::Status return_speculated_parameters();
+  void end_host_speculation();
   // Releases the events the host steps recorded (also after a failure).
   void end_host_steps();
   // A tensor's address where it rests on `tier`, for a host step (See Note [Host steps hold
@@ -382,6 +415,23 @@ class Adam {
   float* host_scalars_ = nullptr;
   // The host kernel's threads (simulated device), made at its first step.
   std::shared_ptr<ThreadPool> cpu_pool_;
+  // See Note [Host steps in backward] in adam_host_speculation.cpp: the thread host steps in
+  // backward run on (a CUDA device only), the pageable copy of every host slot's states a redo
+  // puts back (at host_undo_at_[slot]; refused once: no host memory for it), and this step's
+  // host layers stepped in backward.
+  std::unique_ptr<SerialWorker> host_worker_;
+  void* host_undo_ = nullptr;
+  std::vector<std::size_t> host_undo_at_;
+  bool host_undo_refused_ = false;
+  struct Speculated {
+    int layer = -1;
+    rt::EventHandle arrived = nullptr;  // its gradients are in the pinned buffers
+    std::vector<std::size_t> stepped;   // its slots that took the step
+    // Written by the host step, read after drain_host_steps.
+    bool kept = false;  // its states are in host_undo_
+    absl::Status status;
+  };
+  std::deque<Speculated> speculated_;  // stable addresses: the worker writes into them
   std::vector<ParamGroup>& groups_ = options_.groups;
   std::vector<Slot> slots_;
   // Per slot: the parameter sits out the step (See Note [Per-parameter steps]).

@@ -25,8 +25,8 @@
 // corrections from the device] in adam_kernels.h), so a host-stepped layer's result is bitwise
 // the result of the same layer stepped on the GPU. A step found_inf skips is counted on the host
 // for these layers (See Note [Skipped steps] in adam_kernels.h). In an overlapped step (See Note
-// [Overlapped step] in adam.h) host-stepped layers are left for finish_step, which steps them with
-// the true scalars: they are never stepped speculatively and never need an undo.
+// [Overlapped step] in adam.h) they are stepped during backward instead, speculatively (See Note
+// [Host steps in backward] in adam_host_speculation.cpp).
 #include <algorithm>
 #include <map>
 #include <thread>
@@ -178,14 +178,13 @@ absl::Status Adam::make_host_buffers() {
   return absl::OkStatus();
 }
 
-absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
-                                    const float* found_inf) {
+absl::Status Adam::queue_host_scalars(const std::vector<int>& layers, const float* grad_scale,
+                                      const float* found_inf) {
   rt::Device& dev = runtime_.device();
   if (host_d2h_ == nullptr) {
     STRATA_ASSIGN_OR_RETURN(host_d2h_, dev.create_stream());
     STRATA_ASSIGN_OR_RETURN(host_h2d_, dev.create_stream());
   }
-  const rt::StreamHandle compute = runtime_.compute_stream();
   // One request per group and settled step t (See Note [Skipped steps] in adam_kernels.h): the
   // host alone counts these slots' skipped steps, so t is known here.
   std::vector<BiasRequest> requests;
@@ -211,21 +210,26 @@ absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float*
       bias[2 * r] = s.step_size;
       bias[2 * r + 1] = s.bias_correction2_sqrt;
     }
-  } else {
-#ifdef STRATA_HAS_CUDA
-    const auto stream = static_cast<cudaStream_t>(compute);
-    cudaError_t err =
-        adam_read_floats_cuda({grad_scale, found_inf, nullptr}, host_scalars_, stream);
-    for (std::size_t r = 0; r < requests.size() && err == cudaSuccess; r += kMaxBiasRequests) {
-      const int n = static_cast<int>(std::min<std::size_t>(kMaxBiasRequests, requests.size() - r));
-      err = adam_bias_corrections_cuda(requests.data() + r, n, bias + 2 * r, stream);
-    }
-    STRATA_RETURN_IF_ERROR(
-        alloc::cuda_status(err, "Adam: reading the step's scalars for the host"));
-#else
-    return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
-#endif
+    return absl::OkStatus();
   }
+#ifdef STRATA_HAS_CUDA
+  const auto stream = static_cast<cudaStream_t>(runtime_.compute_stream());
+  cudaError_t err = adam_read_floats_cuda({grad_scale, found_inf, nullptr}, host_scalars_, stream);
+  for (std::size_t r = 0; r < requests.size() && err == cudaSuccess; r += kMaxBiasRequests) {
+    const int n = static_cast<int>(std::min<std::size_t>(kMaxBiasRequests, requests.size() - r));
+    err = adam_bias_corrections_cuda(requests.data() + r, n, bias + 2 * r, stream);
+  }
+  return alloc::cuda_status(err, "Adam: reading the step's scalars for the host");
+#else
+  return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
+#endif
+}
+
+absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
+                                    const float* found_inf) {
+  rt::Device& dev = runtime_.device();
+  STRATA_RETURN_IF_ERROR(queue_host_scalars(layers, grad_scale, found_inf));
+  const rt::StreamHandle compute = runtime_.compute_stream();
   // The gradients are final once the compute stream reaches here.
   STRATA_ASSIGN_OR_RETURN(rt::EventHandle ready, dev.record(compute));
   absl::Status waited = dev.stream_wait(host_d2h_, ready);
@@ -261,6 +265,62 @@ absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float*
   return absl::OkStatus();
 }
 
+absl::Status Adam::host_kernel_tensors(int layer, std::vector<std::vector<AdamTensor>>& per_group,
+                                       std::vector<std::size_t>& stepped) const {
+  per_group.assign(groups_.size(), {});
+  stepped.clear();
+  const float* bias = host_scalars_ + 4;
+  for (std::size_t index : by_layer_.at(layer)) {
+    if (skip_[index]) continue;
+    const Slot& s = slots_[index];
+    // In AdamTensor's order: the parameter and gradient in their pinned buffers, the states where
+    // they rest. A float32 parameter is its master here: the kernel writes it twice, the same
+    // value.
+    std::array<void*, 6> ptrs = {};
+    ptrs[1] = host_slots_[index].grad;
+    const std::array<rt::TensorHandle, 6> hs = s.kernel_tensors();
+    for (int j = 2; j < 6; ++j) {
+      if (!hs[j].valid()) continue;
+      STRATA_ASSIGN_OR_RETURN(ptrs[j], resting_address(hs[j], rt::Tier::kPinnedHost));
+    }
+    ptrs[0] = host_slots_[index].param != nullptr ? host_slots_[index].param : ptrs[5];
+    AdamTensor t = kernel_tensor(index, ptrs);
+    t.bias = bias + 2 * host_slots_[index].request;
+    per_group[s.group].push_back(t);
+    stepped.push_back(index);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::queue_parameters_back(const std::vector<std::size_t>& stepped) {
+  rt::Device& dev = runtime_.device();
+  for (std::size_t index : stepped) {
+    const Slot& s = slots_[index];
+    STRATA_ASSIGN_OR_RETURN(void* dst, resting_address(s.param, rt::Tier::kGpu));
+    const void* src = host_slots_[index].param;
+    if (src == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(src, resting_address(s.master, rt::Tier::kPinnedHost));
+    }
+    const std::size_t bytes = static_cast<std::size_t>(s.numel) * elem_size(s.param_type);
+    // A copy that cannot be queued is tried once more (See Note [A failed step] in adam.cpp for
+    // what a failure says).
+    absl::Status copied = dev.copy_async(dst, src, bytes, host_h2d_);
+    if (!copied.ok()) copied = dev.copy_async(dst, src, bytes, host_h2d_);
+    STRATA_RETURN_IF_ERROR(copied);
+    host_step_bytes_.h2d += static_cast<std::int64_t>(bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::wait_for_parameters_back() {
+  // What follows the step on the compute stream waits for the parameters.
+  rt::Device& dev = runtime_.device();
+  STRATA_ASSIGN_OR_RETURN(rt::EventHandle back, dev.record(host_h2d_));
+  absl::Status waited = dev.stream_wait(runtime_.compute_stream(), back);
+  dev.release(back);
+  return waited;
+}
+
 absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
   rt::Device& dev = runtime_.device();
   // The scalars arrive with the last layer's gradients on the simulated device.
@@ -268,30 +328,11 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
       dev.synchronize(dev.is_simulated() ? host_arrived_.back() : host_arrived_.front()));
   const float inv = 1.0f / host_scalars_[0];  // as the CUDA kernel takes it
   const bool inf = host_scalars_[1] != 0.0f;
-  const float* bias = host_scalars_ + 4;
+  std::vector<std::vector<AdamTensor>> per_group;
+  std::vector<std::size_t> stepped;
   for (std::size_t k = 0; k < layers.size(); ++k) {
     STRATA_RETURN_IF_ERROR(dev.synchronize(host_arrived_[k]));
-    std::vector<std::vector<AdamTensor>> per_group(groups_.size());
-    std::vector<std::size_t> stepped;
-    for (std::size_t index : by_layer_.at(layers[k])) {
-      if (skip_[index]) continue;
-      const Slot& s = slots_[index];
-      // In AdamTensor's order: the parameter and gradient in their pinned buffers, the states
-      // where they rest. A float32 parameter is its master here: the kernel writes it twice, the
-      // same value.
-      std::array<void*, 6> ptrs = {};
-      ptrs[1] = host_slots_[index].grad;
-      const std::array<rt::TensorHandle, 6> hs = s.kernel_tensors();
-      for (int j = 2; j < 6; ++j) {
-        if (!hs[j].valid()) continue;
-        STRATA_ASSIGN_OR_RETURN(ptrs[j], resting_address(hs[j], rt::Tier::kPinnedHost));
-      }
-      ptrs[0] = host_slots_[index].param != nullptr ? host_slots_[index].param : ptrs[5];
-      AdamTensor t = kernel_tensor(index, ptrs);
-      t.bias = bias + 2 * host_slots_[index].request;
-      per_group[s.group].push_back(t);
-      stepped.push_back(index);
-    }
+    STRATA_RETURN_IF_ERROR(host_kernel_tensors(layers[k], per_group, stepped));
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       if (per_group[g].empty()) continue;
       if (inf) {
@@ -301,31 +342,14 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
                       inv, &pool());
       }
     }
-    // The layer is stepped: its states are. Its parameters go back to the GPU; a copy that cannot
-    // be queued is tried once more (See Note [A failed step] in adam.cpp for what a failure says).
+    // The layer is stepped: its states are. Its parameters go back to the GPU.
     for (std::size_t index : stepped) {
       ++slots_[index].steps;
       last_step_.push_back(slots_[index].param);
     }
-    for (std::size_t index : stepped) {
-      const Slot& s = slots_[index];
-      STRATA_ASSIGN_OR_RETURN(void* dst, resting_address(s.param, rt::Tier::kGpu));
-      const void* src = host_slots_[index].param;
-      if (src == nullptr) {
-        STRATA_ASSIGN_OR_RETURN(src, resting_address(s.master, rt::Tier::kPinnedHost));
-      }
-      const std::size_t bytes = static_cast<std::size_t>(s.numel) * elem_size(s.param_type);
-      absl::Status copied = dev.copy_async(dst, src, bytes, host_h2d_);
-      if (!copied.ok()) copied = dev.copy_async(dst, src, bytes, host_h2d_);
-      STRATA_RETURN_IF_ERROR(copied);
-      host_step_bytes_.h2d += static_cast<std::int64_t>(bytes);
-    }
+    STRATA_RETURN_IF_ERROR(queue_parameters_back(stepped));
   }
-  // What follows the step on the compute stream waits for the parameters.
-  STRATA_ASSIGN_OR_RETURN(rt::EventHandle back, dev.record(host_h2d_));
-  absl::Status waited = dev.stream_wait(runtime_.compute_stream(), back);
-  dev.release(back);
-  return waited;
+  return wait_for_parameters_back();
 }
 
 void Adam::end_host_steps() {

@@ -49,11 +49,12 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
     return absl::FailedPreconditionError(
         str_cat("Adam: step_layer(", layer, ") twice in one step"));
   }
+  // Stepped on the host, on a thread of its own (See Note [Host steps in backward] in
+  // adam_host_speculation.cpp).
+  if (steps_on_host(layer)) return speculate_host_layer(layer);
   // Acquiring a tensor that rests on the host would move it into the GPU's main pool for good:
-  // such a layer is stepped after backward, where the policy streams it.
-  // Left for finish_step: stepped on the host (See Note [Host-stepped layers] in
-  // adam_host_step.cpp), or not on the GPU now.
-  if (steps_on_host(layer) || !layer_on_gpu(layer)) return absl::OkStatus();
+  // such a layer is left for finish_step, where the policy streams it.
+  if (!layer_on_gpu(layer)) return absl::OkStatus();
   STRATA_RETURN_IF_ERROR(check_gradients_given(it->second));
   // See Note [Resting layers], below. Without undo_on_gpu such a layer's undo could only cross the
   // link, so it waits for finish_step without being acquired.
@@ -189,10 +190,15 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   STRATA_ASSIGN_OR_RETURN(const auto read,
                           read_scalars({speculative_scale_, grad_scale, found_inf}, {1, 1, 0}));
   const auto [assumed, truth, inf] = read;
-  const bool held =
-      std::bit_cast<std::uint32_t>(assumed) == std::bit_cast<std::uint32_t>(truth) && inf == 0.0f;
+  // The host steps taken in backward are done (or failed: then the step is taken again).
+  const absl::Status host = drain_host_steps();
+  const bool held = std::bit_cast<std::uint32_t>(assumed) == std::bit_cast<std::uint32_t>(truth) &&
+                    inf == 0.0f && host.ok();
   if (held) {
     STRATA_RETURN_IF_ERROR(rt.commit_undo());
+    // Their parameters go to the GPU now (See Note [Host steps in backward]); a failure leaves the
+    // step open, to be finished by calling again.
+    STRATA_RETURN_IF_ERROR(return_speculated_parameters());
     // Layers backward could not step are stepped now, as step() would. The step stays open until
     // they are, so that a failure can be finished by calling again.
     absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
@@ -221,6 +227,10 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
 }
 
 absl::Status Adam::roll_back() {
+  // The host steps taken in backward first (See Note [Host steps in backward]): they are done once
+  // drained, and their states go back by a host copy that cannot fail.
+  (void)drain_host_steps();
+  restore_host_states();
   STRATA_RETURN_IF_ERROR(runtime_.rollback_undo());
   overlap_open_ = false;
   overlapped_.clear();

@@ -144,6 +144,9 @@ struct Outcomes {
   std::int64_t undo_copied_bytes = 0;  // of which copied off the GPU
   std::int64_t h2d_bytes = 0;          // moved to the GPU over the run
   std::int64_t d2h_bytes = 0;          // moved off it
+  // Layers stepped on the host during backward, over the run (See Note [Host steps in backward]
+  // in optim/adam_host_speculation.cpp).
+  int host_in_backward = 0;
 
   void count(Adam::StepOutcome o) {
     if (o == Adam::StepOutcome::kSpeculation) ++speculation;

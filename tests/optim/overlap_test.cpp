@@ -7,6 +7,7 @@
 // device in deferred mode with copies completing in random order. Host functions on the compute
 // stream stand in for forward and backward; each layer's gradients and their part of the norm are
 // computed as its backward runs, as bridge::GradientStats takes them.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -151,6 +152,10 @@ Bytes train(const Case& setup, bool overlapped, int steps, std::uint64_t seed, O
                                      *found_inf = *non_finite ? 1.0f : 0.0f;
                                    })
                       .ok());
+      for (int l : adam.overlapped_layers()) {
+        const std::vector<int>& host = adam.host_layers();
+        outcomes->host_in_backward += std::count(host.begin(), host.end(), l) > 0 ? 1 : 0;
+      }
       absl::StatusOr<Adam::StepOutcome> outcome =
           adam.finish_step(grad_scale.get(), scaled ? found_inf.get() : nullptr);
       if (!ok(outcome.status())) return {};
@@ -243,6 +248,11 @@ TEST(OverlapTest, HybridStepIsBitwiseTheLayerPrefetchStep) {
     const Bytes want = train(reference(setup), /*overlap=*/false, kSteps, 1, &ref);
     const int masters = expect_same_tensors(want, train(setup, /*overlap=*/false, kSteps, 2, &seq));
     expect_same_tensors(want, train(setup, /*overlap=*/true, kSteps, 3, &ovl));
+    // Overlapped, the host layers step during backward too, redone where clipping fired.
+    if (setup.config.hybrid_fraction) {
+      EXPECT_GT(ovl.host_in_backward, 0);
+      EXPECT_GT(ovl.redone, 0);
+    }
     // Host layers move their gradients and parameters, never their states.
     if (setup.config.hybrid_fraction == 0.0) {
       EXPECT_LT(seq.h2d_bytes, ref.h2d_bytes);

@@ -276,13 +276,14 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
 // The overlapped step under faults (See Note [Overlapped step] in optim/adam.h): the second of
 // three overlapped steps (every layer stepped during backward, finish_step validating it) meets the
 // k-th call of one device call kind failing, once or as a sticky error, for every k of that step,
-// under layer_prefetch with every role streamed (undo by fresh home blocks; also with int8 moments)
-// and keep_on_gpu (undo by copies, to pinned memory or on the GPU), with a true grad_scale equal to
-// the speculation's (it holds) or not (a redo). Whatever fails is called again once the fault is
-// gone, except a failed step_layer, whose layer finish_step steps; the error is typed and carries
-// its cause; after the step nothing is held, staged or kept for an undo; and the run ends bitwise
-// equal to the fault-free run, unless an error said that part of a step was taken and a checkpoint
-// is needed (counted, and only where a redo's own step failed part way).
+// under layer_prefetch with every role streamed (undo by fresh home blocks; also with int8
+// moments), keep_on_gpu (undo by copies, to pinned memory or on the GPU) and hybrid with half the
+// layers stepped on the host during backward, with a true grad_scale equal to the speculation's (it
+// holds) or not (a redo). Whatever fails is called again once the fault is gone, except a failed
+// step_layer, whose layer finish_step steps; the error is typed and carries its cause; after the
+// step nothing is held, staged or kept for an undo; and the run ends bitwise equal to the
+// fault-free run, unless an error said that part of a step was taken and a checkpoint is needed
+// (counted, and only where a redo's own step failed part way).
 TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
   constexpr int kAdamLayers = 3;
   constexpr std::size_t kNumel = 20000;
@@ -310,6 +311,14 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
        {.prefetch_depth = 1, .roles = RoleSet::all(), .overlap = Overlap::kBackward},
        2.0f,
        optim::StateType::kI8},
+      // Layers stepped on the host during backward (See Note [Host steps in backward] in
+      // optim/adam_host_speculation.cpp): their states put back from host memory on a redo.
+      {"hybrid",
+       {.prefetch_depth = 1, .overlap = Overlap::kBackward, .hybrid_fraction = 0.5},
+       1.0f},
+      {"hybrid",
+       {.prefetch_depth = 1, .overlap = Overlap::kBackward, .hybrid_fraction = 0.5},
+       2.0f},
   };
   struct Outcome {
     std::map<std::string, Bytes> end;

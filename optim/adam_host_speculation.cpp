@@ -1,0 +1,238 @@
+// optim/adam_host_speculation.cpp: host-stepped layers stepped during backward, speculatively
+// (See Note [Host steps in backward]): posting their steps, waiting for them, and putting their
+// states back or their parameters forward once finish_step knows whether the speculation held.
+//
+// Note [Host steps in backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// In an overlapped step (See Note [Overlapped step] in adam.h) a layer stepped on the host (See
+// Note [Host-stepped layers] in adam_host_step.cpp) is stepped as soon as its gradients are final,
+// like the GPU's layers, instead of after backward. step_layer queues its gradients' copy to the
+// pinned buffers behind the compute stream (the first such layer of a step also queues the reads
+// of the speculative loss scale and of every host slot's bias corrections) and posts the rest to
+// one host thread (SerialWorker), so that backward goes on: that thread waits for the gradients,
+// copies the states the kernel writes (moments, masters) into a pageable undo buffer, and runs the
+// host kernel on the pool, dividing by the loss scale alone, as the GPU's speculative kernels do
+// (a low-precision parameter's pinned copy is kept too: a step that inf skips sends it back as it
+// was).
+// Backward's link and host memory are mostly idle in that time. The layer's parameters stay as
+// they are on the GPU: finish_step copies them over only once the speculation held, so nothing a
+// loop reads on the GPU changes before step(), and a step taken back has nothing to undo there.
+//
+// finish_step waits for the host thread first. Held (and every host step ran): the undo is dropped
+// and the parameters are queued to the GPU, which the compute stream waits for. Otherwise
+// (clipping fired, inf found, a host step failed), every layer whose states were copied gets them
+// back, and the step is taken again after backward, as for the GPU's layers; cancel_step puts them
+// back the same way. The result is bitwise the sequential step's: the host kernel reads the same
+// bias corrections from the device and the same scale as it would after backward.
+//
+// The undo buffer holds a copy of everything every host slot's step writes (as many bytes),
+// allocated at the first such step; where the pageable tier has no room for it, host layers are
+// left for finish_step, as before. On the simulated device the host thread's work runs in
+// step_layer itself: its device runs queued work on whichever thread waits, under its own lock,
+// and the simulated device is for logic, not overlap.
+#include <algorithm>
+#include <cstring>
+
+#include "base/status.h"
+#include "base/strings.h"
+#include "optim/adam.h"
+#include "optim/adam_kernels.h"
+
+namespace strata::optim {
+namespace {
+
+// A copy of `bytes` split over the pool.
+void parallel_copy(ThreadPool& pool, void* dst, const void* src, std::size_t bytes) {
+  constexpr std::size_t kPart = std::size_t{4} << 20;
+  const int parts = static_cast<int>(std::min<std::size_t>(
+      static_cast<std::size_t>(pool.size()) * 4, std::max<std::size_t>(1, bytes / kPart)));
+  const std::size_t per = (bytes + static_cast<std::size_t>(parts) - 1) / parts;
+  pool.parallel_for(parts, [&](int part) {
+    const std::size_t begin = std::min(bytes, per * static_cast<std::size_t>(part));
+    const std::size_t end = std::min(bytes, begin + per);
+    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
+                end - begin);
+  });
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<Adam::Written>> Adam::host_written(std::size_t index) const {
+  std::vector<Written> out;
+  for (rt::TensorHandle h : slots_[index].states()) {
+    if (!h.valid()) continue;
+    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(h));
+    STRATA_ASSIGN_OR_RETURN(void* data, resting_address(h, rt::Tier::kPinnedHost));
+    out.push_back({data, info.bytes});
+  }
+  // A low-precision parameter's pinned copy: a step that inf skips sends it to the GPU unchanged.
+  if (host_slots_[index].param != nullptr) {
+    out.push_back({host_slots_[index].param, static_cast<std::size_t>(slots_[index].numel) *
+                                                 elem_size(slots_[index].param_type)});
+  }
+  return out;
+}
+
+absl::Status Adam::speculate_host_layer(int layer) {
+  if (host_undo_refused_) return absl::OkStatus();  // left for finish_step
+  rt::Runtime& rt = runtime_;
+  rt::Device& dev = rt.device();
+  const std::vector<std::size_t>& slots = by_layer_.at(layer);
+  STRATA_RETURN_IF_ERROR(check_gradients_given(slots));
+  if (host_undo_ == nullptr) {
+    std::size_t bytes = 0;
+    host_undo_at_.assign(slots_.size(), 0);
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      if (!steps_on_host(slots_[i].layer)) continue;
+      host_undo_at_[i] = bytes;
+      STRATA_ASSIGN_OR_RETURN(const std::vector<Written> written, host_written(i));
+      for (const Written& w : written) bytes += w.bytes;
+    }
+    absl::StatusOr<void*> undo = rt.allocator().allocate(
+        rt::Tier::kPageableHost, std::max<std::size_t>(bytes, 1),
+        {.owner = "Adam: the states of host steps taken in backward, for a redo"});
+    if (undo.status().code() == absl::StatusCode::kResourceExhausted) {
+      host_undo_refused_ = true;
+      return absl::OkStatus();
+    }
+    STRATA_RETURN_IF_ERROR(undo.status());
+    host_undo_ = *undo;
+  }
+  if (speculated_.empty()) {
+    // Every host slot's bias corrections at once, and the scale the speculation divides by.
+    std::vector<int> host;
+    for (int l : host_layers_) {
+      if (by_layer_.count(l) != 0) host.push_back(l);
+    }
+    STRATA_RETURN_IF_ERROR(queue_host_scalars(host, speculative_scale_, nullptr));
+  }
+  Speculated& spec = speculated_.emplace_back();
+  spec.layer = layer;
+  // Until it is posted, a failure leaves the layer for finish_step: nothing was stepped.
+  auto unposted = [&](absl::Status s) {
+    if (spec.arrived != nullptr) dev.release(spec.arrived);
+    speculated_.pop_back();
+    return s;
+  };
+  // The gradients are final once the compute stream reaches here.
+  absl::StatusOr<rt::EventHandle> ready = dev.record(rt.compute_stream());
+  if (!ready.ok()) return unposted(ready.status());
+  absl::Status waited = dev.stream_wait(host_d2h_, *ready);
+  dev.release(*ready);
+  if (!waited.ok()) return unposted(waited);
+  for (std::size_t index : slots) {
+    if (skip_[index]) continue;
+    const Slot& slot = slots_[index];
+    const void* src = slot.given_grad;
+    if (slot.grad.valid()) {  // See Note [Host steps hold nothing] in adam_host_step.cpp
+      absl::StatusOr<void*> at = resting_address(slot.grad, rt::Tier::kGpu);
+      if (!at.ok()) return unposted(at.status());
+      src = *at;
+    }
+    const std::size_t bytes = static_cast<std::size_t>(slot.numel) * elem_size(slot.grad_type);
+    absl::Status copied = dev.copy_async(host_slots_[index].grad, src, bytes, host_d2h_);
+    if (!copied.ok()) return unposted(copied);
+    host_step_bytes_.d2h += static_cast<std::int64_t>(bytes);
+  }
+  absl::StatusOr<rt::EventHandle> arrived = dev.record(host_d2h_);
+  if (!arrived.ok()) return unposted(arrived.status());
+  spec.arrived = *arrived;
+  std::vector<std::vector<AdamTensor>> per_group;
+  if (absl::Status s = host_kernel_tensors(layer, per_group, spec.stepped); !s.ok()) {
+    return unposted(s);
+  }
+  struct Kept {
+    void* data;
+    void* copy;
+    std::size_t bytes;
+  };
+  std::vector<Kept> kept;
+  for (std::size_t index : spec.stepped) {
+    absl::StatusOr<std::vector<Written>> written = host_written(index);
+    if (!written.ok()) return unposted(written.status());
+    std::size_t at = host_undo_at_[index];
+    for (const Written& w : *written) {
+      kept.push_back({w.data, static_cast<char*>(host_undo_) + at, w.bytes});
+      at += w.bytes;
+    }
+  }
+  std::vector<AdamScalars> scalars;
+  for (const ParamGroup& g : groups_) scalars.push_back(adam_scalars(g.hyper, 1));
+  // Posted: the layer counts as stepped (finish_step or cancel_step takes it back if need be).
+  for (std::size_t index : spec.stepped) {
+    ++slots_[index].steps;
+    last_step_.push_back(slots_[index].param);
+  }
+  overlapped_.push_back(layer);
+  // The loss scale as the speculation takes it: the simulated device's is a host pointer, read
+  // once the gradients are in (the compute stream is past it); a GPU's was read into the pinned
+  // scalars in stream order (queue_host_scalars).
+  const float* scale = dev.is_simulated() ? speculative_scale_ : host_scalars_;
+  ThreadPool* threads = &pool();
+  Speculated* out = &spec;
+  auto job = [&dev, threads, out, per_group = std::move(per_group), kept = std::move(kept),
+              scalars = std::move(scalars), scale] {
+    out->status = dev.synchronize(out->arrived);
+    if (!out->status.ok()) return;
+    for (const Kept& k : kept) parallel_copy(*threads, k.copy, k.data, k.bytes);
+    out->kept = true;
+    const float inv = 1.0f / (scale != nullptr ? *scale : 1.0f);  // as the CUDA kernel takes it
+    for (std::size_t g = 0; g < per_group.size(); ++g) {
+      if (per_group[g].empty()) continue;
+      adam_step_cpu(per_group[g].data(), per_group[g].size(), scalars[g], inv, threads);
+    }
+  };
+  if (dev.is_simulated()) {
+    job();
+  } else {
+    if (host_worker_ == nullptr) host_worker_ = std::make_unique<SerialWorker>();
+    host_worker_->post(std::move(job));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::drain_host_steps() {
+  if (host_worker_ != nullptr) host_worker_->drain();
+  for (const Speculated& spec : speculated_) {
+    if (!spec.status.ok()) {
+      return absl::Status(spec.status.code(), str_cat("Adam: the host step of layer ", spec.layer,
+                                                      " in backward: ", spec.status.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Adam::restore_host_states() {
+  for (const Speculated& spec : speculated_) {
+    if (!spec.kept) continue;
+    for (std::size_t index : spec.stepped) {
+      // Where the host step found them: nothing moves a host layer's states during a step.
+      absl::StatusOr<std::vector<Written>> written = host_written(index);
+      STRATA_CHECK(written.ok(),
+                   "a host-stepped state moved during its step: ", written.status().message());
+      std::size_t at = host_undo_at_[index];
+      for (const Written& w : *written) {
+        parallel_copy(pool(), w.data, static_cast<char*>(host_undo_) + at, w.bytes);
+        at += w.bytes;
+      }
+    }
+  }
+  end_host_speculation();
+}
+
+absl::Status Adam::return_speculated_parameters() {
+  if (speculated_.empty()) return absl::OkStatus();
+  for (const Speculated& spec : speculated_) {
+    STRATA_RETURN_IF_ERROR(queue_parameters_back(spec.stepped));
+  }
+  STRATA_RETURN_IF_ERROR(wait_for_parameters_back());
+  end_host_speculation();
+  return absl::OkStatus();
+}
+
+void Adam::end_host_speculation() {
+  for (const Speculated& spec : speculated_) runtime_.device().release(spec.arrived);
+  speculated_.clear();
+}
+
+}  // namespace strata::optim
