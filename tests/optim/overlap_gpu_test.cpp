@@ -9,6 +9,7 @@
 // (tests/optim/overlap_gpu_kernels.cu).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <random>
@@ -184,6 +185,10 @@ Bytes train(const Case& setup, bool overlapped, int steps, std::uint64_t seed, O
       if (own != nullptr) wait_for(stream, own);
       gpu_loop::scales(stream, dev.slots, max_norm, ls, dev.non_finite, dev.grad_scale,
                        dev.found_inf);
+      for (int l : adam.overlapped_layers()) {
+        const std::vector<int>& host = adam.host_layers();
+        outcomes->host_in_backward += std::count(host.begin(), host.end(), l) > 0 ? 1 : 0;
+      }
       absl::StatusOr<Adam::StepOutcome> outcome =
           adam.finish_step(dev.grad_scale, scaled ? dev.found_inf : nullptr);
       if (!ok(outcome.status())) return {};
@@ -224,7 +229,8 @@ TEST(GpuOverlapTest, GpuOverlappedStepOnItsOwnStreamIsBitwiseTheSequentialStep) 
 }
 
 // Exactness on the GPU (See Note [Bias corrections from the device] in optim/adam_kernels.h): a
-// hybrid run, with the host kernel stepping some or all layers, sequential and overlapped, ends
+// hybrid run, with the host kernel stepping some or all layers, sequential and overlapped (its host
+// layers stepped during backward too), ends
 // bitwise where layer_prefetch's all-GPU run does, in float32, bfloat16 and float16, over steps
 // where clipping triggers and one whose gradients hold inf, with the copy streams held up at
 // random.
@@ -239,6 +245,12 @@ TEST(GpuOverlapTest, GpuHybridStepIsBitwiseTheLayerPrefetchStep) {
         train(reference(setup), /*overlap=*/false, kSteps, 1, &ref, StepStream::kOwn);
     expect_same_tensors(want, train(setup, /*overlap=*/false, kSteps, 2, &seq, StepStream::kOwn));
     expect_same_tensors(want, train(setup, /*overlap=*/true, kSteps, 3, &ovl, StepStream::kOwn));
+    // Overlapped, the host layers step during backward too (See Note [Host steps in backward] in
+    // optim/adam_host_speculation.cpp), redone where clipping fired.
+    if (setup.config.hybrid_fraction) {
+      EXPECT_GT(ovl.host_in_backward, 0);
+      EXPECT_GT(ovl.redone, 0);
+    }
   }
 }
 
