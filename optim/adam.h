@@ -212,9 +212,11 @@ class Adam {
   // registered gradient) is for the step about to run, or for its layer's step_layer: `data` on the
   // GPU (host memory on the simulated device), `type` the parameter's or float32, contiguous, as
   // many elements as the parameter, alive and unchanged until the step's kernels have run (on the
-  // compute stream's order). Kept until the step completes, as skip_parameters' list. kNotFound for
-  // a handle that is not a parameter; kFailedPrecondition for one whose gradient is registered;
-  // kInvalidArgument for a null pointer or another low-precision type.
+  // compute stream's order) and, for a layer stepped on the host during backward, until
+  // finish_step or cancel_step returns (its copy to the host runs on a stream of its own). Kept
+  // until the step completes, as skip_parameters' list. kNotFound for a handle that is not a
+  // parameter; kFailedPrecondition for one whose gradient is registered; kInvalidArgument for a
+  // null pointer or another low-precision type.
   [[nodiscard]] absl::Status set_gradient(rt::TensorHandle param, const void* data, ElemType type);
   bool skipped_this_step(rt::TensorHandle param) const;
 
@@ -349,8 +351,13 @@ class Adam {
   absl::Status register_states();
   absl::Status place_steps();
   // create(): the pinned buffers host steps copy gradients into and low-precision parameters out
-  // of.
+  // of. A gradient buffer holds float32 where gradients are given at each step (set_gradient may
+  // give float32 for a low-precision parameter), else the registered gradient's dtype.
   absl::Status make_host_buffers();
+  std::size_t grad_buffer_elem(const Slot& s) const {
+    return options_.gradients_given ? std::max(elem_size(s.grad_type), elem_size(ElemType::kF32))
+                                    : elem_size(s.grad_type);
+  }
   ThreadPool& pool();
   // step_layers() around the GPU layers: queues the host layers' gradient copies (and what the host
   // kernel reads from the device) before, and steps them on the host and queues their parameters
@@ -374,13 +381,17 @@ class Adam {
   // backward (its states kept first), its parameters left for finish_step; OK without stepping it
   // where no host memory holds the undo.
   absl::Status speculate_host_layer(int layer);
-  // What a host step of slot `index` writes in host memory, where it rests: its states and a
-  // low-precision parameter's pinned copy, in that order.
+  // The states a host step of slot `index` writes, where they rest.
   struct Written {
     void* data;
     std::size_t bytes;
   };
   absl::StatusOr<std::vector<Written>> host_written(std::size_t index) const;
+  // Returns once no host step posted in backward still runs (what reads or writes states waits
+  // for them).
+  void wait_for_host_steps() const {
+    if (host_worker_ != nullptr) host_worker_->drain();
+  }
   // Waits for the host steps posted in this step; the first of their failures.
   absl::Status drain_host_steps();
   // After drain_host_steps: puts back the states the host steps in backward overwrote (the step

@@ -12,8 +12,8 @@
 // one host thread (SerialWorker), so that backward goes on: that thread waits for the gradients,
 // copies the states the kernel writes (moments, masters) into a pageable undo buffer, and runs the
 // host kernel on the pool, dividing by the loss scale alone, as the GPU's speculative kernels do
-// (a low-precision parameter's pinned copy is kept too: a step that inf skips sends it back as it
-// was).
+// (a low-precision parameter's pinned copy needs no undo: a redo writes it again, and a step that
+// inf skips sends nothing back). The thread makes the runtime's GPU its current device first.
 // Backward's link and host memory are mostly idle in that time. The layer's parameters stay as
 // they are on the GPU: finish_step copies them over only once the speculation held, so nothing a
 // loop reads on the GPU changes before step(), and a step taken back has nothing to undo there.
@@ -25,13 +25,17 @@
 // back the same way. The result is bitwise the sequential step's: the host kernel reads the same
 // bias corrections from the device and the same scale as it would after backward.
 //
-// The undo buffer holds a copy of everything every host slot's step writes (as many bytes),
+// The undo buffer holds a copy of every host slot's states (as many bytes as they take),
 // allocated at the first such step; where the pageable tier has no room for it, host layers are
 // left for finish_step, as before. On the simulated device the host thread's work runs in
 // step_layer itself: its device runs queued work on whichever thread waits, under its own lock,
 // and the simulated device is for logic, not overlap.
 #include <algorithm>
 #include <cstring>
+
+#ifdef STRATA_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "base/status.h"
 #include "base/strings.h"
@@ -64,11 +68,6 @@ absl::StatusOr<std::vector<Adam::Written>> Adam::host_written(std::size_t index)
     STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(h));
     STRATA_ASSIGN_OR_RETURN(void* data, resting_address(h, rt::Tier::kPinnedHost));
     out.push_back({data, info.bytes});
-  }
-  // A low-precision parameter's pinned copy: a step that inf skips sends it to the GPU unchanged.
-  if (host_slots_[index].param != nullptr) {
-    out.push_back({host_slots_[index].param, static_cast<std::size_t>(slots_[index].numel) *
-                                                 elem_size(slots_[index].param_type)});
   }
   return out;
 }
@@ -170,8 +169,31 @@ absl::Status Adam::speculate_host_layer(int layer) {
   const float* scale = dev.is_simulated() ? speculative_scale_ : host_scalars_;
   ThreadPool* threads = &pool();
   Speculated* out = &spec;
+  // The GPU the worker's CUDA calls go to: a new thread's current device is device 0, where its
+  // first call would make a context (on every rank of a multi-GPU run).
+  int gpu = -1;
+#ifdef STRATA_HAS_CUDA
+  if (!dev.is_simulated()) {
+    for (std::size_t i = 0; i < slots_.size() && gpu < 0; ++i) {
+      if (!steps_on_host(slots_[i].layer)) continue;
+      absl::StatusOr<void*> p = resting_address(slots_[i].param, rt::Tier::kGpu);
+      cudaPointerAttributes attributes{};
+      if (p.ok() && cudaPointerGetAttributes(&attributes, *p) == cudaSuccess) {
+        gpu = attributes.device;
+      }
+    }
+  }
+#endif
   auto job = [&dev, threads, out, per_group = std::move(per_group), kept = std::move(kept),
-              scalars = std::move(scalars), scale] {
+              scalars = std::move(scalars), scale, gpu] {
+#ifdef STRATA_HAS_CUDA
+    if (gpu >= 0 && cudaSetDevice(gpu) != cudaSuccess) {
+      out->status = absl::InternalError(str_cat("cudaSetDevice(", gpu, ") failed"));
+      return;
+    }
+#else
+    (void)gpu;
+#endif
     out->status = dev.synchronize(out->arrived);
     if (!out->status.ok()) return;
     for (const Kept& k : kept) parallel_copy(*threads, k.copy, k.data, k.bytes);

@@ -61,7 +61,9 @@ std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * 
 // under hybrid nothing moves a parameter, a gradient or a host-stepped layer's states during a step
 // (its policy streams only the GPU layers' states), and every copy the step queues is done or
 // ordered before the compute stream's next work when the step returns (the host waited for the
-// gradients; the compute stream waits for the parameters). Holding them would add a release per
+// gradients; the compute stream waits for the parameters); for a host step taken in backward, when
+// finish_step or cancel_step returns (See Note [Host steps in backward] in
+// adam_host_speculation.cpp). Holding them would add a release per
 // tensor that can fail, and a failed release leaves a tensor held, so a device error in a host
 // step would fail every later hook.
 absl::StatusOr<void*> Adam::resting_address(rt::TensorHandle h, rt::Tier tier) const {
@@ -152,7 +154,7 @@ absl::Status Adam::make_host_buffers() {
   for (const Slot& s : slots_) {
     if (!steps_on_host(s.layer)) continue;
     ++count;
-    bytes += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.grad_type));
+    bytes += aligned(static_cast<std::size_t>(s.numel) * grad_buffer_elem(s));
     if (s.param_type != ElemType::kF32) {
       bytes += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.param_type));
     }
@@ -169,7 +171,7 @@ absl::Status Adam::make_host_buffers() {
     const Slot& s = slots_[i];
     if (!steps_on_host(s.layer)) continue;
     host_slots_[i].grad = next;
-    next += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.grad_type));
+    next += aligned(static_cast<std::size_t>(s.numel) * grad_buffer_elem(s));
     if (s.param_type != ElemType::kF32) {
       host_slots_[i].param = next;
       next += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.param_type));
@@ -342,12 +344,14 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
                       inv, &pool());
       }
     }
-    // The layer is stepped: its states are. Its parameters go back to the GPU.
+    // The layer is stepped: its states are. Its parameters go back to the GPU, unless inf skipped
+    // the step, which changed nothing (a low-precision parameter's pinned copy may then hold
+    // nothing yet).
     for (std::size_t index : stepped) {
       ++slots_[index].steps;
       last_step_.push_back(slots_[index].param);
     }
-    STRATA_RETURN_IF_ERROR(queue_parameters_back(stepped));
+    if (!inf) STRATA_RETURN_IF_ERROR(queue_parameters_back(stepped));
   }
   return wait_for_parameters_back();
 }

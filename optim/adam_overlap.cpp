@@ -227,11 +227,12 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
 }
 
 absl::Status Adam::roll_back() {
-  // The host steps taken in backward first (See Note [Host steps in backward]): they are done once
-  // drained, and their states go back by a host copy that cannot fail.
+  STRATA_RETURN_IF_ERROR(runtime_.rollback_undo());
+  // Then the host steps taken in backward (See Note [Host steps in backward]): once drained, their
+  // states go back by host copies that cannot fail. After the runtime's undo, so that a failure
+  // there leaves them as they are, and a call again finds the step still to be redone.
   (void)drain_host_steps();
   restore_host_states();
-  STRATA_RETURN_IF_ERROR(runtime_.rollback_undo());
   overlap_open_ = false;
   overlapped_.clear();
   // The parameters stepped in backward take their step back (See Note [Per-parameter steps]).
