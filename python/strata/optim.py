@@ -605,7 +605,9 @@ class AdamW(Adam):
             Compressed moments take no amsgrad.
         hybrid_fraction: with policy="hybrid", the share of parameters whose step runs on the
             GPU (the rest on the host, their states in pinned memory); None: the cost model
-            chooses from rates measured at setup, and an INFO line says what it chose.
+            chooses from rates measured at setup, and an INFO line says what it chose. With
+            overlap="backward" the host's layers step during backward too, on a host thread (See
+            Note [Host steps in backward] in optim/adam_host_speculation.cpp).
         device: None (default): the parameters' GPU; CPU parameters on a machine with a GPU
             raise ValueError (move the model first); "simulated" (or the environment variable
             STRATA_DEVICE=simulated) steps CPU parameters in host memory standing in for the GPU.
