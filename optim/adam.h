@@ -365,6 +365,9 @@ class Adam {
   absl::Status begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
                                 const float* found_inf);
   absl::Status finish_host_steps(const std::vector<int>& layers);
+  // `layer`'s gradients queued to their pinned buffers on host_d2h_ behind the compute stream;
+  // the event they have arrived by.
+  absl::StatusOr<rt::EventHandle> queue_gradients_out(int layer);
   // What the host kernel reads from the device for the slots of `layers` (grad_scale, found_inf
   // and bias corrections; null: 1 and 0), queued on the compute stream into host_scalars_.
   absl::Status queue_host_scalars(const std::vector<int>& layers, const float* grad_scale,
@@ -431,6 +434,7 @@ class Adam {
   // puts back (at host_undo_at_[slot]; refused once: no host memory for it), and this step's
   // host layers stepped in backward.
   std::unique_ptr<SerialWorker> host_worker_;
+  int host_gpu_ = -1;  // the device host_worker_ makes current (-1: none found)
   void* host_undo_ = nullptr;
   std::vector<std::size_t> host_undo_at_;
   bool host_undo_refused_ = false;

@@ -113,27 +113,7 @@ absl::Status Adam::speculate_host_layer(int layer) {
     speculated_.pop_back();
     return s;
   };
-  // The gradients are final once the compute stream reaches here.
-  absl::StatusOr<rt::EventHandle> ready = dev.record(rt.compute_stream());
-  if (!ready.ok()) return unposted(ready.status());
-  absl::Status waited = dev.stream_wait(host_d2h_, *ready);
-  dev.release(*ready);
-  if (!waited.ok()) return unposted(waited);
-  for (std::size_t index : slots) {
-    if (skip_[index]) continue;
-    const Slot& slot = slots_[index];
-    const void* src = slot.given_grad;
-    if (slot.grad.valid()) {  // See Note [Host steps hold nothing] in adam_host_step.cpp
-      absl::StatusOr<void*> at = resting_address(slot.grad, rt::Tier::kGpu);
-      if (!at.ok()) return unposted(at.status());
-      src = *at;
-    }
-    const std::size_t bytes = static_cast<std::size_t>(slot.numel) * elem_size(slot.grad_type);
-    absl::Status copied = dev.copy_async(host_slots_[index].grad, src, bytes, host_d2h_);
-    if (!copied.ok()) return unposted(copied);
-    host_step_bytes_.d2h += static_cast<std::int64_t>(bytes);
-  }
-  absl::StatusOr<rt::EventHandle> arrived = dev.record(host_d2h_);
+  absl::StatusOr<rt::EventHandle> arrived = queue_gradients_out(layer);
   if (!arrived.ok()) return unposted(arrived.status());
   spec.arrived = *arrived;
   std::vector<std::vector<AdamTensor>> per_group;
@@ -169,21 +149,22 @@ absl::Status Adam::speculate_host_layer(int layer) {
   const float* scale = dev.is_simulated() ? speculative_scale_ : host_scalars_;
   ThreadPool* threads = &pool();
   Speculated* out = &spec;
-  // The GPU the worker's CUDA calls go to: a new thread's current device is device 0, where its
-  // first call would make a context (on every rank of a multi-GPU run).
-  int gpu = -1;
+  if (host_worker_ == nullptr && !dev.is_simulated()) {
+    host_worker_ = std::make_unique<SerialWorker>();
 #ifdef STRATA_HAS_CUDA
-  if (!dev.is_simulated()) {
-    for (std::size_t i = 0; i < slots_.size() && gpu < 0; ++i) {
+    // The GPU the worker's CUDA calls go to: a new thread's current device is device 0, where its
+    // first call would make a context (on every rank of a multi-GPU run).
+    for (std::size_t i = 0; i < slots_.size() && host_gpu_ < 0; ++i) {
       if (!steps_on_host(slots_[i].layer)) continue;
       absl::StatusOr<void*> p = resting_address(slots_[i].param, rt::Tier::kGpu);
       cudaPointerAttributes attributes{};
       if (p.ok() && cudaPointerGetAttributes(&attributes, *p) == cudaSuccess) {
-        gpu = attributes.device;
+        host_gpu_ = attributes.device;
       }
     }
-  }
 #endif
+  }
+  const int gpu = host_gpu_;
   auto job = [&dev, threads, out, per_group = std::move(per_group), kept = std::move(kept),
               scalars = std::move(scalars), scale, gpu] {
 #ifdef STRATA_HAS_CUDA
@@ -207,7 +188,6 @@ absl::Status Adam::speculate_host_layer(int layer) {
   if (dev.is_simulated()) {
     job();
   } else {
-    if (host_worker_ == nullptr) host_worker_ = std::make_unique<SerialWorker>();
     host_worker_->post(std::move(job));
   }
   return absl::OkStatus();

@@ -231,25 +231,8 @@ absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float*
                                     const float* found_inf) {
   rt::Device& dev = runtime_.device();
   STRATA_RETURN_IF_ERROR(queue_host_scalars(layers, grad_scale, found_inf));
-  const rt::StreamHandle compute = runtime_.compute_stream();
-  // The gradients are final once the compute stream reaches here.
-  STRATA_ASSIGN_OR_RETURN(rt::EventHandle ready, dev.record(compute));
-  absl::Status waited = dev.stream_wait(host_d2h_, ready);
-  dev.release(ready);
-  STRATA_RETURN_IF_ERROR(waited);
   for (int layer : layers) {
-    for (std::size_t index : by_layer_.at(layer)) {
-      if (skip_[index]) continue;
-      const Slot& slot = slots_[index];
-      const void* src = slot.given_grad;
-      if (slot.grad.valid()) {  // See Note [Host steps hold nothing]
-        STRATA_ASSIGN_OR_RETURN(src, resting_address(slot.grad, rt::Tier::kGpu));
-      }
-      const std::size_t bytes = static_cast<std::size_t>(slot.numel) * elem_size(slot.grad_type);
-      STRATA_RETURN_IF_ERROR(dev.copy_async(host_slots_[index].grad, src, bytes, host_d2h_));
-      host_step_bytes_.d2h += static_cast<std::int64_t>(bytes);
-    }
-    STRATA_ASSIGN_OR_RETURN(rt::EventHandle arrived, dev.record(host_d2h_));
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle arrived, queue_gradients_out(layer));
     host_arrived_.push_back(arrived);
   }
   if (dev.is_simulated()) {
@@ -265,6 +248,27 @@ absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float*
     host_arrived_.back() = read;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<rt::EventHandle> Adam::queue_gradients_out(int layer) {
+  rt::Device& dev = runtime_.device();
+  // The gradients are final once the compute stream reaches here.
+  STRATA_ASSIGN_OR_RETURN(rt::EventHandle ready, dev.record(runtime_.compute_stream()));
+  absl::Status waited = dev.stream_wait(host_d2h_, ready);
+  dev.release(ready);
+  STRATA_RETURN_IF_ERROR(waited);
+  for (std::size_t index : by_layer_.at(layer)) {
+    if (skip_[index]) continue;
+    const Slot& slot = slots_[index];
+    const void* src = slot.given_grad;
+    if (slot.grad.valid()) {  // See Note [Host steps hold nothing]
+      STRATA_ASSIGN_OR_RETURN(src, resting_address(slot.grad, rt::Tier::kGpu));
+    }
+    const std::size_t bytes = static_cast<std::size_t>(slot.numel) * elem_size(slot.grad_type);
+    STRATA_RETURN_IF_ERROR(dev.copy_async(host_slots_[index].grad, src, bytes, host_d2h_));
+    host_step_bytes_.d2h += static_cast<std::int64_t>(bytes);
+  }
+  return dev.record(host_d2h_);
 }
 
 absl::Status Adam::host_kernel_tensors(int layer, std::vector<std::vector<AdamTensor>>& per_group,
