@@ -1,5 +1,7 @@
 #include "base/thread_pool.h"
 
+#include <algorithm>
+
 namespace strata {
 
 ThreadPool::ThreadPool(int threads) {
@@ -63,6 +65,22 @@ void ThreadPool::work() {
     lock.lock();
     if (--holding_ == 0) done_cv_.notify_all();
   }
+}
+
+void parallel_ranges(ThreadPool* pool, std::int64_t total, std::int64_t min_part,
+                     std::int64_t align,
+                     const std::function<void(std::int64_t, std::int64_t)>& fn) {
+  const int threads = pool != nullptr ? pool->size() : 1;
+  const int n = static_cast<int>(std::clamp<std::int64_t>(total / min_part, 1, threads));
+  if (n == 1) {
+    fn(0, total);
+    return;
+  }
+  const std::int64_t per = ((total + n - 1) / n + align - 1) / align * align;
+  pool->parallel_for(n, [&](int part) {
+    const std::int64_t begin = std::min(total, per * part);
+    fn(begin, std::min(total, begin + per));
+  });
 }
 
 }  // namespace strata

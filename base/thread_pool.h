@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -58,5 +59,12 @@ class ThreadPool {
   std::atomic<int> next_{0};
   std::atomic<int> done_{0};
 };
+
+// Runs fn(begin, end) over [0, total) split into at most pool->size() ranges of at least
+// `min_part` elements each, every range but the last a multiple of `align` long (so that each
+// starts on a cache line of its data); on this thread alone for a null pool or a small total.
+// The host kernels split their elements this way.
+void parallel_ranges(ThreadPool* pool, std::int64_t total, std::int64_t min_part,
+                     std::int64_t align, const std::function<void(std::int64_t, std::int64_t)>& fn);
 
 }  // namespace strata

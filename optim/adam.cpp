@@ -64,44 +64,10 @@ absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_
 
 }  // namespace
 
-std::vector<StateDecl> adam_states(const AdamHyper& hyper, rt::DType param_dtype,
-                                   rt::StepPlace place, StateType moments) {
-  std::vector<StateDecl> out = {{.name = "exp_avg", .suffix = "exp_avg"},
-                                {.name = "exp_avg_sq", .suffix = "exp_avg_sq"}};
-  for (StateDecl& d : out) {  // See Note [Compressed moments] in state_codec.h
-    if (moments == StateType::kBF16) d.dtype = rt::DType::kBFloat16;
-    if (moments == StateType::kI8) {
-      d.dtype = rt::DType::kUInt8;
-      d.int8_blocks = true;
-    }
-  }
-  if (hyper.amsgrad) out.push_back({.name = "max_exp_avg_sq", .suffix = "max_exp_avg_sq"});
-  if (param_dtype != rt::DType::kFloat32 || place == rt::StepPlace::kHost) {
-    // See Note [Mixed precision] in adam_math.h and Note [Host-stepped layers] in
-    // adam_host_step.cpp.
-    out.push_back({.name = "master_param", .suffix = "master", .from_parameter = true});
-  }
-  return out;
-}
-
-// Hyperparameters torch.optim.AdamW would accept; NaN fails every comparison, so it is refused too.
-absl::Status Adam::check_hyper(const AdamHyper& h, std::size_t group) {
-  auto bad = [&](std::string_view what, double value, std::string_view want) {
-    return absl::InvalidArgumentError(
-        str_cat("Adam: group ", group, ": ", what, " ", value, " is invalid; ", want));
-  };
-  if (!(h.lr >= 0.0f) || std::isinf(h.lr)) return bad("lr", h.lr, "use a finite lr >= 0");
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) return bad("beta1", h.beta1, "use 0 <= beta1 < 1");
-  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) return bad("beta2", h.beta2, "use 0 <= beta2 < 1");
-  if (!(h.eps > 0.0f) || std::isinf(h.eps)) return bad("eps", h.eps, "use a finite eps > 0");
-  if (!(h.weight_decay >= 0.0f) || std::isinf(h.weight_decay)) {
-    return bad("weight_decay", h.weight_decay, "use a finite weight_decay >= 0");
-  }
-  return absl::OkStatus();
-}
-
 Adam::Adam(rt::Runtime& runtime, AdamOptions options)
-    : runtime_(runtime), options_(std::move(options)) {}
+    : runtime_(runtime), options_(std::move(options)) {
+  if (options_.rule == nullptr) options_.rule = adam_rule();
+}
 
 Adam::~Adam() {
   // Host steps in backward still running (See Note [Host steps in backward] in
@@ -143,10 +109,10 @@ Adam::~Adam() {
 std::string Adam::name_in(const Slot& s, rt::TensorHandle h) {
   if (h == s.param) return s.param_name;
   if (h == s.grad) return s.grad_name;
-  if (h == s.exp_avg) return str_cat(s.param_name, ".exp_avg");
-  if (h == s.exp_avg_sq) return str_cat(s.param_name, ".exp_avg_sq");
-  if (h == s.master) return str_cat(s.param_name, ".master");
-  return str_cat(s.param_name, ".max_exp_avg_sq");
+  for (int j = 0; j < kMaxStates; ++j) {
+    if (h == s.declared[j]) return str_cat(s.param_name, ".", s.suffixes[j]);
+  }
+  return str_cat("handle ", h.id);
 }
 
 std::string Adam::name_of_state(rt::TensorHandle h) const {
@@ -161,11 +127,6 @@ absl::Status Adam::check_groups() {
   const StateType moments = options_.state_dtype;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     STRATA_RETURN_IF_ERROR(check_hyper(groups_[g].hyper, g));
-    if (groups_[g].hyper.amsgrad && moments != StateType::kF32) {
-      return absl::InvalidArgumentError(
-          str_cat("Adam: group ", g, " has amsgrad, which needs float32 moments; state_dtype is ",
-                  state_dtype_name(moments), ": use state_dtype float32 or turn amsgrad off"));
-    }
     for (auto [param, grad] : groups_[g].params) {
       STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(param));
       if (!grad.valid() && !options_.gradients_given) {
@@ -198,7 +159,8 @@ absl::Status Adam::check_groups() {
       }
       const auto numel = static_cast<std::int64_t>(p.bytes / rt::dtype_size(p.spec.dtype));
       const std::int64_t states = state_bytes(
-          adam_states(groups_[g].hyper, p.spec.dtype, rt::StepPlace::kGpu, moments), numel);
+          options_.rule->states(groups_[g].hyper, p.spec.dtype, rt::StepPlace::kGpu, moments),
+          numel);
       step_bytes_[p.spec.layer] += p.bytes + d.bytes + static_cast<std::size_t>(states);
     }
   }
@@ -230,7 +192,14 @@ absl::Status Adam::register_states() {
       // See Note [Declared states] in state_decl.h.
       const rt::StepPlace place =
           steps_on_host(slot.layer) ? rt::StepPlace::kHost : rt::StepPlace::kGpu;
-      for (const StateDecl& decl : adam_states(groups_[g].hyper, p.spec.dtype, place, moments)) {
+      const std::vector<StateDecl> decls =
+          options_.rule->states(groups_[g].hyper, p.spec.dtype, place, moments);
+      if (decls.size() > static_cast<std::size_t>(kMaxStates)) {
+        return absl::InternalError(str_cat("optimizer ", options_.rule->name(), " declares ",
+                                           decls.size(), " states, more than ", kMaxStates));
+      }
+      for (std::size_t j = 0; j < decls.size(); ++j) {
+        const StateDecl& decl = decls[j];
         std::vector<float> initial;
         if (decl.from_parameter) {
           // The master copy starts as the parameter's values, exactly (every bfloat16 and float16
@@ -255,7 +224,12 @@ absl::Status Adam::register_states() {
             rt::TensorHandle h,
             runtime_.register_tensor(spec, decl.from_parameter ? initial.data() : nullptr));
         owned_.push_back(h);
-        *slot.state_named(decl.name) = h;
+        slot.declared[j] = h;
+        slot.suffixes[j] = decl.suffix;
+        if (decl.from_parameter) {
+          slot.master = h;
+          slot.master_at = static_cast<int>(j);
+        }
       }
       for (rt::TensorHandle h : slot.states()) {
         if (h.valid()) slot_of_state_[h.id] = slots_.size();
@@ -339,8 +313,7 @@ absl::Status Adam::check_can_step() {
   const std::uint64_t unregistrations = runtime_.unregistrations();
   if (unregistrations == checked_unregistrations_) return check_fits_gpu(runtime_, step_bytes_);
   for (const Slot& s : slots_) {
-    for (rt::TensorHandle h :
-         {s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.master}) {
+    for (rt::TensorHandle h : s.kernel_tensors()) {
       if (!h.valid()) continue;
       if (!runtime_.is_registered(h)) {
         return absl::FailedPreconditionError(
@@ -439,15 +412,14 @@ std::vector<int> Adam::last_step_layers() const {
   return out;
 }
 
-AdamTensor Adam::kernel_tensor(std::size_t index, const std::array<void*, 6>& ptrs) const {
+StepTensor Adam::kernel_tensor(std::size_t index,
+                               const std::array<void*, 2 + kMaxStates>& ptrs) const {
   const Slot& s = slots_[index];
-  AdamTensor t;
+  StepTensor t;
   t.param = ptrs[0];
   t.grad = ptrs[1];
-  t.exp_avg = ptrs[2];
-  t.exp_avg_sq = ptrs[3];
-  t.max_exp_avg_sq = static_cast<float*>(ptrs[4]);
-  t.master = static_cast<float*>(ptrs[5]);
+  for (int j = 0; j < kMaxStates; ++j) t.states[j] = ptrs[2 + j];
+  if (s.master_at >= 0) t.master = static_cast<float*>(ptrs[2 + s.master_at]);
   t.param_type = s.param_type;
   t.grad_type = s.grad_type;
   t.state_type = options_.state_dtype;
@@ -458,11 +430,10 @@ AdamTensor Adam::kernel_tensor(std::size_t index, const std::array<void*, 6>& pt
   return t;
 }
 
-absl::Status Adam::launch(const std::vector<AdamTensor>& list, const std::vector<std::size_t>& of,
+absl::Status Adam::launch(const std::vector<StepTensor>& list, const std::vector<std::size_t>& of,
                           std::size_t g, const float* grad_scale, const float* found_inf) {
   if (list.empty()) return absl::OkStatus();
-  STRATA_RETURN_IF_ERROR(
-      queue_kernel(list, adam_scalars(groups_[g].hyper, 1), grad_scale, found_inf));
+  STRATA_RETURN_IF_ERROR(queue_kernel(list, groups_[g].hyper, grad_scale, found_inf));
   for (std::size_t index : of) {
     ++slots_[index].steps;
     last_step_.push_back(slots_[index].param);
@@ -470,7 +441,7 @@ absl::Status Adam::launch(const std::vector<AdamTensor>& list, const std::vector
   return absl::OkStatus();
 }
 
-absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamScalars& scalars,
+absl::Status Adam::queue_kernel(const std::vector<StepTensor>& list, const AdamHyper& hyper,
                                 const float* grad_scale, const float* found_inf) {
   if (list.empty()) return absl::OkStatus();
   rt::Runtime& rt = runtime_;
@@ -479,19 +450,19 @@ absl::Status Adam::queue_kernel(const std::vector<AdamTensor>& list, const AdamS
     // The host function holds the pool too: it may run after the optimizer is gone.
     if (cpu_pool_ == nullptr) cpu_pool_ = std::make_shared<ThreadPool>(options_.cpu_threads);
     return rt.device().enqueue_host(
-        stream, [list, s = scalars, pool = cpu_pool_, grad_scale, found_inf] {
+        stream, [list, hyper, rule = options_.rule, pool = cpu_pool_, grad_scale, found_inf] {
           if (found_inf != nullptr && *found_inf != 0.0f) {
-            adam_count_skipped_cpu(list.data(), list.size());  // See Note [Skipped steps]
+            rule->count_skipped_host(list.data(), list.size());  // See Note [Skipped steps]
             return;
           }
           const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
-          adam_step_cpu(list.data(), list.size(), s, inv, pool.get());
+          rule->step_host(list.data(), list.size(), hyper, inv, pool.get());
         });
   }
 #ifdef STRATA_HAS_CUDA
-  const cudaError_t err = adam_step_cuda(list.data(), list.size(), scalars, grad_scale, found_inf,
-                                         static_cast<cudaStream_t>(stream));
-  return alloc::cuda_status(err, "Adam kernel launch");
+  const cudaError_t err = options_.rule->step_gpu(list.data(), list.size(), hyper, grad_scale,
+                                                  found_inf, static_cast<cudaStream_t>(stream));
+  return alloc::cuda_status(err, str_cat(options_.rule->name(), " kernel launch"));
 #else
   return absl::UnavailableError("Adam on a CUDA device needs strata built with CUDA");
 #endif
@@ -532,15 +503,15 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     failed_layer = layer;
     const std::vector<std::size_t>& arrived = arrival_order(layer);
     const bool pipelined = !arrived.empty();
-    std::vector<std::vector<AdamTensor>> per_group(groups_.size());
+    std::vector<std::vector<StepTensor>> per_group(groups_.size());
     std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
     if (it != by_layer_.end()) {
       for (std::size_t index : pipelined ? arrived : it->second) {
         if (skip_[index]) continue;  // See Note [Per-parameter steps]
         const Slot* s = &slots_[index];
-        std::array<void*, 6> ptrs = {};
-        const std::array<rt::TensorHandle, 6> hs = s->kernel_tensors();
-        for (int k = 0; k < 6; ++k) {
+        std::array<void*, 2 + kMaxStates> ptrs = {};
+        const std::array<rt::TensorHandle, 2 + kMaxStates> hs = s->kernel_tensors();
+        for (int k = 0; k < 2 + kMaxStates; ++k) {
           if (!hs[k].valid()) continue;
           absl::StatusOr<void*> p = rt.acquire(hs[k], rt::Tier::kGpu, stream);
           if (!p.ok()) return p.status();  // step() releases what is held
@@ -548,7 +519,7 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
           ptrs[k] = *p;
         }
         if (!hs[1].valid()) ptrs[1] = const_cast<void*>(s->given_grad);  // checked before
-        const AdamTensor t = kernel_tensor(index, ptrs);
+        const StepTensor t = kernel_tensor(index, ptrs);
         if (pipelined) {
           STRATA_RETURN_IF_ERROR(launch({t}, {index}, s->group, grad_scale, found_inf));
           STRATA_RETURN_IF_ERROR(rt.release(held, stream));

@@ -1,6 +1,8 @@
-// optim/adam.h: Adam / AdamW as a client of the runtime.
+// optim/adam.h: the layer-by-layer optimizer, a client of the runtime; what it applies to each
+// layer is its step rule's (See Note [Step rules] in step_rule.h): Adam / AdamW by default, or
+// Lion. (It keeps the name Adam, its first and default rule.)
 //
-// Adam registers the states it declares for each parameter (adam_states: exp_avg and exp_avg_sq,
+// It registers the states the rule declares for each parameter (Adam's: exp_avg and exp_avg_sq,
 // max_exp_avg_sq with amsgrad, and for a bfloat16 or float16 parameter its float32 master copy
 // master_param, initialized from the parameter) with the runtime as optimizer states (See Note
 // [Declared states] in state_decl.h), so the policy decides where they live (See Note [Mixed
@@ -66,21 +68,10 @@
 #include "base/thread_pool.h"
 #include "optim/adam_math.h"
 #include "optim/state_decl.h"
+#include "optim/step_rule.h"
 #include "runtime/runtime.h"
 
 namespace strata::optim {
-
-struct AdamTensor;  // optim/adam_kernels.h
-
-// The states Adam keeps for a parameter of `param_dtype` under `hyper`, in checkpoint order:
-// float32 exp_avg and exp_avg_sq, max_exp_avg_sq with amsgrad, and master_param (from the
-// parameter) for a bfloat16 or float16 parameter, and for a float32 one stepped on the host (See
-// Note [Host-stepped layers] in adam_host_step.cpp).
-// exp_avg and exp_avg_sq are stored as `moments` says (See Note [Compressed moments] in
-// state_codec.h).
-std::vector<StateDecl> adam_states(const AdamHyper& hyper, rt::DType param_dtype,
-                                   rt::StepPlace place = rt::StepPlace::kGpu,
-                                   StateType moments = StateType::kF32);
 
 struct ParamGroup {
   // (parameter, its gradient), both registered with the runtime: float32, bfloat16 or float16
@@ -108,6 +99,9 @@ struct AdamOptions {
   // How exp_avg and exp_avg_sq are stored, on every tier and on the link (See Note [Compressed
   // moments] in state_codec.h); compressed moments do not take amsgrad.
   StateType state_dtype = StateType::kF32;
+  // The update each layer's step applies: its states and kernels (See Note [Step rules] in
+  // step_rule.h). Null: Adam / AdamW (adam_rule()).
+  std::shared_ptr<const StepRule> rule;
 };
 
 class Adam {
@@ -251,6 +245,7 @@ class Adam {
   [[nodiscard]] absl::Status save(std::ostream& out);
   [[nodiscard]] absl::Status load(std::istream& in);
   StateType state_dtype() const { return options_.state_dtype; }
+  const StepRule& rule() const { return *options_.rule; }
 
   // A parameter's states as float32 values, one a parameter element each, by declared name
   // (torch's state dict: compressed moments decoded), read from whichever tier holds them.
@@ -267,7 +262,13 @@ class Adam {
 
  private:
   struct Slot {
-    rt::TensorHandle param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master;
+    rt::TensorHandle param, grad;
+    // The declared states (the rule's states()), in declaration order, which is checkpoint order;
+    // invalid past the last. `master` is the one declared from the parameter, if any.
+    std::array<rt::TensorHandle, kMaxStates> declared;
+    std::array<std::string, kMaxStates> suffixes;  // for messages
+    rt::TensorHandle master;
+    int master_at = -1;  // its index in `declared`
     std::size_t group = 0;
     int layer = 0;
     std::int64_t numel = 0;
@@ -281,27 +282,20 @@ class Adam {
     // The key of its compressed moments' rounding (state_seed of the parameter's name).
     std::uint32_t seed = 0;
     // The optimizer's state tensors of this parameter, valid or not, in checkpoint order.
-    std::array<rt::TensorHandle, 4> states() const {
-      return {exp_avg, exp_avg_sq, max_exp_avg_sq, master};
-    }
-    // The handle of the state declared as `name` (adam_states).
-    rt::TensorHandle* state_named(std::string_view name) {
-      if (name == "exp_avg") return &exp_avg;
-      if (name == "exp_avg_sq") return &exp_avg_sq;
-      if (name == "max_exp_avg_sq") return &max_exp_avg_sq;
-      return &master;
-    }
-    // Every tensor the kernel takes, valid or not, in AdamTensor's order.
-    std::array<rt::TensorHandle, 6> kernel_tensors() const {
-      return {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master};
+    const std::array<rt::TensorHandle, kMaxStates>& states() const { return declared; }
+    // Every tensor the kernel takes, valid or not: the parameter, the gradient, then the states.
+    std::array<rt::TensorHandle, 2 + kMaxStates> kernel_tensors() const {
+      std::array<rt::TensorHandle, 2 + kMaxStates> out = {param, grad};
+      for (int j = 0; j < kMaxStates; ++j) out[2 + j] = declared[j];
+      return out;
     }
   };
-  // The kernel's view of slots_[index] for the step being queued, from the addresses of its
+  // The rule's view of slots_[index] for the step being queued, from the addresses of its
   // kernel_tensors().
-  AdamTensor kernel_tensor(std::size_t index, const std::array<void*, 6>& ptrs) const;
+  StepTensor kernel_tensor(std::size_t index, const std::array<void*, 2 + kMaxStates>& ptrs) const;
   // Queues the kernel for `list`, the tensors of slots `of` in group g; once it is queued, those
   // parameters count as stepped (their step counts move, last_step_ lists them).
-  absl::Status launch(const std::vector<AdamTensor>& list, const std::vector<std::size_t>& of,
+  absl::Status launch(const std::vector<StepTensor>& list, const std::vector<std::size_t>& of,
                       std::size_t g, const float* grad_scale, const float* found_inf);
   // The step the optimizer is at, for messages: the most steps any parameter was queued for.
   std::int64_t step_number() const;
@@ -312,8 +306,10 @@ class Adam {
   // The name of one of this optimizer's state tensors.
   std::string name_of_state(rt::TensorHandle h) const;
   Adam(rt::Runtime& runtime, AdamOptions options);
-  // Hyperparameters torch would accept (create, set_lr and load check them).
-  static absl::Status check_hyper(const AdamHyper& h, std::size_t group);
+  // Hyperparameters the rule accepts (create, set_lr and load check them).
+  absl::Status check_hyper(const AdamHyper& h, std::size_t group) const {
+    return options_.rule->check(h, options_.state_dtype, group);
+  }
   // The checks step() makes before it changes anything.
   absl::Status check_can_step();
   // Every parameter of `slots` that takes part in the step has its gradient (registered or
@@ -328,7 +324,7 @@ class Adam {
   // step()'s body; with new_step false, part of the step was taken in backward (finish_step).
   absl::Status run_step(const float* grad_scale, const float* found_inf, bool new_step);
   // Queues the kernel for `list` (tensors of group g) on the compute stream.
-  absl::Status queue_kernel(const std::vector<AdamTensor>& list, const AdamScalars& scalars,
+  absl::Status queue_kernel(const std::vector<StepTensor>& list, const AdamHyper& hyper,
                             const float* grad_scale, const float* found_inf);
   // Float32 device scalars' values (`absent` where null), with one host wait on the compute
   // stream.
@@ -374,7 +370,7 @@ class Adam {
                                   const float* found_inf);
   // The host kernel's tensors of `layer`'s slots that take part in the step, by group, and those
   // slots.
-  absl::Status host_kernel_tensors(int layer, std::vector<std::vector<AdamTensor>>& per_group,
+  absl::Status host_kernel_tensors(int layer, std::vector<std::vector<StepTensor>>& per_group,
                                    std::vector<std::size_t>& stepped) const;
   // Host-stepped slots' parameters queued back to the GPU on host_h2d_, and the compute stream
   // made to wait for them.

@@ -251,23 +251,14 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
 
 void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& scalars,
                    float inv_grad_scale, ThreadPool* pool) {
-  const AdamScalars& s = scalars;
   std::int64_t total = 0;
   for (std::size_t t = 0; t < count; ++t) total += tensors[t].numel;
-  // A part of fewer than 2^16 elements costs less than handing it to another thread.
-  const std::int64_t kMinPerPart = std::int64_t{1} << 16;
-  const int threads = pool != nullptr ? pool->size() : 1;
-  const int n = static_cast<int>(std::clamp<std::int64_t>(total / kMinPerPart, 1, threads));
-  if (n == 1) {
-    run_range(tensors, count, s, inv_grad_scale, 0, total);
-    return;
-  }
-  // Parts a multiple of 16 elements long, so that each starts on a cache line of float32 data.
-  const std::int64_t per = ((total + n - 1) / n + 15) / 16 * 16;
-  pool->parallel_for(n, [&](int part) {
-    const std::int64_t begin = std::min(total, per * part);
-    run_range(tensors, count, s, inv_grad_scale, begin, std::min(total, begin + per));
-  });
+  // A part of fewer than 2^16 elements costs less than handing it to another thread; parts a
+  // multiple of 16 elements long start on a cache line of float32 data.
+  parallel_ranges(pool, total, std::int64_t{1} << 16, 16,
+                  [&](std::int64_t begin, std::int64_t end) {
+                    run_range(tensors, count, scalars, inv_grad_scale, begin, end);
+                  });
 }
 
 void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count) {

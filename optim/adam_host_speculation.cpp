@@ -116,7 +116,7 @@ absl::Status Adam::speculate_host_layer(int layer) {
   absl::StatusOr<rt::EventHandle> arrived = queue_gradients_out(layer);
   if (!arrived.ok()) return unposted(arrived.status());
   spec.arrived = *arrived;
-  std::vector<std::vector<AdamTensor>> per_group;
+  std::vector<std::vector<StepTensor>> per_group;
   if (absl::Status s = host_kernel_tensors(layer, per_group, spec.stepped); !s.ok()) {
     return unposted(s);
   }
@@ -135,8 +135,9 @@ absl::Status Adam::speculate_host_layer(int layer) {
       at += w.bytes;
     }
   }
-  std::vector<AdamScalars> scalars;
-  for (const ParamGroup& g : groups_) scalars.push_back(adam_scalars(g.hyper, 1));
+  // The groups' hyperparameters as they are now (set_hyper may change them before the job runs).
+  std::vector<AdamHyper> hypers;
+  for (const ParamGroup& g : groups_) hypers.push_back(g.hyper);
   // Posted: the layer counts as stepped (finish_step or cancel_step takes it back if need be).
   for (std::size_t index : spec.stepped) {
     ++slots_[index].steps;
@@ -166,7 +167,7 @@ absl::Status Adam::speculate_host_layer(int layer) {
   }
   const int gpu = host_gpu_;
   auto job = [&dev, threads, out, per_group = std::move(per_group), kept = std::move(kept),
-              scalars = std::move(scalars), scale, gpu] {
+              hypers = std::move(hypers), rule = options_.rule, scale, gpu] {
 #ifdef STRATA_HAS_CUDA
     if (gpu >= 0 && cudaSetDevice(gpu) != cudaSuccess) {
       out->status = absl::InternalError(str_cat("cudaSetDevice(", gpu, ") failed"));
@@ -182,7 +183,7 @@ absl::Status Adam::speculate_host_layer(int layer) {
     const float inv = 1.0f / (scale != nullptr ? *scale : 1.0f);  // as the CUDA kernel takes it
     for (std::size_t g = 0; g < per_group.size(); ++g) {
       if (per_group[g].empty()) continue;
-      adam_step_cpu(per_group[g].data(), per_group[g].size(), scalars[g], inv, threads);
+      rule->step_host(per_group[g].data(), per_group[g].size(), hypers[g], inv, threads);
     }
   };
   if (dev.is_simulated()) {

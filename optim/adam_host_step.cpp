@@ -42,11 +42,11 @@
 namespace strata::optim {
 namespace {
 
-// Host memory the host kernel reads and writes a parameter: its float32 master (or parameter) read
-// and written, its gradient read, both moments read and written (`moment_bytes` each, as stored:
-// See Note [Compressed moments] in state_codec.h), and a low-precision parameter written.
-double host_touch_bytes(double grad_bytes, double param_bytes, double moment_bytes) {
-  return 8 + grad_bytes + 4 * moment_bytes + (param_bytes < 4 ? param_bytes : 0);
+// Host memory the host kernel reads and writes a parameter: its gradient read, every state it keeps
+// on the host read and written (`state_bytes` together, as stored: See Note [Compressed moments] in
+// state_codec.h; its float32 master among them), and a low-precision parameter written.
+double host_touch_bytes(double grad_bytes, double param_bytes, double state_bytes) {
+  return grad_bytes + 2 * state_bytes + (param_bytes < 4 ? param_bytes : 0);
 }
 // Where a host slot's pinned buffers start: a cache line apart.
 constexpr std::size_t kAlign = 64;
@@ -103,18 +103,19 @@ absl::Status Adam::place_steps() {
       c.layer = p.spec.layer;
       c.params += static_cast<std::int64_t>(n);
       // Weighted sums, divided by the parameters below: bytes a parameter over the layer.
-      const std::vector<StateDecl> states =
-          adam_states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype);
+      const StepRule& rule = *options_.rule;
       const auto numel = static_cast<std::int64_t>(n);
-      c.state_bytes += static_cast<double>(state_bytes(states, numel));
+      auto bytes_at = [&](rt::StepPlace place) {
+        return static_cast<double>(state_bytes(
+            rule.states(group.hyper, p.spec.dtype, place, options_.state_dtype), numel));
+      };
+      c.state_bytes += bytes_at(rt::StepPlace::kGpu);
       const double grad_bytes = static_cast<double>(rt::dtype_size(grad_dtype));
       const double param_bytes = static_cast<double>(rt::dtype_size(p.spec.dtype));
       c.grad_bytes += n * grad_bytes;
       c.param_bytes += n * param_bytes;
-      // states[0] is exp_avg, stored as both moments are.
       c.host_touch_bytes +=
-          n * host_touch_bytes(grad_bytes, param_bytes,
-                               static_cast<double>(state_bytes(states[0], numel)) / n);
+          n * host_touch_bytes(grad_bytes, param_bytes, bytes_at(rt::StepPlace::kHost) / n);
     }
   }
   rt::StepCosts costs;
@@ -136,6 +137,7 @@ absl::Status Adam::place_steps() {
         .link_bytes = 1 << 20, .adam_params = 1 << 16, .memory_bytes = 1 << 20, .repeats = 1};
   }
   measure.moments = options_.state_dtype;
+  measure.rule = options_.rule.get();
   STRATA_ASSIGN_OR_RETURN(costs.rates, measure_step_rates(runtime_, pool(), measure));
   step_rates_ = costs.rates;
   STRATA_ASSIGN_OR_RETURN(placement_, runtime_.place_steps(costs));
@@ -159,8 +161,10 @@ absl::Status Adam::make_host_buffers() {
       bytes += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.param_type));
     }
   }
-  // grad_scale and found_inf, then two floats of bias corrections for each host slot at most.
-  const std::size_t head = aligned((4 + 2 * count) * sizeof(float));
+  // grad_scale and found_inf, then the rule's scalars from the device for each host slot at most
+  // (See Note [Scalars from the device] in step_rule.h).
+  const std::size_t head = aligned(
+      (4 + static_cast<std::size_t>(options_.rule->host_scalars()) * count) * sizeof(float));
   STRATA_ASSIGN_OR_RETURN(host_buffer_,
                           runtime_.allocator().allocate(
                               rt::Tier::kPinnedHost, head + bytes,
@@ -189,37 +193,39 @@ absl::Status Adam::queue_host_scalars(const std::vector<int>& layers, const floa
   }
   // One request per group and settled step t (See Note [Skipped steps] in adam_kernels.h): the
   // host alone counts these slots' skipped steps, so t is known here.
-  std::vector<BiasRequest> requests;
+  const StepRule& rule = *options_.rule;
+  const int per = rule.host_scalars();  // See Note [Scalars from the device] in step_rule.h
+  std::vector<const AdamHyper*> hypers;
+  std::vector<std::int64_t> steps;
   std::map<std::pair<std::size_t, std::int64_t>, int> request_of;
   for (int layer : layers) {
     for (std::size_t index : by_layer_.at(layer)) {
-      if (skip_[index]) continue;
+      if (skip_[index] || per == 0) continue;
       const Slot& s = slots_[index];
       const std::int64_t t = s.steps + 1 - (skips_possible_ ? skipped_[index] : 0);
-      auto [it, added] = request_of.try_emplace({s.group, t}, static_cast<int>(requests.size()));
-      if (added) requests.push_back({adam_scalars(groups_[s.group].hyper, 1), t});
+      auto [it, added] = request_of.try_emplace({s.group, t}, static_cast<int>(hypers.size()));
+      if (added) {
+        hypers.push_back(&groups_[s.group].hyper);
+        steps.push_back(t);
+      }
       host_slots_[index].request = it->second;
     }
   }
-  float* bias = host_scalars_ + 4;
+  float* device_scalars = host_scalars_ + 4;
   host_scalars_[0] = 1.0f;  // no grad_scale: 1; no found_inf: 0 (the reads below skip a null)
   host_scalars_[1] = 0.0f;
   if (dev.is_simulated()) {
-    // The simulated device's kernel is the host kernel: its bias corrections are the host's.
-    for (std::size_t r = 0; r < requests.size(); ++r) {
-      AdamScalars s = requests[r].scalars;
-      bias_corrections(s, requests[r].step);
-      bias[2 * r] = s.step_size;
-      bias[2 * r + 1] = s.bias_correction2_sqrt;
+    // The simulated device's kernel is the host kernel: its scalars are the host's.
+    for (std::size_t r = 0; r < hypers.size(); ++r) {
+      rule.host_scalars_cpu(*hypers[r], steps[r], device_scalars + per * r);
     }
     return absl::OkStatus();
   }
 #ifdef STRATA_HAS_CUDA
   const auto stream = static_cast<cudaStream_t>(runtime_.compute_stream());
   cudaError_t err = adam_read_floats_cuda({grad_scale, found_inf, nullptr}, host_scalars_, stream);
-  for (std::size_t r = 0; r < requests.size() && err == cudaSuccess; r += kMaxBiasRequests) {
-    const int n = static_cast<int>(std::min<std::size_t>(kMaxBiasRequests, requests.size() - r));
-    err = adam_bias_corrections_cuda(requests.data() + r, n, bias + 2 * r, stream);
+  if (err == cudaSuccess && !hypers.empty()) {
+    err = rule.queue_host_scalars(hypers, steps, device_scalars, stream);
   }
   return alloc::cuda_status(err, "Adam: reading the step's scalars for the host");
 #else
@@ -271,27 +277,33 @@ absl::StatusOr<rt::EventHandle> Adam::queue_gradients_out(int layer) {
   return dev.record(host_d2h_);
 }
 
-absl::Status Adam::host_kernel_tensors(int layer, std::vector<std::vector<AdamTensor>>& per_group,
+absl::Status Adam::host_kernel_tensors(int layer, std::vector<std::vector<StepTensor>>& per_group,
                                        std::vector<std::size_t>& stepped) const {
   per_group.assign(groups_.size(), {});
   stepped.clear();
-  const float* bias = host_scalars_ + 4;
+  const float* device_scalars = host_scalars_ + 4;
+  const int per = options_.rule->host_scalars();
   for (std::size_t index : by_layer_.at(layer)) {
     if (skip_[index]) continue;
     const Slot& s = slots_[index];
-    // In AdamTensor's order: the parameter and gradient in their pinned buffers, the states where
-    // they rest. A float32 parameter is its master here: the kernel writes it twice, the same
-    // value.
-    std::array<void*, 6> ptrs = {};
+    // In kernel_tensors()' order: the parameter and gradient in their pinned buffers, the states
+    // where they rest. A float32 parameter is its master here (every rule declares one for a
+    // host-stepped layer): the kernel writes it twice, the same value.
+    std::array<void*, 2 + kMaxStates> ptrs = {};
     ptrs[1] = host_slots_[index].grad;
-    const std::array<rt::TensorHandle, 6> hs = s.kernel_tensors();
-    for (int j = 2; j < 6; ++j) {
+    const std::array<rt::TensorHandle, 2 + kMaxStates> hs = s.kernel_tensors();
+    for (int j = 2; j < 2 + kMaxStates; ++j) {
       if (!hs[j].valid()) continue;
       STRATA_ASSIGN_OR_RETURN(ptrs[j], resting_address(hs[j], rt::Tier::kPinnedHost));
     }
-    ptrs[0] = host_slots_[index].param != nullptr ? host_slots_[index].param : ptrs[5];
-    AdamTensor t = kernel_tensor(index, ptrs);
-    t.bias = bias + 2 * host_slots_[index].request;
+    if (s.master_at < 0) {
+      return absl::InternalError(str_cat(options_.rule->name(), " declares no master copy for '",
+                                         s.param_name, "', stepped on the host"));
+    }
+    ptrs[0] =
+        host_slots_[index].param != nullptr ? host_slots_[index].param : ptrs[2 + s.master_at];
+    StepTensor t = kernel_tensor(index, ptrs);
+    if (per > 0) t.device_scalars = device_scalars + per * host_slots_[index].request;
     per_group[s.group].push_back(t);
     stepped.push_back(index);
   }
@@ -334,7 +346,7 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
       dev.synchronize(dev.is_simulated() ? host_arrived_.back() : host_arrived_.front()));
   const float inv = 1.0f / host_scalars_[0];  // as the CUDA kernel takes it
   const bool inf = host_scalars_[1] != 0.0f;
-  std::vector<std::vector<AdamTensor>> per_group;
+  std::vector<std::vector<StepTensor>> per_group;
   std::vector<std::size_t> stepped;
   for (std::size_t k = 0; k < layers.size(); ++k) {
     STRATA_RETURN_IF_ERROR(dev.synchronize(host_arrived_[k]));
@@ -342,10 +354,10 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       if (per_group[g].empty()) continue;
       if (inf) {
-        adam_count_skipped_cpu(per_group[g].data(), per_group[g].size());
+        options_.rule->count_skipped_host(per_group[g].data(), per_group[g].size());
       } else {
-        adam_step_cpu(per_group[g].data(), per_group[g].size(), adam_scalars(groups_[g].hyper, 1),
-                      inv, &pool());
+        options_.rule->step_host(per_group[g].data(), per_group[g].size(), groups_[g].hyper, inv,
+                                 &pool());
       }
     }
     // The layer is stepped: its states are. Its parameters go back to the GPU, unless inf skipped

@@ -80,14 +80,14 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   // while its undo stays on the GPU too: copied to the host, the undo would add 14 bytes a bfloat16
   // parameter to the link's D2H direction, which the write-backs of the streamed layers keep busy
   // during backward. Such a layer waits for finish_step.
-  std::vector<std::vector<AdamTensor>> per_group(groups_.size());
+  std::vector<std::vector<StepTensor>> per_group(groups_.size());
   std::vector<std::vector<std::size_t>> slots_of_group(groups_.size());
   for (std::size_t index : it->second) {
     if (skip_[index]) continue;  // See Note [Per-parameter steps]
     const Slot& s = slots_[index];
-    std::array<void*, 6> ptrs = {};
-    const std::array<rt::TensorHandle, 6> hs = s.kernel_tensors();
-    for (int k = 0; k < 6; ++k) {
+    std::array<void*, 2 + kMaxStates> ptrs = {};
+    const std::array<rt::TensorHandle, 2 + kMaxStates> hs = s.kernel_tensors();
+    for (int k = 0; k < 2 + kMaxStates; ++k) {
       if (!hs[k].valid()) continue;
       absl::StatusOr<void*> p = rt.acquire(hs[k], rt::Tier::kGpu, stream);
       if (!p.ok()) return give_back(p.status());

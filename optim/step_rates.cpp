@@ -117,22 +117,25 @@ absl::StatusOr<double> time_both(rt::Device& device, void* gpu_in, const void* h
   return best / 1e3;
 }
 
-// The Adam kernels' view of n float32 parameters at `base` (parameter, gradient, moments in turn,
-// n floats each: room for the moments however they are stored).
-AdamTensor adam_tensor(float* base, std::int64_t n, StateType moments) {
-  AdamTensor t;
+// A rule's view of n float32 parameters at `base` (parameter, gradient, two states in turn, n
+// floats each: room for the states however they are stored; a rule with one uses the first).
+StepTensor step_tensor(float* base, std::int64_t n, StateType moments) {
+  StepTensor t;
   t.param = base;
   t.grad = base + n;
-  t.exp_avg = base + 2 * n;
-  t.exp_avg_sq = base + 3 * n;
+  t.states[0] = base + 2 * n;
+  t.states[1] = base + 3 * n;
   t.numel = n;
   t.state_type = moments;
   return t;
 }
 
-void host_adam(float* base, std::int64_t n, StateType moments, ThreadPool& pool) {
-  const AdamTensor t = adam_tensor(base, n, moments);
-  adam_step_cpu(&t, 1, adam_scalars(AdamHyper{.weight_decay = 0.01}, 1), 1.0f, &pool);
+constexpr AdamHyper kTimedHyper{.weight_decay = 0.01};
+
+void host_step(const StepRule& rule, float* base, std::int64_t n, StateType moments,
+               ThreadPool& pool) {
+  const StepTensor t = step_tensor(base, n, moments);
+  rule.step_host(&t, 1, kTimedHyper, 1.0f, &pool);
 }
 
 double best_of(int repeats, const std::function<void()>& run) {
@@ -154,6 +157,7 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
     return absl::InvalidArgumentError("measure_step_rates: every size and repeat must be positive");
   }
   rt::Device& device = runtime.device();
+  const StepRule& rule = options.rule != nullptr ? *options.rule : *adam_rule();
   rt::StepRates rates;
   rates.host_threads = pool.size();
   const std::size_t bytes = options.link_bytes;
@@ -199,7 +203,7 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
   STRATA_RETURN_IF_ERROR(adam.allocate(4 * static_cast<std::size_t>(n) * sizeof(float)));
   std::fill(adam.floats(0), adam.floats(4 * n), 0.5f);
   const double alone =
-      best_of(repeats, [&] { host_adam(adam.floats(0), n, options.moments, pool); });
+      best_of(repeats, [&] { host_step(rule, adam.floats(0), n, options.moments, pool); });
   rates.host_params_per_s_alone = static_cast<double>(n) / alone;
   // Enough copies each way to outlast the kernel twice over at the rate both directions get.
   const int copies = std::clamp(static_cast<int>(2.0 * alone / both) + 2, 2, 256);
@@ -208,7 +212,7 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
     STRATA_RETURN_IF_ERROR(queue_copies(device, g, h, bytes, copies, streams[0]));
     STRATA_RETURN_IF_ERROR(queue_copies(device, h + bytes, g + bytes, bytes, copies, streams[1]));
     const Clock::time_point start = Clock::now();
-    host_adam(adam.floats(0), n, options.moments, pool);
+    host_step(rule, adam.floats(0), n, options.moments, pool);
     const double s = seconds_since(start);
     STRATA_RETURN_IF_ERROR(device.stream_synchronize(streams[0]));
     STRATA_RETURN_IF_ERROR(device.stream_synchronize(streams[1]));
@@ -225,16 +229,16 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
     Buffer on_gpu(runtime, rt::Tier::kGpu);
     STRATA_RETURN_IF_ERROR(on_gpu.allocate(gpu_bytes));
     STRATA_RETURN_IF_ERROR(device.copy_async(on_gpu.get(), adam.get(), gpu_bytes, streams[0]));
-    const AdamTensor t = adam_tensor(on_gpu.floats(0), gn, options.moments);
+    const StepTensor t = step_tensor(on_gpu.floats(0), gn, options.moments);
     double best = 0;
     for (int r = 0; r < repeats; ++r) {
       STRATA_ASSIGN_OR_RETURN(rt::EventHandle start, device.record_timed(streams[0]));
-      const cudaError_t err =
-          adam_step_cuda(&t, 1, adam_scalars(AdamHyper{.weight_decay = 0.01}, 1), nullptr, nullptr,
-                         static_cast<cudaStream_t>(streams[0]));
+      const cudaError_t err = rule.step_gpu(&t, 1, kTimedHyper, nullptr, nullptr,
+                                            static_cast<cudaStream_t>(streams[0]));
       if (err != cudaSuccess) {
         device.release_timed(start);
-        return alloc::cuda_status(err, "measure_step_rates: the GPU Adam kernel");
+        return alloc::cuda_status(err,
+                                  str_cat("measure_step_rates: the GPU ", rule.name(), " kernel"));
       }
       STRATA_ASSIGN_OR_RETURN(rt::EventHandle end, device.record_timed(streams[0]));
       STRATA_ASSIGN_OR_RETURN(double ms, elapsed(device, start, end));

@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "base/thread_pool.h"
 #include "optim/state_codec.h"
+#include "optim/step_rule.h"
 #include "runtime/runtime.h"
 #include "runtime/step_costs.h"
 
@@ -39,7 +40,9 @@ struct MeasureOptions {
   std::int64_t adam_params = std::int64_t{1} << 24;   // each Adam kernel's run, host and GPU
   std::size_t memory_bytes = std::size_t{256} << 20;  // host memory copy
   int repeats = 3;
-  // How the kernels' moments are stored: the step's Adam rates are those of its own kernels.
+  // The rule whose kernels are timed (null: Adam), their moments stored as `moments` says: the
+  // step's rates are those of its own kernels.
+  const StepRule* rule = nullptr;
   StateType moments = StateType::kF32;
 };
 

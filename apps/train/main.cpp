@@ -84,6 +84,9 @@ ABSL_FLAG(std::string, strata_roles, "optimizer_states",
 ABSL_FLAG(std::string, state_dtype, "float32",
           "how strata's Adam stores exp_avg and exp_avg_sq: float32, bfloat16 (stochastically "
           "rounded) or int8 (a float32 scale per block of 256), on every tier and on the link");
+ABSL_FLAG(std::string, optimizer, "adamw",
+          "the optimizer strata steps: adamw, or lion (one state a parameter; See Note [Step "
+          "rules] in optim/step_rule.h); lion leaves PyTorch's AdamW baselines out of --compare");
 ABSL_FLAG(std::string, text_dir, "",
           "train on real text: the bytes of the *.py files in this directory (e.g. the Python "
           "standard library's), up to 64 MiB, instead of the synthetic data; needs --vocab=256");
@@ -266,6 +269,13 @@ absl::StatusOr<TrainOptions> options_from_flags() {
   } else {
     return absl::InvalidArgumentError(str_cat("--state_dtype: ", t.status().message()));
   }
+  if (absl::StatusOr<std::shared_ptr<const optim::StepRule>> rule =
+          optim::make_step_rule(absl::GetFlag(FLAGS_optimizer));
+      rule.ok()) {
+    o.rule = *rule;
+  } else {
+    return absl::InvalidArgumentError(str_cat("--optimizer: ", rule.status().message()));
+  }
   if (const std::string where = absl::GetFlag(FLAGS_strata_step_stream); where == "compute") {
     o.step_on_own_stream = false;
   } else if (where != "own") {
@@ -427,6 +437,11 @@ std::vector<std::string> compare_run_names(const TrainOptions& o,
       runs.push_back(str_cat(p, kOverlapSuffix));
     }
   }
+  if (o.rule->name() != "adam") {
+    std::printf("(PyTorch's baselines left out: they step AdamW, and --optimizer=%s)\n",
+                std::string(o.rule->name()).c_str());
+    return runs;
+  }
   for (TorchBaseline b : {TorchBaseline::kResident, TorchBaseline::kMovedWithTo}) {
     runs.push_back(baseline_name(b));
   }
@@ -476,6 +491,12 @@ int run(int argc, char** argv) {
   }
   absl::StatusOr<std::vector<std::string>> selected_runs = runs_from_flag();
   if (!selected_runs.ok()) return usage_error(std::string(selected_runs.status().message()));
+  for (const std::string& run : *selected_runs) {
+    if (baseline_named(run) && o.rule->name() != "adam") {
+      return usage_error(str_cat("--runs: ", run, " is PyTorch's AdamW; with --optimizer=",
+                                 o.rule->name(), " leave PyTorch's baselines out"));
+    }
+  }
   for (const auto& [flag, path] : {std::pair{"--json", absl::GetFlag(FLAGS_json)},
                                    std::pair{"--chart", absl::GetFlag(FLAGS_chart)}}) {
     if (std::string bad = check_writable(flag, path); !bad.empty()) return usage_error(bad);

@@ -334,6 +334,7 @@ std::string to_json(const Report& report) {
       ", \"gpu_memory\": ", json_quoted(alloc::device_method_name(o.gpu_memory)),
       ", \"dtype\": ", json_quoted(dtype_name(o.dtype)),
       ", \"state_dtype\": ", json_quoted(optim::state_dtype_name(o.state_dtype)),
+      ", \"optimizer\": ", json_quoted(o.rule->name()),
       ", \"text\": ", o.text != nullptr ? "true" : "false",
       ", \"clip_grad_norm\": ", exact(o.clip_grad_norm),
       ", \"overlap\": ", json_quoted(rt::overlap_name(o.overlap)),

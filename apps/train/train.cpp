@@ -76,13 +76,15 @@ std::unique_ptr<rt::Runtime> make_runtime(const TrainOptions& o, const std::stri
   return bridge::unwrap(rt::Runtime::create(std::move(ro), policy::builtin_policies()));
 }
 
-// AdamW over the bound model: weight decay for the matrices only (GptImpl::decays), states in the
-// options' dtype. Prints the step placement when the policy places steps.
+// The optimizer over the bound model (AdamW, or the rule --optimizer names): weight decay for the
+// matrices only (GptImpl::decays), states in the options' dtype. Prints the step placement when the
+// policy places steps.
 std::unique_ptr<optim::Adam> make_adam(rt::Runtime& rt, bridge::TorchBinding& binding,
                                        GptImpl& model, const TrainOptions& o,
                                        const std::string& run_name) {
   optim::AdamOptions ao;
   ao.state_dtype = o.state_dtype;
+  ao.rule = o.rule;
   ao.groups.resize(2);
   ao.groups[0].hyper = {.lr = o.lr, .weight_decay = o.weight_decay, .decoupled = true};
   ao.groups[1].hyper = {.lr = o.lr, .weight_decay = 0.0, .decoupled = true};

@@ -28,6 +28,7 @@
 #include "apps/train/gpt.h"
 #include "apps/train/text_data.h"
 #include "optim/state_codec.h"
+#include "optim/step_rule.h"
 #include "runtime/policy.h"
 #include "runtime/step_costs.h"
 #include "runtime/tensor.h"
@@ -69,6 +70,8 @@ struct TrainOptions {
   std::shared_ptr<const TextCorpus> text;
   // How strata's Adam stores the moments (See Note [Compressed moments] in optim/state_codec.h).
   optim::StateType state_dtype = optim::StateType::kF32;
+  // The step rule strata's optimizer applies (See Note [Step rules] in optim/step_rule.h).
+  std::shared_ptr<const optim::StepRule> rule = optim::adam_rule();
   // Micro-batches per step (gradient accumulation), each of `model.batch` sequences.
   int grad_accum = 1;
   // Where a step's time ends (See Note [Step end] in apps/train/torch_device.h).

@@ -4,7 +4,7 @@
 // state dicts. strata.optim (optim.py and its parts) is its only caller.
 //
 // Example (Python):
-//   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0, "float32")
+//   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0, "float32", "adam")
 //   rt.begin_step(); ...; adam.step(None, None); rt.end_step()
 #pragma once
 
@@ -49,12 +49,14 @@ class Adam {
   using Group =
       std::pair<std::vector<std::pair<torch::Tensor, std::optional<torch::Tensor>>>, py::dict>;
 
+  // `rule`: the step rule by name (optim::make_step_rule: "adam" or "lion").
   Adam(std::shared_ptr<Runtime> runtime, const std::vector<Group>& groups, int cpu_threads,
-       const std::string& state_dtype)
+       const std::string& state_dtype, const std::string& rule)
       : runtime_(std::move(runtime)) {
     optim::AdamOptions o;
     if (cpu_threads > 0) o.cpu_threads = cpu_threads;
     o.state_dtype = bridge::unwrap(optim::parse_state_dtype(state_dtype));
+    o.rule = bridge::unwrap(optim::make_step_rule(rule));
     for (const auto& [params, hyper] : groups) {
       optim::ParamGroup g;
       g.hyper = hyper_of(hyper);
@@ -200,14 +202,15 @@ class Adam {
       in.emplace_back(key.cast<std::string>(), std::move(v));
     }
     const rt::TensorHandle h = runtime_->binding().handle(param);
-    // Only the states this parameter has: a master_param given for one without a master is not
-    // an error (torch's state dicts of float32 parameters never have one).
+    // A master_param given for a parameter without a master is not an error (torch's state dicts
+    // of float32 parameters never have one); any other state it does not have is.
     std::vector<std::string> have;
     for (rt::TensorHandle s : bridge::unwrap(adam_->state(h))) {
       have.push_back(bridge::unwrap(runtime_->rt().info(s)).spec.state);
     }
     std::erase_if(in, [&](const auto& kv) {
-      return std::find(have.begin(), have.end(), kv.first) == have.end();
+      return kv.first == "master_param" &&
+             std::find(have.begin(), have.end(), kv.first) == have.end();
     });
     py::gil_scoped_release release;
     bridge::check(adam_->write_state_values(h, in));

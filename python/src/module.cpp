@@ -13,7 +13,7 @@
 //                        roles="optimizer_states", device="auto", pinned_budget=None,
 //                        overlap="none", undo_on_gpu=False, hybrid_fraction=None)
 //   rt.register(p, "w", 0, "parameter", None); rt.register(p.grad, "w.grad", 0, "gradient", None)
-//   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0, "float32")
+//   adam = _strata.Adam(rt, [([(p, p.grad)], {"lr": 1e-3, ...})], 0, "float32", "adam")
 //   rt.begin_step(); ...; adam.step(None, None); rt.end_step()
 #include <torch/extension.h>
 
@@ -231,7 +231,7 @@ PYBIND11_MODULE(_strata, m) {
 
   py::class_<Adam>(m, "Adam")
       .def(py::init<std::shared_ptr<Runtime>, const std::vector<Adam::Group>&, int,
-                    const std::string&>())
+                    const std::string&, const std::string&>())
       .def("step", &Adam::step)
       .def("placement", &Adam::placement)
       .def("host_layers", &Adam::host_layers)

@@ -66,9 +66,17 @@ def state_dict(adam, runtime, param_groups: list, trainable_ids: set) -> dict:
 
 
 def load_state_dict(
-    name: str, adam, runtime, param_groups: list, trainable_ids: set, state_dict: dict
+    name: str,
+    adam,
+    runtime,
+    param_groups: list,
+    trainable_ids: set,
+    state_dict: dict,
+    states: tuple = ("exp_avg", "exp_avg_sq"),
 ) -> None:
-    """strata.optim's load_state_dict(): everything is checked before anything changes."""
+    """strata.optim's load_state_dict(): everything is checked before anything changes. `states`
+    are those the optimizer's step rule keeps for every parameter (max_exp_avg_sq added with
+    amsgrad); an entry must have each, and no other optimizer's."""
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
@@ -96,6 +104,15 @@ def load_state_dict(
                 raise ValueError(
                     f"strata.optim.{name}: step {step} of parameter {key} is not a count"
                 )
+            kept = states + (("max_exp_avg_sq",) if mine["amsgrad"] else ())
+            for state in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if state in entry and state not in kept:
+                    raise ValueError(
+                        f"strata.optim.{name}: parameter {key} has state '{state}', which "
+                        f"{name} does not keep: the state dict is another optimizer's"
+                    )
+                if state in kept and state not in entry:
+                    raise ValueError(f"strata.optim.{name}: parameter {key} has no '{state}'")
             values = {}
             for state in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                 if state in entry:

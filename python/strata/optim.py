@@ -91,6 +91,8 @@ class Adam(torch.optim.Optimizer):
 
     _decoupled = False
     _name = "Adam"
+    _rule = "adam"  # the step rule (See Note [Step rules] in optim/step_rule.h)
+    _states = ("exp_avg", "exp_avg_sq")  # the rule's states of every parameter, amsgrad's aside
 
     def __init__(
         self,
@@ -247,7 +249,7 @@ class Adam(torch.optim.Optimizer):
                     )
                 pairs.append((param_t, grad_t))
             groups.append((pairs, _args.hyper_of(g, self._decoupled)))
-        self._adam = _strata.Adam(runtime._rt, groups, 0, state_dtype)
+        self._adam = _strata.Adam(runtime._rt, groups, 0, state_dtype, self._rule)
         runtime._before_layer_done = self._prepare_layer
         if self._owns_runtime:
             _plan.log_choice(
@@ -532,6 +534,7 @@ class Adam(torch.optim.Optimizer):
             self.param_groups,
             self._trainable_ids,
             state_dict,
+            self._states,
         )
 
     def close(self) -> list:
@@ -633,4 +636,41 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
 
 
-__all__ = ["Adam", "AdamW"]
+class Lion(Adam):
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"), stepped by
+    strata's runtime: the second rule of strata's optimizer interface (See Note [Step rules] in
+    optim/step_rule.h), with everything AdamW's strata arguments give (policies, hybrid, steps in
+    backward, clipping, GradScaler, state dicts).
+
+        opt = strata.optim.Lion(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                policy="layer_prefetch")
+
+    Each element moves by lr times the sign of beta1 * exp_avg + (1 - beta1) * grad, after a
+    decoupled weight decay (p *= 1 - lr * weight_decay); then exp_avg = beta2 * exp_avg +
+    (1 - beta2) * grad (See optim/lion_math.h for the exact arithmetic). One float32 state a
+    parameter, exp_avg, half of Adam's, so a streamed step moves half the state bytes; bfloat16 and
+    float16 parameters keep a float32 master_param, as under AdamW. The state dict has "step",
+    "exp_avg" (and "master_param") per parameter.
+
+    Args: params, lr (default 1e-4), betas (default (0.9, 0.99)), weight_decay (default 0),
+        maximize, and AdamW's strata arguments but state_dtype (Lion's momentum is float32).
+    """
+
+    _decoupled = True
+    _name = "Lion"
+    _rule = "lion"
+    _states = ("exp_avg",)
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, **kwargs):
+        for adam_only in ("eps", "amsgrad"):
+            if adam_only in kwargs:
+                raise TypeError(f"strata.optim.Lion: {adam_only} is Adam's; Lion does not take it")
+        if kwargs.get("state_dtype", "float32") != "float32":
+            raise ValueError(
+                f"strata.optim.Lion: state_dtype={kwargs['state_dtype']!r}: Lion keeps its "
+                "momentum in float32; leave state_dtype out"
+            )
+        super().__init__(params, lr, betas, 1e-8, weight_decay, False, **kwargs)
+
+
+__all__ = ["Adam", "AdamW", "Lion"]

@@ -334,6 +334,39 @@ TEST(StrataTrainTest, CompressedMomentsTrainIdenticallyAcrossPoliciesAndPhaseSwi
       << bad.output;
 }
 
+// --optimizer=lion (See Note [Step rules] in optim/step_rule.h): every strata policy, hybrid and
+// the overlapped step included, trains bitwise alike; PyTorch's AdamW baselines are left out, and
+// naming one is a usage error, as is an optimizer strata does not have.
+TEST(StrataTrainTest, LionTrainsIdenticallyAcrossPolicies) {
+  const std::string json = ::testing::TempDir() + "/lion.json";
+  Outcome o = run_train(str_cat("--compare --steps=4 --layers=3 --dtype=bfloat16 --optimizer=lion ",
+                                "--lr=1e-4 --strata_overlap=backward --json=", json));
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(contains(o.output, "(PyTorch's baselines left out")) << o.output;
+  const std::string got = read_file(json);
+  EXPECT_TRUE(contains(got, "\"losses_identical_across_policies\": true")) << got;
+  EXPECT_TRUE(contains(got, "\"optimizer\": \"lion\"")) << got;
+  EXPECT_FALSE(contains(got, "torch_adamw")) << got;
+  for (const char* run : {"hybrid", "hybrid+overlap", "layer_prefetch+overlap"}) {
+    EXPECT_EQ(step_fields(got, run, "loss"), step_fields(got, "keep_on_gpu", "loss")) << run;
+  }
+  // Lion moves: its losses are not AdamW's.
+  const std::string adamw = ::testing::TempDir() + "/adamw.json";
+  Outcome a = run_train(
+      str_cat("--steps=4 --layers=3 --dtype=bfloat16 --lr=1e-4 --strata_policy=keep_on_gpu "
+              "--json=",
+              adamw));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(step_fields(read_file(adamw), "keep_on_gpu", "loss").back(),
+            step_fields(got, "keep_on_gpu", "loss").back());
+  Outcome bad = run_train("--optimizer=lion --compare --runs=layer_prefetch,torch_adamw_resident");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "torch_adamw_resident is PyTorch's AdamW")) << bad.output;
+  bad = run_train("--optimizer=sgd");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "--optimizer: unknown optimizer 'sgd'")) << bad.output;
+}
+
 // Issue "Train the way LLMs are trained": bfloat16 and float16 with float32 master weights,
 // clipping by global norm (and float16's dynamic loss scaling), every role streamed: the strata
 // policies agree bitwise, and each step's norm is PyTorch's clip_grad_norm_'s within 1e-6.

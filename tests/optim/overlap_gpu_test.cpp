@@ -233,7 +233,7 @@ TEST(GpuOverlapTest, GpuOverlappedStepOnItsOwnStreamIsBitwiseTheSequentialStep) 
 // layers stepped during backward too), ends
 // bitwise where layer_prefetch's all-GPU run does, in float32, bfloat16 and float16, over steps
 // where clipping triggers and one whose gradients hold inf, with the copy streams held up at
-// random.
+// random; with Adam and with Lion (whose host kernel needs nothing from the device).
 TEST(GpuOverlapTest, GpuHybridStepIsBitwiseTheLayerPrefetchStep) {
   if (alloc::cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   constexpr int kSteps = 8;
@@ -251,6 +251,22 @@ TEST(GpuOverlapTest, GpuHybridStepIsBitwiseTheLayerPrefetchStep) {
       EXPECT_GT(ovl.host_in_backward, 0);
       EXPECT_GT(ovl.redone, 0);
     }
+  }
+}
+
+// Lion (See Note [Step rules] in optim/step_rule.h) on the GPU: its overlapped step, on a stream
+// of its own with the copy streams held up at random, is bitwise its sequential step (its hybrid
+// cases are GpuHybridStepIsBitwiseTheLayerPrefetchStep's).
+TEST(GpuOverlapTest, GpuLionOverlappedStepIsBitwiseItsSequentialStep) {
+  if (alloc::cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  constexpr int kSteps = 8;
+  for (Case setup : lion_cases()) {
+    setup.numel = kNumel;
+    SCOPED_TRACE(describe(setup));
+    Outcomes seq, ovl;
+    const Bytes want = train(setup, /*overlap=*/false, kSteps, 1, &seq, StepStream::kOwn);
+    expect_same(want, train(setup, /*overlap=*/true, kSteps, 2, &ovl, StepStream::kOwn), seq, ovl,
+                kSteps, 1);
   }
 }
 

@@ -239,7 +239,7 @@ TEST(OverlapTest, OverlappedStepIsBitwiseTheSequentialStep) {
 
 // See Note [Host-stepped layers] in optim/adam_host_step.cpp: a hybrid run, sequential and
 // overlapped, ends bitwise where layer_prefetch does, over steps where clipping triggers and a step
-// whose gradients hold inf.
+// whose gradients hold inf; with Adam and with Lion.
 TEST(OverlapTest, HybridStepIsBitwiseTheLayerPrefetchStep) {
   constexpr int kSteps = 8;
   for (const Case& setup : hybrid_cases()) {
@@ -259,6 +259,21 @@ TEST(OverlapTest, HybridStepIsBitwiseTheLayerPrefetchStep) {
       EXPECT_EQ(seq.h2d_bytes, 0) << "no state streams when every layer steps on the host";
     }
     if (setup.dtype == DType::kFloat32 && setup.config.hybrid_fraction) EXPECT_GT(masters, 0);
+  }
+}
+
+// See Note [Step rules] in optim/step_rule.h: Lion steps through the machinery Adam does, its
+// overlapped step bitwise its sequential step over clipped steps and the inf step (its hybrid
+// cases are HybridStepIsBitwiseTheLayerPrefetchStep's).
+TEST(OverlapTest, LionOverlappedStepIsBitwiseItsSequentialStep) {
+  constexpr int kSteps = 8;
+  for (const Case& setup : lion_cases()) {
+    SCOPED_TRACE(describe(setup));
+    Outcomes seq, ovl;
+    const Bytes want = train(setup, /*overlap=*/false, kSteps, 1, &seq);
+    expect_same(want, train(setup, /*overlap=*/true, kSteps, 2, &ovl), seq, ovl, kSteps, 1);
+    EXPECT_EQ(want.count("l0.w0.exp_avg_sq"), 0u) << "Lion keeps one moment";
+    EXPECT_EQ(want.count("l0.w0.exp_avg"), 1u);
   }
 }
 
