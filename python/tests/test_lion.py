@@ -108,3 +108,44 @@ def test_lion_refuses_what_is_adams():
     with pytest.raises(ValueError, match="has no 'exp_avg_sq'"):
         adam.load_state_dict(lion_sd)
     assert adam.close() == []
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_every_policy_hybrid_and_the_step_in_backward_train_bitwise_alike():
+    # The CUDA kernel, and for hybrid's host layers the host kernel, give the same bits (See Note
+    # [Step rules]); the reference runs torch's own ops on the GPU.
+    def run(opt_of):
+        model = Mlp().cuda()
+        opt = opt_of(model)
+        losses = train(model, opt, 12, device="cuda")
+        return losses, params_of(model), opt
+
+    want_losses, want, _ = run(lambda m: ReferenceLion(m.parameters(), **KW))
+    got = {}
+    for name, kw in (
+        ("keep_on_gpu", dict(policy="keep_on_gpu")),
+        ("layer_prefetch", dict(policy="layer_prefetch", layer_bytes="1KiB")),
+        ("hybrid", dict(policy="hybrid", hybrid_fraction=0.5, layer_bytes="1KiB")),
+        (
+            "hybrid+overlap",
+            dict(policy="hybrid", hybrid_fraction=0.5, layer_bytes="1KiB", overlap="backward"),
+        ),
+        ("clipped", dict(policy="layer_prefetch", layer_bytes="1KiB", max_grad_norm=0.05)),
+        (
+            "clipped+overlap",
+            dict(
+                policy="layer_prefetch", layer_bytes="1KiB", max_grad_norm=0.05, overlap="backward"
+            ),
+        ),
+    ):
+        losses, params, opt = run(lambda m, kw=kw: strata.optim.Lion(m.parameters(), **KW, **kw))
+        got[name] = (losses, params, opt.steps_redone)
+        assert opt.close() == []
+    for name in ("keep_on_gpu", "layer_prefetch", "hybrid", "hybrid+overlap"):
+        assert_close(got[name][1], want, rel=1e-5)
+        assert got[name][0] == got["keep_on_gpu"][0], name
+        assert_bitwise(got[name][1], got["keep_on_gpu"][1])
+    # Clipping inside the step: redone in backward where it triggered, bitwise the step after.
+    assert got["clipped+overlap"][0] == got["clipped"][0]
+    assert_bitwise(got["clipped+overlap"][1], got["clipped"][1])
+    assert got["clipped+overlap"][2] > 0
