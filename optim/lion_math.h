@@ -12,8 +12,8 @@
 // The interpolations are written as Adam's moments are (adam_math.h), with explicit fused
 // multiply-adds and nothing the compiler may contract (See Note [No contraction] in adam_math.h),
 // and no scalar depends on the step count: the host kernel gives the CUDA kernel's bits with no
-// help from the device. sign(0) is 0 and sign(NaN) is NaN, as torch.sign's. Half the state of
-// Adam's: 4 bytes a parameter (8 with a master copy) to stream or keep.
+// help from the device. sign(0) is 0 and sign(NaN) is NaN, as torch.sign's. Its state is 4 bytes a
+// parameter to stream or keep (8 with a master copy), against Adam's 8 (12).
 //
 // Example:
 //   LionScalars s = lion_scalars({.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.99, .weight_decay = 0.1});

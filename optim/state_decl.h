@@ -13,7 +13,8 @@
 // (state_bytes) are what a policy weighs when it streams them or steps the layer on the host.
 //
 // Example:
-//   for (const StateDecl& d : adam_states(hyper, rt::DType::kBFloat16)) ...;
+//   for (const StateDecl& d : adam_rule()->states(hyper, rt::DType::kBFloat16,
+//                                                 rt::StepPlace::kGpu, StateType::kF32)) ...;
 //   // exp_avg, exp_avg_sq (float32 zeros), master_param (float32, from the parameter)
 //   STRATA_ASSIGN_OR_RETURN(StateType t, parse_state_dtype("int8"));
 #pragma once

@@ -2,8 +2,11 @@
 are bound in, the prefetch depth from the budget, and the INFO line that says what was chosen.
 
     names, named = param_names(param_groups, model)
-    plan, how = find_layers(params, names, named, layer_bytes, model, budget, amsgrad, state_dtype)
-    depth = auto_depth(plan, budget, amsgrad, state_dtype)
+    plan, how = find_layers(params, names, named, layer_bytes, model, budget, moments, state_dtype)
+    depth = auto_depth(plan, budget, moments, state_dtype)
+
+`moments` counts the states a parameter keeps besides a master copy (Adam 2, 3 with amsgrad; Lion
+1: See Note [Step rules] in optim/step_rule.h).
 
 A plan is a list of layers, each a list of (name, parameter) in order, as Runtime.add_layer takes
 them.
@@ -51,7 +54,7 @@ def find_layers(
     layer_bytes: int | None,
     model,
     budget: int | None,
-    amsgrad: bool,
+    moments: int,
     state_dtype: str,
 ) -> tuple:
     units = fsdp_units() if layer_bytes is None else {}
@@ -75,14 +78,16 @@ def find_layers(
             plan.append(pending)
         how.append("layer_bytes")
     elif rest:
-        more, found = plan_layers(rest, named, model, budget, 3, amsgrad, state_dtype)
+        more, found = plan_layers(
+            rest, named, model, budget, 3, state_dtype=state_dtype, moments=moments
+        )
         plan += more
         how.append(found)
     return plan, " and ".join(how)
 
 
-def layer_state_bytes(layer: list, amsgrad: bool, state_dtype: str) -> int:
-    return sum(state_bytes(p, amsgrad, state_dtype) for _, p in layer)
+def layer_state_bytes(layer: list, moments: int, state_dtype: str) -> int:
+    return sum(state_bytes(p, state_dtype=state_dtype, moments=moments) for _, p in layer)
 
 
 # Prefetch depth: as many slots of the largest layer's states as the ring of depth 3 would take with
@@ -91,11 +96,11 @@ def layer_state_bytes(layer: list, amsgrad: bool, state_dtype: str) -> int:
 # master counts too); past 3, at most one a layer. With a budget, no more than fit beside the
 # parameters (and FSDP2's gradients) strata keeps on the GPU, less one, and at least 1. Other
 # gradients stay torch's (See Note [Gradients given at each step] in optim/adam.h).
-def auto_depth(plan: list, budget: int | None, amsgrad: bool, state_dtype: str) -> int:
+def auto_depth(plan: list, budget: int | None, moments: int, state_dtype: str) -> int:
     if not plan:
         return 3
-    slot = max(max(layer_state_bytes(layer, amsgrad, state_dtype) for layer in plan), 1)
-    float32 = max(layer_state_bytes(layer, amsgrad, "float32") for layer in plan)
+    slot = max(max(layer_state_bytes(layer, moments, state_dtype) for layer in plan), 1)
+    float32 = max(layer_state_bytes(layer, moments, "float32") for layer in plan)
     depth = max(3, min(len(plan), (3 + 1) * float32 // slot - 1))
     if budget is None:
         return depth
@@ -130,14 +135,14 @@ def log_choice(
     policy: str | None,
     budget: int | str | None,
     depth_from: str,
-    amsgrad: bool,
+    moments: int,
     state_dtype: str,
 ) -> None:
     if budget is None:
         budget = "none"
     elif not isinstance(budget, str):
         budget = f"{budget / 2**30:.2f} GiB"
-    sizes = [layer_state_bytes(layer, amsgrad, state_dtype) for layer in plan]
+    sizes = [layer_state_bytes(layer, moments, state_dtype) for layer in plan]
     total = max(sum(sizes), 1)
     largest = max(sizes) if sizes else 0
     source = (

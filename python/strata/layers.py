@@ -79,14 +79,17 @@ def block_of(name: str) -> str:
     return ".".join(parts[:-1]) or name
 
 
-def state_bytes(p: torch.Tensor, amsgrad: bool = False, state_dtype: str = "float32") -> int:
-    """Bytes of Adam's states for `p`: its moments stored as state_dtype says (float32, bfloat16,
-    or int8 with a float32 scale per block of 256: See Note [Compressed moments] in
-    optim/state_codec.h), and a float32 master for a bfloat16 or float16 parameter."""
+def state_bytes(
+    p: torch.Tensor, amsgrad: bool = False, state_dtype: str = "float32", moments: int = 2
+) -> int:
+    """Bytes of an optimizer's states for `p`: `moments` of them (Adam's 2, one more with amsgrad;
+    Lion's 1) stored as state_dtype says (float32, bfloat16, or int8 with a float32 scale per
+    block of 256: See Note [Compressed moments] in optim/state_codec.h), and a float32 master for
+    a bfloat16 or float16 parameter."""
     n = p.numel()
     moment = {"float32": 4 * n, "bfloat16": 2 * n, "int8": (n + 255) // 256 * 260}[state_dtype]
     master = 0 if p.dtype == torch.float32 else 4 * n
-    return (3 if amsgrad else 2) * moment + master
+    return (moments + (1 if amsgrad else 0)) * moment + master
 
 
 def state_chunk_bytes(total: int, budget: int | None, prefetch_depth: int) -> int:
@@ -107,6 +110,7 @@ def plan_layers(
     prefetch_depth: int = 3,
     amsgrad: bool = False,
     state_dtype: str = "float32",
+    moments: int = 2,
 ) -> tuple:
     """Groups (name, parameter) pairs into layers (See Note [Layers without being told], steps 2-4;
     FSDP2 units are the caller's); has_names: the names are the user's (step 3 applies). Returns
@@ -127,7 +131,7 @@ def plan_layers(
         for name, p in named:
             key[id(p)] = block_of(name)
     else:
-        total = sum(state_bytes(p, amsgrad, state_dtype) for _, p in named)
+        total = sum(state_bytes(p, amsgrad, state_dtype, moments) for _, p in named)
         chunk = state_chunk_bytes(total, budget, prefetch_depth)
         how = f"runs of parameters with about {chunk / 2**20:.0f} MiB of states each"
         run, size = 0, 0
@@ -135,7 +139,7 @@ def plan_layers(
             if size >= chunk:
                 run, size = run + 1, 0
             key[id(p)] = f"run {run}"
-            size += state_bytes(p, amsgrad, state_dtype)
+            size += state_bytes(p, amsgrad, state_dtype, moments)
     layers, index = [], {}
     for name, p in named:
         k = key[id(p)]

@@ -183,6 +183,8 @@ class Adam(torch.optim.Optimizer):
             undo_on_gpu = budget is not None
         unbound = [p for p in self._trainable if runtime is None or not runtime.is_bound(p)]
         amsgrad = any(g["amsgrad"] for g in self.param_groups)
+        # States a parameter keeps besides a master, for the layout (Lion 1, Adam 2, amsgrad 3).
+        moments = len(self._states) + (1 if amsgrad else 0)
         plan, how = _plan.find_layers(
             unbound,
             self._param_name,
@@ -190,13 +192,13 @@ class Adam(torch.optim.Optimizer):
             parse_bytes(layer_bytes, "layer_bytes"),
             model,
             budget,
-            amsgrad,
+            moments,
             state_dtype,
         )
         if runtime is None:
             depth_from = "argument"
             if prefetch_depth is None:
-                prefetch_depth = _plan.auto_depth(plan, budget, amsgrad, state_dtype)
+                prefetch_depth = _plan.auto_depth(plan, budget, moments, state_dtype)
                 depth_from = "the budget"
             runtime = Runtime(
                 policy=policy,
@@ -261,7 +263,7 @@ class Adam(torch.optim.Optimizer):
                 policy,
                 "auto" if self._auto_budget else budget,
                 depth_from,
-                amsgrad,
+                moments,
                 state_dtype,
             )
         self._keep_alive: tuple = ()
@@ -646,10 +648,11 @@ class Lion(Adam):
                                 policy="layer_prefetch")
 
     Each element moves by lr times the sign of beta1 * exp_avg + (1 - beta1) * grad, after a
-    decoupled weight decay (p *= 1 - lr * weight_decay); then exp_avg = beta2 * exp_avg +
-    (1 - beta2) * grad (See optim/lion_math.h for the exact arithmetic). One float32 state a
-    parameter, exp_avg, half of Adam's, so a streamed step moves half the state bytes; bfloat16 and
-    float16 parameters keep a float32 master_param, as under AdamW. The state dict has "step",
+    decoupled weight decay (p -= lr * weight_decay * p); then exp_avg = beta2 * exp_avg +
+    (1 - beta2) * grad (optim/lion_math.h gives the exact arithmetic, fused multiply-adds). One
+    float32 state a parameter, exp_avg: a streamed step moves 4 bytes a float32 parameter each way
+    against AdamW's 8; bfloat16 and float16 parameters keep a float32 master_param, as under AdamW
+    (8 bytes against 12). The state dict has "step",
     "exp_avg" (and "master_param") per parameter.
 
     Args: params, lr (default 1e-4), betas (default (0.9, 0.99)), weight_decay (default 0),

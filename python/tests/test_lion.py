@@ -151,3 +151,20 @@ def test_on_the_gpu_every_policy_hybrid_and_the_step_in_backward_train_bitwise_a
     assert got["clipped"][0] != got["layer_prefetch"][0]
     assert got["clipped+overlap"][0] == got["clipped"][0]
     assert_bitwise(got["clipped+overlap"][1], got["clipped"][1])
+
+
+def test_the_layout_counts_lions_one_state(caplog):
+    # Lion's layers and prefetch depth are sized from its own state bytes (See Note [Step rules]):
+    # one float32 moment a parameter, half of AdamW's for float32 parameters.
+    def largest(cls):
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+        with caplog.at_level("INFO", logger="strata"):
+            caplog.clear()
+            opt = cls(model.parameters(), policy="layer_prefetch", model=model)
+            assert opt.close() == []
+        line = next(
+            r.getMessage() for r in caplog.records if "largest layer's states" in r.getMessage()
+        )
+        return float(line.split("largest layer's states ")[1].split(" MiB")[0])
+
+    assert largest(strata.optim.Lion) == pytest.approx(largest(strata.optim.AdamW) / 2, rel=0.01)

@@ -52,7 +52,8 @@ struct AdamRig {
 };
 AdamRig make_adam_rig(const std::string& policy, PolicyConfig config, std::uint64_t seed,
                       int layers, std::size_t numel, std::size_t gpu_budget = alloc::kNoBudget,
-                      optim::StateType moments = optim::StateType::kF32) {
+                      optim::StateType moments = optim::StateType::kF32,
+                      const std::string& rule = "adam") {
   AdamRig rig;
   auto inner = std::make_unique<SimulatedDevice>();
   inner->set_deferred(true);
@@ -83,6 +84,7 @@ AdamRig make_adam_rig(const std::string& policy, PolicyConfig config, std::uint6
   }
   optim::AdamOptions o;
   o.state_dtype = moments;
+  o.rule = *optim::make_step_rule(rule);  // See Note [Step rules] in optim/step_rule.h
   o.groups.push_back({.params = params, .hyper = {.lr = 1e-2f, .weight_decay = 0.01f}});
   rig.adam = *optim::Adam::create(*rig.rt, o);
   return rig;
@@ -90,8 +92,9 @@ AdamRig make_adam_rig(const std::string& policy, PolicyConfig config, std::uint6
 
 // An Adam step whose k-th device call fails (every kind, once or as a sticky error, every k of one
 // step, under bulk over budget, layer_prefetch and hybrid with a layer stepped on the host, the
-// last two also with int8 moments (See Note [Compressed moments] in optim/state_codec.h), on the
-// deferred device with random completion)
+// last two also with int8 moments (See Note [Compressed moments] in optim/state_codec.h), and
+// hybrid with Lion's rule (See Note [Step rules] in optim/step_rule.h), on the deferred device
+// with random completion)
 // returns a typed error, leaves no tensor held or staged, and every layer's bytes are the
 // fault-free run's: after the step for the layers it stepped, before it for the others (all of them
 // when it rolled its counters back; See Note [A failed step] in optim/adam.cpp). The next steps
@@ -104,6 +107,7 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
     std::string policy;
     PolicyConfig config;
     optim::StateType moments = optim::StateType::kF32;
+    std::string rule = "adam";
   };
   const std::vector<Setup> policies = {
       {"bulk", {.roles = RoleSet::optimizer_states(), .offload_after_step = true}},
@@ -112,6 +116,7 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
       {"hybrid", {.prefetch_depth = 1, .hybrid_fraction = 0.5}},
       {"layer_prefetch", {.prefetch_depth = 1}, optim::StateType::kI8},
       {"hybrid", {.prefetch_depth = 1, .hybrid_fraction = 0.5}, optim::StateType::kI8},
+      {"hybrid", {.prefetch_depth = 1, .hybrid_fraction = 0.5}, optim::StateType::kF32, "lion"},
   };
   using LayerBytes = std::map<int, std::map<std::string, Bytes>>;
   struct Outcome {
@@ -126,8 +131,9 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
     Outcome out;
     const std::string& policy = setup.policy;
     // Bulk over budget (See Note [Bulk over budget]): its states stream a layer at a time.
-    AdamRig rig = make_adam_rig(policy, setup.config, kSeed, kAdamLayers, kNumel,
-                                policy == "bulk" ? 6 * kMiB : alloc::kNoBudget, setup.moments);
+    AdamRig rig =
+        make_adam_rig(policy, setup.config, kSeed, kAdamLayers, kNumel,
+                      policy == "bulk" ? 6 * kMiB : alloc::kNoBudget, setup.moments, setup.rule);
     std::unique_ptr<Runtime>& rt = rig.rt;
     FaultInjectingDevice* faults = rig.faults;
     std::unique_ptr<optim::Adam>& adam = rig.adam;
@@ -260,8 +266,9 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
         }
         if (!problems.empty()) {
           ++failures;
-          ADD_FAILURE() << policy << " (moments " << optim::state_dtype_name(setup.moments) << "), "
-                        << site.name << " call " << k << " of " << n << ": " << problems.front();
+          ADD_FAILURE() << policy << " (" << setup.rule << ", moments "
+                        << optim::state_dtype_name(setup.moments) << "), " << site.name << " call "
+                        << k << " of " << n << ": " << problems.front();
         }
       }
     }
@@ -278,12 +285,12 @@ TEST(FaultSweepTest, AFailedAdamStepLeavesEveryLayerSteppedOrNot) {
 // k-th call of one device call kind failing, once or as a sticky error, for every k of that step,
 // under layer_prefetch with every role streamed (undo by fresh home blocks; also with int8
 // moments), keep_on_gpu (undo by copies, to pinned memory or on the GPU) and hybrid with half the
-// layers stepped on the host during backward, with a true grad_scale equal to the speculation's (it
-// holds) or not (a redo). Whatever fails is called again once the fault is gone, except a failed
-// step_layer, whose layer finish_step steps; the error is typed and carries its cause; after the
-// step nothing is held, staged or kept for an undo; and the run ends bitwise equal to the
-// fault-free run, unless an error said that part of a step was taken and a checkpoint is needed
-// (counted, and only where a redo's own step failed part way).
+// layers stepped on the host during backward (with Adam, and with Lion's rule), with a true
+// grad_scale equal to the speculation's (it holds) or not (a redo). Whatever fails is called again
+// once the fault is gone, except a failed step_layer, whose layer finish_step steps; the error is
+// typed and carries its cause; after the step nothing is held, staged or kept for an undo; and the
+// run ends bitwise equal to the fault-free run, unless an error said that part of a step was taken
+// and a checkpoint is needed (counted, and only where a redo's own step failed part way).
 TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
   constexpr int kAdamLayers = 3;
   constexpr std::size_t kNumel = 20000;
@@ -293,6 +300,7 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
     PolicyConfig config;
     float true_scale;  // of the faulted step; the speculation assumes 1
     optim::StateType moments = optim::StateType::kF32;
+    std::string rule = "adam";
   };
   const std::vector<Setup> setups = {
       {"layer_prefetch",
@@ -319,6 +327,12 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
       {"hybrid",
        {.prefetch_depth = 1, .overlap = Overlap::kBackward, .hybrid_fraction = 0.5},
        2.0f},
+      // The same with Lion's rule (See Note [Step rules] in optim/step_rule.h).
+      {"hybrid",
+       {.prefetch_depth = 1, .overlap = Overlap::kBackward, .hybrid_fraction = 0.5},
+       2.0f,
+       optim::StateType::kF32,
+       "lion"},
   };
   struct Outcome {
     std::map<std::string, Bytes> end;
@@ -330,7 +344,7 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
   auto run = [&](const Setup& setup, std::optional<Site> site, std::int64_t k) {
     Outcome out;
     AdamRig rig = make_adam_rig(setup.policy, setup.config, kSeed, kAdamLayers, kNumel,
-                                alloc::kNoBudget, setup.moments);
+                                alloc::kNoBudget, setup.moments, setup.rule);
     std::unique_ptr<Runtime>& rt = rig.rt;
     FaultInjectingDevice* faults = rig.faults;
     std::unique_ptr<optim::Adam>& adam = rig.adam;
@@ -410,9 +424,9 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
         }
         if (!problems.empty()) {
           ++failures;
-          ADD_FAILURE() << setup.policy << " (true scale " << setup.true_scale << ", moments "
-                        << optim::state_dtype_name(setup.moments) << "), " << site.name << " call "
-                        << k << " of " << n << ": " << problems.front();
+          ADD_FAILURE() << setup.policy << " (" << setup.rule << ", true scale " << setup.true_scale
+                        << ", moments " << optim::state_dtype_name(setup.moments) << "), "
+                        << site.name << " call " << k << " of " << n << ": " << problems.front();
         }
       }
     }
