@@ -261,10 +261,4 @@ void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScala
                   });
 }
 
-void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count) {
-  for (std::size_t t = 0; t < count; ++t) {
-    if (tensors[t].skipped != nullptr) ++*tensors[t].skipped;
-  }
-}
-
 }  // namespace strata::optim

@@ -121,8 +121,6 @@ STRATA_HD void encode_int8_moments(const AdamTensor& x, std::int64_t i, std::int
 // corrections come from its own step (settled_step).
 void adam_step_cpu(const AdamTensor* tensors, std::size_t count, const AdamScalars& s,
                    float inv_grad_scale, ThreadPool* pool);
-// A step that found_inf skipped: adds 1 to each tensor's skipped count (See Note [Skipped steps]).
-void adam_count_skipped_cpu(const AdamTensor* tensors, std::size_t count);
 
 // Note [Bias corrections from the device]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
