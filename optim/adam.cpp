@@ -87,6 +87,7 @@ Adam::~Adam() {
   if (host_buffer_ != nullptr) {
     (void)runtime_.allocator().deallocate(rt::Tier::kPinnedHost, host_buffer_);
   }
+  if (step_end_ != nullptr) runtime_.device().release_timed(step_end_);
   if (skipped_ != nullptr) {
     if (skips_possible_) {
       (void)runtime_.device().stream_synchronize(runtime_.compute_stream());
@@ -247,6 +248,7 @@ absl::StatusOr<std::unique_ptr<Adam>> Adam::create(rt::Runtime& runtime, AdamOpt
   STRATA_RETURN_IF_ERROR(adam->check_groups());
   // The policy places each layer's step before any state is registered (See Note [Step placement]
   // in runtime/policy.h); a layer stepped on the host needs only what rests on the GPU already.
+  adam->all_step_bytes_ = adam->step_bytes_;
   if (runtime.places_steps()) {
     STRATA_RETURN_IF_ERROR(adam->place_steps());
     for (int layer : adam->host_layers_) adam->step_bytes_.erase(layer);
@@ -333,8 +335,7 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   }
   overlapped_.clear();
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  end_step_lists();  // See Note [Per-parameter steps]
-  return absl::OkStatus();
+  return end_step();  // See Note [Per-parameter steps]
 }
 
 absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, bool new_step) {

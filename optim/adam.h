@@ -160,7 +160,8 @@ class Adam {
   // way). Nothing to do without one. A failure leaves it open; call again.
   [[nodiscard]] absl::Status cancel_step();
   // See Note [Step placement] in runtime/policy.h: the line the policy gave when it placed the
-  // steps (empty for a policy that does not), and the layers stepped on the host, ascending.
+  // steps (empty for a policy that does not), or the last it gave when it moved them (See Note
+  // [Measured split] in policies/split_search.h), and the layers stepped on the host, ascending.
   const std::string& placement() const { return placement_; }
   const std::vector<int>& host_layers() const { return host_layers_; }
   // The rates measured for the placement (See Note [Measuring the step's rates] in
@@ -315,8 +316,19 @@ class Adam {
   // Every parameter of `slots` that takes part in the step has its gradient (registered or
   // given); the error names the first that has none.
   absl::Status check_gradients_given(const std::vector<std::size_t>& slots) const;
-  // The lists kept for one step (skipped parameters, given gradients), forgotten once it completes.
-  void end_step_lists() { clear_skipped(); }
+  // A step completed: the lists kept for it (skipped parameters, given gradients) are forgotten,
+  // and its time goes to a policy that measures steps (measure_step).
+  absl::Status end_step() {
+    clear_skipped();
+    return measure_step();
+  }
+  // See Note [Measured split] in policies/split_search.h: while the policy wants step times, the
+  // time from the last step's end to this one's on the device's clock (one host wait a step), and
+  // follow_placement once the policy has it.
+  absl::Status measure_step();
+  // The host-stepped layers as the policy has them now (it moved steps between two steps): the
+  // host buffers made again for them, and every layer stepped on the GPU checked to fit there.
+  absl::Status follow_placement();
   // The layer loop of step(): what it holds when it fails and the layer it was on
   // (See Note [A failed step] in adam.cpp); the parameters it stepped go to last_step_.
   absl::Status step_layers(const float* grad_scale, const float* found_inf,
@@ -408,6 +420,8 @@ class Adam {
   AdamOptions options_;
   std::string placement_;
   std::vector<int> host_layers_;
+  // measure_step's: the event the last step ended at, on the compute stream.
+  rt::EventHandle step_end_ = nullptr;
   std::optional<rt::StepRates> step_rates_;
   struct HostSlot {
     void* grad = nullptr;   // pinned: the gradient, copied from the GPU
@@ -458,7 +472,9 @@ class Adam {
   // arrival_order's buffers, kept so that a step allocates nothing once they are sized.
   std::vector<rt::TensorHandle> arrived_;
   std::vector<std::size_t> arrival_order_;
-  // Bytes each layer needs on the GPU during its step: parameters, gradients and moments.
+  // Bytes each layer needs on the GPU during its step (parameters, gradients and moments): every
+  // layer's, and those stepped on the GPU.
+  std::map<int, std::size_t> all_step_bytes_;
   std::map<int, std::size_t> step_bytes_;
   // Per slot, the steps a found_inf flag skipped, counted where the kernels run (pinned host memory
   // the GPU writes through unified addressing, 8 bytes a parameter); read only once a step was

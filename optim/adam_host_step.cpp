@@ -29,6 +29,7 @@
 // [Host steps in backward] in adam_host_speculation.cpp).
 #include <algorithm>
 #include <map>
+#include <set>
 #include <thread>
 #include <tuple>
 
@@ -48,6 +49,14 @@ namespace {
 double host_touch_bytes(double grad_bytes, double param_bytes, double state_bytes) {
   return grad_bytes + 2 * state_bytes + (param_bytes < 4 ? param_bytes : 0);
 }
+bool same_states(const std::vector<StateDecl>& a, const std::vector<StateDecl>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const StateDecl& x, const StateDecl& y) {
+                      return x.name == y.name && x.suffix == y.suffix && x.dtype == y.dtype &&
+                             x.from_parameter == y.from_parameter && x.int8_blocks == y.int8_blocks;
+                    });
+}
+
 // Where a host slot's pinned buffers start: a cache line apart.
 constexpr std::size_t kAlign = 64;
 
@@ -90,6 +99,7 @@ ThreadPool& Adam::pool() {
 
 absl::Status Adam::place_steps() {
   std::map<int, rt::LayerCost> by_layer;
+  std::set<int> fixed;  // layers whose states depend on where they step
   for (const ParamGroup& group : groups_) {
     for (auto [param, grad] : group.params) {
       STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(param));
@@ -116,6 +126,13 @@ absl::Status Adam::place_steps() {
       c.param_bytes += n * param_bytes;
       c.host_touch_bytes +=
           n * host_touch_bytes(grad_bytes, param_bytes, bytes_at(rt::StepPlace::kHost) / n);
+      // See Note [Measured split] in policies/split_search.h: a layer moves between steps only
+      // where its states stay what they are.
+      if (!same_states(
+              rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kHost, options_.state_dtype),
+              rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype))) {
+        fixed.insert(p.spec.layer);
+      }
     }
   }
   rt::StepCosts costs;
@@ -127,6 +144,7 @@ absl::Status Adam::place_steps() {
       c.param_bytes /= n;
       c.host_touch_bytes /= n;
     }
+    c.movable = fixed.count(layer) == 0 && step_bytes_[layer] <= runtime_.gpu_budget();
     costs.layers.push_back(c);
   }
   // See Note [Measuring the step's rates] in step_rates.h; small on the simulated device, where the
@@ -181,6 +199,77 @@ absl::Status Adam::make_host_buffers() {
       next += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.param_type));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::measure_step() {
+  rt::Runtime& rt = runtime_;
+  rt::Device& dev = rt.device();
+  if (!rt.wants_step_times()) {
+    if (step_end_ != nullptr) dev.release_timed(step_end_);
+    step_end_ = nullptr;
+    return absl::OkStatus();
+  }
+  // See Note [Measured split] in policies/split_search.h: from one step's end to the next on the
+  // compute stream, so forward, backward and whatever the loop does between steps count too.
+  STRATA_ASSIGN_OR_RETURN(rt::EventHandle end, dev.record_timed(rt.compute_stream()));
+  if (absl::Status s = dev.synchronize(end); !s.ok()) {
+    dev.release_timed(end);
+    return s;
+  }
+  const rt::EventHandle start = std::exchange(step_end_, end);
+  if (start == nullptr) return absl::OkStatus();
+  absl::StatusOr<double> ms = dev.elapsed_ms(start, end);
+  dev.release_timed(start);
+  STRATA_RETURN_IF_ERROR(ms.status());
+  STRATA_ASSIGN_OR_RETURN(std::string line, rt.step_measured(*ms / 1e3));
+  STRATA_RETURN_IF_ERROR(follow_placement());
+  if (!line.empty()) placement_ = std::move(line);
+  return absl::OkStatus();
+}
+
+absl::Status Adam::follow_placement() {
+  std::vector<int> host;
+  for (const auto& [layer, slots] : by_layer_) {
+    if (runtime_.step_place(layer) == rt::StepPlace::kHost) host.push_back(layer);
+  }
+  if (host == host_layers_) return absl::OkStatus();
+  // The new buffers first: without host memory for them the policy moves its steps back.
+  const std::vector<int> old_layers = std::exchange(host_layers_, host);
+  const std::vector<HostSlot> old_slots = host_slots_;
+  void* const old_buffer = std::exchange(host_buffer_, nullptr);
+  float* const old_scalars = host_scalars_;
+  if (absl::Status made = make_host_buffers(); !made.ok()) {
+    host_layers_ = old_layers;
+    host_slots_ = old_slots;
+    host_buffer_ = old_buffer;
+    host_scalars_ = old_scalars;
+    absl::Status back = runtime_.refuse_step_move();
+    return absl::Status(made.code(),
+                        str_cat("Adam: the hybrid's measured split moved steps and the host "
+                                "buffers for them could not be made (",
+                                made.message(), "); ",
+                                back.ok() ? "they stay where they were"
+                                          : str_cat("moving them back failed: ", back.message())));
+  }
+  if (host_layers_.empty()) host_slots_.clear();
+  // No copy of the last step still reads or writes the old buffers.
+  wait_for_host_steps();
+  for (rt::StreamHandle s : {host_d2h_, host_h2d_}) {
+    if (s != nullptr) STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(s));
+  }
+  if (old_buffer != nullptr) {
+    STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPinnedHost, old_buffer));
+  }
+  // The undo of host steps in backward is sized for the host slots: made again at the next one.
+  if (host_undo_ != nullptr) {
+    STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPageableHost, host_undo_));
+    host_undo_ = nullptr;
+  }
+  host_undo_at_.clear();
+  host_undo_refused_ = false;
+  step_bytes_ = all_step_bytes_;
+  for (int layer : host_layers_) step_bytes_.erase(layer);
   return absl::OkStatus();
 }
 

@@ -208,7 +208,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
                                                rest.message()));
     }
     overlap_open_ = false;
-    end_step_lists();  // See Note [Per-parameter steps]
+    STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]
     return StepOutcome::kSpeculation;
   }
   absl::Status back = roll_back();
@@ -222,7 +222,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   // Rolled back: as if step_layer had never run, and step() takes the step (a failure there
   // leaves it untaken, to be retried with step()).
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  end_step_lists();  // See Note [Per-parameter steps]
+  STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]
   return StepOutcome::kRedone;
 }
 

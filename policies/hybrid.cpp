@@ -1,6 +1,7 @@
 // policies/hybrid.cpp: the hybrid policy's step placement: LayerPrefetch with some layers' steps
 // on the host, chosen by the cost model (policies/layer_prefetch.h, policies/step_cost_model.h).
 #include <algorithm>
+#include <cstdio>
 
 #include "base/status.h"
 #include "base/strings.h"
@@ -20,23 +21,125 @@ namespace internal {
 // layers stepped on the GPU only. The split is chosen over every layer as if each streamed;
 // resident layers, taken in ascending order from what is left, cost the link nothing, so with a
 // budget the split is a bound, not the best. Only optimizer states move: parameters and
-// gradients stay on the GPU, where the host step's copies read and write them.
+// gradients stay on the GPU, where the host step's copies read and write them. Unless the split is
+// forced, measured steps then move the layers whose states are the same on either side (See Note
+// [Measured split] in split_search.h); a layer that moves to the host leaves the main pool, and
+// the ring and the resident layers are laid out again over the layers stepped on the GPU.
 absl::StatusOr<std::string> LayerPrefetch::on_place_steps(rt::PolicyContext& rt,
                                                           const rt::StepCosts& costs) {
   if (!hybrid_) return std::string();
   STRATA_ASSIGN_OR_RETURN(HybridSplit split,
                           choose_split(costs.rates, costs.layers, config().hybrid_fraction));
   host_layers_.clear();
-  for (std::size_t i = 0; i < costs.layers.size(); ++i) {
-    if (split.on_host[i]) host_layers_.push_back(costs.layers[i].layer);
+  split_ = Split();
+  split_.costs = costs;
+  int start = 0;
+  for (std::size_t i : host_order(costs.layers)) {
+    const rt::LayerCost& c = costs.layers[i];
+    if (split.on_host[i]) host_layers_.push_back(c.layer);
+    if (c.movable) {
+      split_.movable.push_back(c.layer);
+      start += split.on_host[i] ? 1 : 0;
+    } else if (split.on_host[i]) {
+      split_.fixed_host.push_back(c.layer);
+    }
   }
   std::sort(host_layers_.begin(), host_layers_.end());
   settled_ = false;
   std::string line = describe(split);
   if (config().hybrid_fraction) {
     str_append(&line, " (hybrid_fraction ", *config().hybrid_fraction, " forced)");
+  } else if (!split_.movable.empty()) {
+    // See Note [Measured split] in split_search.h.
+    split_.search.emplace(static_cast<int>(split_.movable.size()), start, SplitSearchOptions{});
+    str_append(&line, "; measured steps refine it (", split_.movable.size(), " layers may move, ",
+               split_.search->stride(), " at a time)");
   }
   return line;
+}
+
+std::vector<int> LayerPrefetch::host_layers_for(int k) const {
+  std::vector<int> host = split_.fixed_host;
+  host.insert(host.end(), split_.movable.begin(), split_.movable.begin() + k);
+  std::sort(host.begin(), host.end());
+  return host;
+}
+
+absl::StatusOr<std::string> LayerPrefetch::on_step_measured(rt::PolicyContext& rt, double seconds) {
+  if (!wants_step_times()) return std::string();
+  SplitSearch& search = *split_.search;
+  const int before = search.current();
+  search.add(seconds);
+  ++split_.steps;
+  if (search.current() != before) {
+    split_.before_move = host_layers_;
+    absl::Status moved = move_steps(rt, host_layers_for(search.current()));
+    if (!moved.ok()) {
+      split_.search.reset();  // it stops where the move left it
+      return absl::Status(
+          moved.code(), str_cat("hybrid: moving steps for the measured split: ", moved.message()));
+    }
+  }
+  return search.done() ? describe_search() : std::string();
+}
+
+absl::Status LayerPrefetch::on_move_refused(rt::PolicyContext& rt) {
+  split_.search.reset();
+  return move_steps(rt, split_.before_move);
+}
+
+std::string LayerPrefetch::describe_search() const {
+  const SplitSearch& search = *split_.search;
+  const std::vector<rt::LayerCost>& layers = split_.costs.layers;
+  // The cost model's prediction for the first k movable layers on the host.
+  auto predicted_ms = [&](int k) {
+    const std::vector<int> host = host_layers_for(k);
+    std::vector<bool> on_host(layers.size());
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      on_host[i] = std::binary_search(host.begin(), host.end(), layers[i].layer);
+    }
+    return predict(split_.costs.rates, layers, on_host).seconds * 1e3;
+  };
+  std::int64_t host_params = 0;
+  std::int64_t total = 0;
+  for (const rt::LayerCost& c : layers) {
+    total += c.params;
+    if (on_host(c.layer)) host_params += c.params;
+  }
+  char share[32];
+  std::snprintf(share, sizeof(share), "%.1f%%",
+                total > 0 ? 100.0 * static_cast<double>(host_params) / total : 0.0);
+  std::string line =
+      str_cat("hybrid: measured steps chose ", host_layers_.size(), " of ", layers.size(),
+              " layers (", share, " of parameters) on the host after ", split_.steps,
+              " steps; movable layers on the host: ms from one step's "
+              "end to the next (the cost model's optimizer step):");
+  for (const auto& [k, seconds] : search.measured()) {
+    char item[64];
+    std::snprintf(item, sizeof(item), " %d: %.1f (%.1f)", k, seconds * 1e3, predicted_ms(k));
+    line += item;
+  }
+  return line;
+}
+
+absl::Status LayerPrefetch::move_steps(rt::PolicyContext& rt, const std::vector<int>& host) {
+  // A layer going to the host leaves the GPU's main pool: a host step reads its states where they
+  // rest, in pinned memory (See Note [Hybrid placement]).
+  for (int layer : host) {
+    if (on_host(layer)) continue;
+    for (rt::TensorHandle h : rt.layer_tensors(layer, config().roles)) {
+      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, rt.info(h));
+      if (info.bytes == 0 || !resident(info)) continue;
+      STRATA_RETURN_IF_ERROR(rt.migrate(h, placement(info.spec)));
+    }
+  }
+  // One host wait, between steps and during the search only: the last step's write-backs arrive
+  // home, so that settle may move layers now stepped on the GPU to its main pool.
+  STRATA_RETURN_IF_ERROR(rt.wait_all());
+  host_layers_ = host;
+  parameter_layers_.reset();
+  settled_ = false;
+  return settle(rt);
 }
 
 }  // namespace internal

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/status.h"
+#include "policies/split_search.h"
 #include "runtime/policy.h"
 #include "runtime/runtime.h"
 
@@ -70,6 +71,11 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   rt::StepPlace step_place(int layer) const override {
     return on_host(layer) ? rt::StepPlace::kHost : rt::StepPlace::kGpu;
   }
+  bool wants_step_times() const override {
+    return split_.search.has_value() && !split_.search->done();
+  }
+  absl::StatusOr<std::string> on_step_measured(rt::PolicyContext& rt, double seconds) override;
+  absl::Status on_move_refused(rt::PolicyContext& rt) override;
 
   rt::Tier placement(const rt::TensorSpec& spec) const override {
     return config().roles.contains(spec.role) ? rt::Tier::kPinnedHost : spec.home;
@@ -259,6 +265,24 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // hybrid: the layers stepped on the host, ascending (See Note [Hybrid placement]).
   const bool hybrid_;
   std::vector<int> host_layers_;
+  // hybrid: what the measured split works from (See Note [Measured split] in split_search.h): the
+  // costs the split was chosen from, the layers that may move in the cost model's order, those
+  // on the host that may not, the search while it runs, and the steps measured.
+  struct Split {
+    rt::StepCosts costs;
+    std::vector<int> movable;
+    std::vector<int> fixed_host;
+    std::optional<SplitSearch> search;
+    int steps = 0;
+    std::vector<int> before_move;  // host_layers_ before the last move
+  };
+  Split split_;
+  // The layers stepped on the host with the first k movable ones there, ascending.
+  std::vector<int> host_layers_for(int k) const;
+  // Steps `host` (ascending) on the host from the next step on: their resident states go home,
+  // and the ring and the resident layers are laid out again.
+  absl::Status move_steps(rt::PolicyContext& rt, const std::vector<int>& host);
+  std::string describe_search() const;
 };
 
 }  // namespace strata::policy::internal

@@ -31,7 +31,8 @@ absl::Status check_bytes(const LayerCost& l, const char* name, double bytes) {
 // Link bytes a parameter saves when its layer is stepped on the host.
 double host_savings(const LayerCost& l) { return 2 * l.state_bytes - l.grad_bytes - l.param_bytes; }
 
-// Input positions in the order layers go to the host (See Note [Hybrid cost model]).
+}  // namespace
+
 std::vector<std::size_t> host_order(const std::vector<LayerCost>& layers) {
   std::vector<std::size_t> order(layers.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
@@ -44,8 +45,6 @@ std::vector<std::size_t> host_order(const std::vector<LayerCost>& layers) {
   });
   return order;
 }
-
-}  // namespace
 
 absl::Status validate_cost_inputs(const StepRates& rates, const std::vector<LayerCost>& layers) {
   STRATA_RETURN_IF_ERROR(check_rate("link_h2d_gbps", rates.link_h2d_gbps, false));

@@ -101,6 +101,10 @@ absl::StatusOr<HybridSplit> choose_split(const StepRates& rates,
                                          const std::vector<LayerCost>& layers,
                                          std::optional<double> forced_fraction);
 
+// Positions in `layers` in the order they go to the host (See Note [Hybrid cost model]): a split
+// choose_split considers is a prefix of it.
+std::vector<std::size_t> host_order(const std::vector<LayerCost>& layers);
+
 // One line: "hybrid: 9 of 24 layers (37.5% of parameters) stepped on the host; predicted 171.2 ms
 // (bound: link) against 205.3 ms streamed (0.83x)".
 std::string describe(const HybridSplit& split);

@@ -234,6 +234,27 @@ StepPlace Runtime::step_place(int layer) const {
   return impl_->policy->step_place(layer);
 }
 
+bool Runtime::wants_step_times() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->policy->wants_step_times();
+}
+
+absl::StatusOr<std::string> Runtime::step_measured(double seconds) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->undo.size() != 0) {
+    return absl::FailedPreconditionError(
+        "step_measured: a step's undo is kept; hand step times in between steps");
+  }
+  PolicyContext ctx(*this);
+  return impl_->policy->on_step_measured(ctx, seconds);
+}
+
+absl::Status Runtime::refuse_step_move() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  PolicyContext ctx(*this);
+  return impl_->policy->on_move_refused(ctx);
+}
+
 // --- PolicyContext: the runtime's calls with its mutex already held -------------------------
 
 std::vector<TensorHandle> PolicyContext::tensors() const {

@@ -239,6 +239,11 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       if (found_inf.defined()) scaler.update(found_inf);
       const double optimizer_ms = ms_since(optimizer_start);
       hooks.end_step();
+      if (adam->placement() != result.placement) {  // See Note [Measured split]
+        result.placement = adam->placement();
+        std::printf("[%s] %s\n", run_name.c_str(), result.placement.c_str());
+      }
+      result.host_layers = adam->host_layers();
       clock.wait();
       const double step_ms = clock.end(start);
       const std::vector<double> read = reader.read({loss, grad_norm, step_scale, found_inf});

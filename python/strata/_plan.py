@@ -167,7 +167,7 @@ def log_choice(
         overlap_line(runtime),
     )
     if adam.placement():  # See Note [Step placement] in runtime/policy.h
-        _log.info("strata.optim.%s: %s", name, adam.placement())
+        log_placement(name, adam.placement())
     if len(plan) and largest > total / 4 and total > (64 << 20):
         warnings.warn(
             f"strata.optim.{name}: one layer holds {100 * largest / total:.0f}% of the "
@@ -175,3 +175,9 @@ def log_choice(
             "model= or named_parameters() so that strata finds the blocks, or layer_bytes=",
             stacklevel=3,
         )
+
+
+def log_placement(name: str, line: str) -> None:
+    """The policy's line on where the optimizer steps: at construction, and again when measured
+    steps move them (See Note [Measured split] in policies/split_search.h)."""
+    _log.info("strata.optim.%s: %s", name, line)

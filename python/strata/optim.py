@@ -268,6 +268,7 @@ class Adam(torch.optim.Optimizer):
             )
         self._keep_alive: tuple = ()
         self._hypers = [_args.hyper_of(g, self._decoupled) for g in self.param_groups]
+        self._placement_line = self._adam.placement()
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.last_step_outcome: Optional[str] = None
@@ -473,6 +474,9 @@ class Adam(torch.optim.Optimizer):
             self.last_step_outcome = "redone"
         self.steps_redone += self.last_step_outcome == "redone"
         rt.end_step()
+        if self._adam.placement() != self._placement_line:  # See Note [Measured split]
+            self._placement_line = self._adam.placement()
+            _plan.log_placement(self._name, self._placement_line)
         if self._auto_budget:
             self._auto_budget = False
             _budget.set_auto_budget(self._runtime, self._name)

@@ -168,6 +168,10 @@ struct Outcomes {
   // Layers stepped on the host during backward, over the run (See Note [Host steps in backward]
   // in optim/adam_host_speculation.cpp).
   int host_in_backward = 0;
+  // The hybrid's measured split (See Note [Measured split] in policies/split_search.h): steps after
+  // which the host layers changed, and the optimizer's placement line at the end.
+  int moves = 0;
+  std::string placement;
 
   void count(Adam::StepOutcome o) {
     if (o == Adam::StepOutcome::kSpeculation) ++speculation;

@@ -156,10 +156,13 @@ Bytes train(const Case& setup, bool overlapped, int steps, std::uint64_t seed, O
         const std::vector<int>& host = adam.host_layers();
         outcomes->host_in_backward += std::count(host.begin(), host.end(), l) > 0 ? 1 : 0;
       }
+      const std::vector<int> host_before = adam.host_layers();
       absl::StatusOr<Adam::StepOutcome> outcome =
           adam.finish_step(grad_scale.get(), scaled ? found_inf.get() : nullptr);
       if (!ok(outcome.status())) return {};
       outcomes->count(*outcome);
+      outcomes->moves += adam.host_layers() != host_before ? 1 : 0;
+      outcomes->placement = adam.placement();
       EXPECT_EQ(runtime.undo_tensors(), 0u);
       if (!ok(runtime.end_step())) return {};
       jiggle();
@@ -259,6 +262,40 @@ TEST(OverlapTest, HybridStepIsBitwiseTheLayerPrefetchStep) {
       EXPECT_EQ(seq.h2d_bytes, 0) << "no state streams when every layer steps on the host";
     }
     if (setup.dtype == DType::kFloat32 && setup.config.hybrid_fraction) EXPECT_GT(masters, 0);
+  }
+}
+
+// See Note [Measured split] in policies/split_search.h: without a forced fraction the hybrid moves
+// layers between the host and the GPU over the run's steps, as their times say, and every step
+// stays bitwise layer_prefetch's: sequential and overlapped (the host steps' buffers and undo made
+// again after each move), with resident layers under a budget (a layer going to the host leaves
+// the main pool), with Adam and Lion. Float32 layers keep a master only on the host, so none moves.
+TEST(OverlapTest, HybridMeasuredSplitMovesStepsAndStaysBitwise) {
+  constexpr int kSteps = 24;  // 4 layers, one at a time: every split measured and the search done
+  std::vector<Case> setups;
+  const rt::PolicyConfig states{.prefetch_depth = 1, .roles = RoleSet::optimizer_states()};
+  for (const char* rule : {"adam", "lion"}) {
+    for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      setups.push_back({"hybrid", states, d});
+      setups.back().rule = rule;
+    }
+  }
+  setups.push_back({"hybrid", states, DType::kBFloat16, 1, std::size_t{20} << 20, 128 << 10});
+  for (const Case& setup : setups) {
+    SCOPED_TRACE(describe(setup));
+    Outcomes ref, seq, ovl;
+    const Bytes want = train(reference(setup), /*overlap=*/false, kSteps, 1, &ref);
+    expect_same_tensors(want, train(setup, /*overlap=*/false, kSteps, 2, &seq));
+    expect_same_tensors(want, train(setup, /*overlap=*/true, kSteps, 3, &ovl));
+    for (const Outcomes* o : {&seq, &ovl}) {
+      if (setup.dtype == DType::kFloat32) {
+        EXPECT_EQ(o->moves, 0);
+        EXPECT_EQ(o->placement.find("measured"), std::string::npos) << o->placement;
+      } else {
+        EXPECT_GE(o->moves, 1);
+        EXPECT_NE(o->placement.find("measured steps chose"), std::string::npos) << o->placement;
+      }
+    }
   }
 }
 

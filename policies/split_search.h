@@ -1,0 +1,79 @@
+// policies/split_search.h: the hybrid policy's search for its split over measured steps. The cost
+// model orders the layers that may move and picks a first split; measured step times then walk the
+// split up and down that order, a few steps for each, and keep the fastest. Pure bookkeeping: the
+// policy moves the layers and the optimizer measures the steps. See Note [Measured split].
+//
+//   SplitSearch search(/*movable=*/24, /*start=*/0, {});
+//   while (!search.done()) {
+//     const int k = search.current();   // step with the first k movable layers on the host
+//     search.add(measured_seconds);     // one step's time; current() may change
+//   }
+//   std::printf("%d\n", search.best());
+//
+// Note [Measured split]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The cost model predicts a step from rates measured apart (See Note [Hybrid cost model] in
+// step_cost_model.h), and on a host where DMA and host kernels contend for memory its host-memory
+// term misses by 10-20% either way: it can keep every layer on the GPU where a fifth on the host is
+// faster, or send half there where that is slower. The step itself is the better measure, and a
+// hybrid step's result does not depend on its split (each layer's update is bitwise the same on
+// either side: See Note [Host-stepped layers] in optim/adam_host_step.cpp), so the policy may try
+// splits on the steps of the run itself, at no cost to what they compute.
+//
+// Only layers whose states are the same wherever they step move (a float32 parameter stepped on
+// the host keeps a master copy the GPU side does not), in the cost model's order: a split is the
+// first k of them on the host. The search starts at the cost model's k and measures each split
+// over `samples` steps after one it discards (the step after a move pays for the move). It walks
+// up, `stride` layers at a time, while each new split is the best so far; if the first split up
+// is not, it walks down from the start the same way. The best is the one with the fewest host
+// layers among those within `margin` of the fastest: more host layers cost host memory and host
+// threads, and must pay for themselves. A split's time is the median of its samples, so one slow
+// step (an evaluation, a checkpoint, a redone overlapped step) does not decide. Once done, the
+// best split stays for the rest of the run.
+#pragma once
+
+#include <map>
+#include <vector>
+
+namespace strata::policy {
+
+struct SplitSearchOptions {
+  int samples = 3;       // measured steps a split, after the one discarded
+  int stride = 0;        // layers a move; 0: a tenth of the movable layers, rounded up
+  double margin = 0.01;  // See Note [Measured split]
+};
+
+class SplitSearch {
+ public:
+  // `movable` layers in the cost model's order, the first `start` of them on the host now.
+  // Done from the start when nothing can move.
+  SplitSearch(int movable, int start, SplitSearchOptions options);
+
+  // The split to step with now: the first current() movable layers on the host.
+  int current() const { return current_; }
+  bool done() const { return done_; }
+  // One step's seconds with current(). Once the split has its samples it is recorded and the next
+  // one chosen; when the search ends current() is the best.
+  void add(double seconds);
+  // Median seconds of each split measured so far, by its k.
+  const std::map<int, double>& measured() const { return measured_; }
+  // The fewest host layers within margin of the fastest measured; the start before any.
+  int best() const;
+  int stride() const { return stride_; }
+
+ private:
+  // Starts the samples of split k.
+  void go_to(int k);
+  int movable_;
+  int start_;
+  SplitSearchOptions options_;
+  int stride_;
+  int current_;
+  int direction_ = +1;
+  bool done_ = false;
+  bool discarded_ = false;  // the current split's first step is behind it
+  std::vector<double> samples_;
+  std::map<int, double> measured_;
+};
+
+}  // namespace strata::policy

@@ -1,0 +1,136 @@
+// The hybrid policy's search over measured steps (See Note [Measured split] in
+// policies/split_search.h): where it walks on step times shaped as a host would give them, the step
+// it discards after each move, the median against one slow step, the margin more host layers must
+// win by, its bounds, and that it always ends.
+#include "policies/split_search.h"
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace strata::policy {
+namespace {
+
+// Feeds `seconds_of(k)` for the split the search is at until it is done; the splits it stepped
+// with, one entry a step.
+std::vector<int> run(SplitSearch& search, const std::function<double(int)>& seconds_of,
+                     int max_steps = 1000) {
+  std::vector<int> stepped;
+  while (!search.done() && static_cast<int>(stepped.size()) < max_steps) {
+    stepped.push_back(search.current());
+    search.add(seconds_of(search.current()));
+  }
+  return stepped;
+}
+
+// A step time with its best at k = `best`: 1 ms a layer away from it, over 100 ms.
+std::function<double(int)> valley(int best) {
+  return [best](int k) { return (100.0 + std::abs(k - best)) / 1e3; };
+}
+
+TEST(SplitSearchTest, WalksUpToTheFastestSplit) {
+  SplitSearch search(20, 0, {.samples = 3, .stride = 2});
+  const std::vector<int> stepped = run(search, valley(7));
+  ASSERT_TRUE(search.done());
+  // 0, 2, 4, 6 each better than the last; 8 is no better than 6 by the margin, so the walk ends
+  // and 6 stays (fewer host layers on equal times).
+  EXPECT_EQ(search.best(), 6);
+  EXPECT_EQ(search.current(), 6);
+  EXPECT_EQ(search.measured().size(), 5u);
+  EXPECT_EQ(stepped.size(), 5u * 4);  // four steps a split: one discarded, three measured
+  EXPECT_DOUBLE_EQ(search.measured().at(4), 0.103);
+}
+
+TEST(SplitSearchTest, WalksDownWhenTheFirstSplitUpIsSlower) {
+  SplitSearch search(24, 12, {.samples = 2, .stride = 3});
+  run(search, valley(4));
+  ASSERT_TRUE(search.done());
+  // 12, then 15 (slower), then down: 9, 6, 3 (each better), 0 (slower).
+  EXPECT_EQ(search.best(), 3);
+  EXPECT_EQ(search.current(), 3);
+  EXPECT_EQ(search.measured().count(15), 1u);
+  EXPECT_EQ(search.measured().count(0), 1u);
+  EXPECT_EQ(search.measured().count(18), 0u);
+}
+
+TEST(SplitSearchTest, DiscardsTheStepAfterEachMove) {
+  SplitSearch search(10, 0, {.samples = 1, .stride = 5});
+  // The first step of every split is far slower (it pays for the move); counted, it would make
+  // every split look alike.
+  int steps_here = 0;
+  int last = -1;
+  run(search, [&](int k) {
+    steps_here = k == last ? steps_here + 1 : 0;
+    last = k;
+    return steps_here == 0 ? 10.0 : valley(10)(k);
+  });
+  EXPECT_EQ(search.best(), 10);
+  EXPECT_DOUBLE_EQ(search.measured().at(0), 0.110);
+}
+
+TEST(SplitSearchTest, OneSlowStepDoesNotDecide) {
+  SplitSearch search(10, 0, {.samples = 3, .stride = 5});
+  int calls = 0;
+  run(search, [&](int k) {
+    ++calls;
+    // At k = 5, its second measured step is an evaluation: 10x slower.
+    if (k == 5 && calls == 7) return 1.0;
+    return valley(5)(k);
+  });
+  EXPECT_EQ(search.best(), 5);
+  EXPECT_DOUBLE_EQ(search.measured().at(5), 0.100);
+}
+
+TEST(SplitSearchTest, MoreHostLayersMustWinByTheMargin) {
+  SplitSearch search(10, 0, {.samples = 1, .stride = 2, .margin = 0.01});
+  run(search, [](int k) { return k == 0 ? 0.1000 : 0.0995; });  // 0.5% faster: not enough
+  EXPECT_EQ(search.best(), 0);
+  EXPECT_EQ(search.current(), 0);
+  EXPECT_EQ(search.measured().size(), 2u);
+}
+
+TEST(SplitSearchTest, NothingMovableIsDoneFromTheStart) {
+  SplitSearch search(0, 0, {});
+  EXPECT_TRUE(search.done());
+  EXPECT_EQ(search.current(), 0);
+  EXPECT_EQ(search.best(), 0);
+  search.add(1.0);
+  EXPECT_TRUE(search.measured().empty());
+}
+
+TEST(SplitSearchTest, StaysWithinItsLayers) {
+  // Started at the top, it can only go down; a stride past every layer ends at once.
+  SplitSearch top(6, 6, {.samples = 1, .stride = 4});
+  run(top, valley(0));
+  EXPECT_EQ(top.best(), 2);
+  EXPECT_EQ(top.measured().count(10), 0u);
+  SplitSearch wide(3, 0, {.samples = 1, .stride = 4});
+  run(wide, valley(3));
+  EXPECT_TRUE(wide.done());
+  EXPECT_EQ(wide.best(), 0);
+  // The default stride is a tenth of the layers, rounded up.
+  EXPECT_EQ(SplitSearch(26, 0, {}).stride(), 3);
+  EXPECT_EQ(SplitSearch(5, 0, {}).stride(), 1);
+}
+
+TEST(SplitSearchTest, EndsOnAnyTimes) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> noise(0.05, 0.5);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int movable = 1 + trial % 40;
+    SplitSearch search(movable, trial % (movable + 1), {.samples = 1 + trial % 3});
+    const std::vector<int> stepped = run(search, [&](int) { return noise(rng); });
+    ASSERT_TRUE(search.done()) << "trial " << trial;
+    EXPECT_GE(search.current(), 0);
+    EXPECT_LE(search.current(), movable);
+    EXPECT_EQ(search.current(), search.best());
+    // Each split is measured once at most.
+    EXPECT_LE(stepped.size(), static_cast<std::size_t>((movable + 1) * (2 + trial % 3)));
+  }
+}
+
+}  // namespace
+}  // namespace strata::policy
