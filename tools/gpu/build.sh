@@ -4,6 +4,13 @@
 # repository root. Returns non-zero, with the first errors printed, if any step fails.
 BUILD=/tmp/strata-build
 
+# The GPU's name, memory and driver, and the host's cores, into LOG_DIR/gpu.txt (and printed).
+gpu_info() {
+  mkdir -p "$1"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$1/gpu.txt"
+  nproc >>"$1/gpu.txt"
+}
+
 gpu_build() {
   local logs=$1; shift
   if ! ls .deps/debs/*.deb >/dev/null 2>&1; then

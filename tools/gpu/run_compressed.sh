@@ -17,8 +17,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
 status=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nproc >>"$OUT/gpu.txt"
+gpu_info "$OUT"
 echo "== build"
 gpu_build "$OUT" strata_step_rates optim_compressed_states_test strata-train || exit 1
 if [[ $MODE == perf ]]; then

@@ -16,8 +16,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
 status=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nproc >>"$OUT/gpu.txt"
+gpu_info "$OUT"
 if [ "$MODE" = tests ]; then
   gpu_build "$OUT" optim_overlap_gpu_test optim_overlap_test || exit 1
   "$BUILD/bin/optim_overlap_gpu_test" >"$OUT/gpu-tests.log" 2>&1 || status=1

@@ -18,8 +18,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
 status=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nproc >>"$OUT/gpu.txt"
+gpu_info "$OUT"
 case "$MODE" in
   c1)
     gpu_build "$OUT" optim_overlap_gpu_test policies_split_search_test || exit 1

@@ -18,8 +18,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
 status=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nproc >>"$OUT/gpu.txt"
+gpu_info "$OUT"
 memcheck() {
   local log=$1; shift
   /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 "$@" >"$OUT/$log" 2>&1 ||
