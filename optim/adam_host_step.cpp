@@ -224,8 +224,11 @@ absl::Status Adam::measure_step() {
   STRATA_RETURN_IF_ERROR(ms.status());
   STRATA_ASSIGN_OR_RETURN(std::string line, rt.step_measured(*ms / 1e3));
   STRATA_RETURN_IF_ERROR(follow_placement());
-  if (!line.empty()) placement_ = std::move(line);
-  return absl::OkStatus();
+  if (line.empty()) return absl::OkStatus();
+  placement_ = std::move(line);
+  // The search is over: the host buffers of the splits it tried go back to the system, not to
+  // the pinned pool's cache for the rest of the run.
+  return runtime_.allocator().trim(rt::Tier::kPinnedHost).status();
 }
 
 absl::Status Adam::follow_placement() {

@@ -3,10 +3,11 @@
 # `c1`: the C1 test (optim_overlap_gpu_test: hybrid bitwise layer_prefetch, the copy streams held
 #   up at random; its unforced cases search and move layers) and memcheck over its hybrid cases.
 # `time`: strata-train's 24-block GPT in bfloat16 with float32 masters, clipping at 1.0, the states
-#   streamed, AdamW, STEPS steps a run (the search needs about 20): layer_prefetch and hybrid
-#   (measured split), sequential and overlapped, and hybrid with a fifth of the parameters forced on
-#   the host, ROUNDS rounds in alternating order; summarize_split.py gives each run's median over
-#   its last 10 steps. EXTRA flags go to every strata-train run.
+#   streamed, AdamW, STEPS steps a run (the search needs about 20), ROUNDS rounds, PAIRS of runs in
+#   one process each, their order alternating: seq (layer_prefetch, hybrid with its measured split),
+#   overlap (the same with +overlap), forced (hybrid and hybrid+overlap with a fifth of the
+#   parameters on the host); summarize_split.py gives each run's median over its last 10 steps.
+#   EXTRA flags go to every strata-train run.
 #   tools/gpu/run_measured_split.sh OUT_DIR c1|time [EXTRA...]
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_measured_split.sh OUT_DIR c1|time [EXTRA...]}
@@ -35,18 +36,20 @@ case "$MODE" in
     gpu_build "$OUT" strata-train || exit 1
     model="--layers=24 --d_model=2048 --heads=16 --vocab=32000 --seq=512 --batch=8"
     model="$model --steps=$STEPS --lr=1e-4 --dtype=bfloat16 --clip_grad_norm=1.0"
-    orders=("layer_prefetch,hybrid" "hybrid,layer_prefetch")
+    # Each pair in one process (the hybrid's search against layer_prefetch), the order alternating
+    # between rounds.
+    declare -A pairs=([seq]="layer_prefetch,hybrid" [overlap]="layer_prefetch+overlap,hybrid+overlap"
+      [forced]="hybrid,hybrid+overlap")
     for round in $(seq 1 "$ROUNDS"); do
-      runs=${orders[$(((round - 1) % 2))]}
-      for overlap in none backward; do
-        echo "== round $round overlap=$overlap: $runs" | tee -a "$OUT/train.log"
-        "$BUILD/bin/strata-train" --compare $model --strata_overlap=$overlap --runs="$runs" "$@" \
-          --json="$OUT/train-$overlap-$round.json" >>"$OUT/train.log" 2>&1 || status=1
+      for pair in ${PAIRS:-seq overlap forced}; do
+        runs=${pairs[$pair]}
+        ((round % 2 == 0)) && runs="${runs#*,},${runs%,*}"
+        extra=()
+        [ "$pair" = forced ] && extra=(--strata_hybrid_fraction=0.8)
+        echo "== round $round $pair: $runs" | tee -a "$OUT/train.log"
+        "$BUILD/bin/strata-train" --compare $model --runs="$runs" "${extra[@]}" "$@" \
+          --json="$OUT/train-$pair-$round.json" >>"$OUT/train.log" 2>&1 || status=1
       done
-      echo "== round $round forced 0.8: hybrid, hybrid+overlap" | tee -a "$OUT/train.log"
-      "$BUILD/bin/strata-train" --compare $model \
-        --runs=hybrid,hybrid+overlap --strata_hybrid_fraction=0.8 "$@" \
-        --json="$OUT/train-forced-$round.json" >>"$OUT/train.log" 2>&1 || status=1
     done
     grep -aE "^== |\] hybrid: |^(layer_prefetch|hybrid)[+a-z]* +ok|identical" "$OUT/train.log"
     python3 tools/gpu/summarize_split.py "$OUT"/train-*.json | tee "$OUT/summary.md"
