@@ -424,7 +424,14 @@ void print_setup(const Report& report, const rt::PolicyChoice& choice) {
 // baselines (its host step, seconds a step, runs only where --runs names it); or --runs.
 std::vector<std::string> compare_run_names(const TrainOptions& o,
                                            const std::vector<std::string>& selected) {
-  if (!selected.empty()) return selected;
+  if (!selected.empty()) {
+    if (o.overlap == rt::Overlap::kBackward) {
+      std::printf("(--strata_overlap=backward adds the +overlap runs to --compare's own list; "
+                  "with --runs each run steps as its name says: overlapped where it ends in %s)\n",
+                  std::string(kOverlapSuffix).c_str());
+    }
+    return selected;
+  }
   std::vector<std::string> runs;
   for (const std::string& p : policy::builtin_policies().names()) {
     if (p == "hybrid" && !(o.roles == rt::RoleSet::optimizer_states())) {
