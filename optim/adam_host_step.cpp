@@ -255,7 +255,10 @@ absl::Status Adam::follow_placement() {
                                 back.ok() ? "they stay where they were"
                                           : str_cat("moving them back failed: ", back.message())));
   }
-  if (host_layers_.empty()) host_slots_.clear();
+  if (host_layers_.empty()) {  // make_host_buffers made nothing
+    host_slots_.clear();
+    host_scalars_ = nullptr;
+  }
   // No copy of the last step still reads or writes the old buffers.
   wait_for_host_steps();
   for (rt::StreamHandle s : {host_d2h_, host_h2d_}) {

@@ -426,9 +426,10 @@ std::vector<std::string> compare_run_names(const TrainOptions& o,
                                            const std::vector<std::string>& selected) {
   if (!selected.empty()) {
     if (o.overlap == rt::Overlap::kBackward) {
-      std::printf("(--strata_overlap=backward adds the +overlap runs to --compare's own list; "
-                  "with --runs each run steps as its name says: overlapped where it ends in %s)\n",
-                  std::string(kOverlapSuffix).c_str());
+      std::printf(
+          "(--strata_overlap=backward adds the +overlap runs to --compare's own list; "
+          "with --runs each run steps as its name says: overlapped where it ends in %s)\n",
+          std::string(kOverlapSuffix).c_str());
     }
     return selected;
   }
