@@ -46,9 +46,10 @@ absl::Status check_tensor(const rt::TensorInfo& info, rt::Role role, std::string
   return absl::OkStatus();
 }
 
-// Every layer's step working set must fit the GPU: the kernel reads GPU memory only, and a layer
-// that cannot be brought there whole would fail its step half way through the model.
-absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_t>& step_bytes) {
+}  // namespace
+
+absl::Status Adam::check_fits_gpu(rt::Runtime& runtime,
+                                  const std::map<int, std::size_t>& step_bytes) {
   const std::size_t budget = runtime.gpu_budget();
   for (auto [layer, bytes] : step_bytes) {
     if (bytes > budget) {
@@ -61,8 +62,6 @@ absl::Status check_fits_gpu(rt::Runtime& runtime, const std::map<int, std::size_
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 Adam::Adam(rt::Runtime& runtime, AdamOptions options)
     : runtime_(runtime), options_(std::move(options)) {
@@ -352,6 +351,9 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
     STRATA_RETURN_IF_ERROR(check_gradients_given(stepping));
   }
   if (new_step) last_step_.clear();
+  // Nothing of this step ran yet: the optimizer steps each layer where the policy does (See Note
+  // [Measured split] in policies/split_search.h).
+  if (new_step && rt.places_steps()) STRATA_RETURN_IF_ERROR(follow_placement());
   const std::size_t stepped_before = last_step_.size();
   if (absl::Status begin = rt.begin_optimizer_step(); !begin.ok()) {
     // The runtime has put back what the policy staged.

@@ -313,6 +313,11 @@ class Adam {
   }
   // The checks step() makes before it changes anything.
   absl::Status check_can_step();
+  // Every layer's step working set (parameters, gradients, moments) fits the GPU budget: the
+  // kernel reads GPU memory only, so a layer that cannot be brought there whole would fail its
+  // step half way through the model.
+  static absl::Status check_fits_gpu(rt::Runtime& runtime,
+                                     const std::map<int, std::size_t>& step_bytes);
   // Every parameter of `slots` that takes part in the step has its gradient (registered or
   // given); the error names the first that has none.
   absl::Status check_gradients_given(const std::vector<std::size_t>& slots) const;
@@ -322,12 +327,17 @@ class Adam {
     clear_skipped();
     return measure_step();
   }
-  // See Note [Measured split] in policies/split_search.h: while the policy wants step times, the
-  // time from the last step's end to this one's on the device's clock (one host wait a step), and
-  // follow_placement once the policy has it.
+  // See Note [Measured split] in policies/split_search.h: while the policy wants step times,
+  // time_step. The step was taken whatever happens here: a failure stops the search (the policy
+  // puts back what it moved for this step), says why on stderr and in placement(), and returns OK.
   absl::Status measure_step();
-  // The host-stepped layers as the policy has them now (it moved steps between two steps): the
-  // host buffers made again for them, and every layer stepped on the GPU checked to fit there.
+  // The time from the last step's end to this one's, on the device's clock (one host wait a
+  // step), handed to the policy, then follow_placement.
+  absl::Status time_step();
+  // The host-stepped layers as the policy has them now (it moves steps between two steps): every
+  // layer stepped on the GPU checked to fit there and the host buffers made for the new ones, or
+  // an error and nothing changed; then the old buffers freed. check_can_step calls it too, so
+  // that no step runs while the two disagree.
   absl::Status follow_placement();
   // The layer loop of step(): what it holds when it fails and the layer it was on
   // (See Note [A failed step] in adam.cpp); the parameters it stepped go to last_step_.

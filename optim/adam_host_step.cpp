@@ -28,6 +28,7 @@
 // [Overlapped step] in adam.h) they are stepped during backward instead, speculatively (See Note
 // [Host steps in backward] in adam_host_speculation.cpp).
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <thread>
@@ -205,11 +206,25 @@ absl::Status Adam::make_host_buffers() {
 absl::Status Adam::measure_step() {
   rt::Runtime& rt = runtime_;
   rt::Device& dev = rt.device();
-  if (!rt.wants_step_times()) {
-    if (step_end_ != nullptr) dev.release_timed(step_end_);
-    step_end_ = nullptr;
-    return absl::OkStatus();
+  if (rt.wants_step_times()) {
+    absl::Status s = time_step();
+    if (s.ok()) return absl::OkStatus();
+    // See Note [Measured split] in policies/split_search.h: the step was taken and stands. The
+    // search is an optimization: it stops, and the policy puts back what it moved for this step.
+    absl::Status back = rt.refuse_step_move();
+    const std::string why = str_cat("hybrid: the measured split stopped: ", s.message(),
+                                    back.ok() ? "" : str_cat("; moving back: ", back.message()));
+    std::fprintf(stderr, "strata: %s\n", why.c_str());
+    placement_ = why;
   }
+  if (step_end_ != nullptr) dev.release_timed(step_end_);
+  step_end_ = nullptr;
+  return absl::OkStatus();
+}
+
+absl::Status Adam::time_step() {
+  rt::Runtime& rt = runtime_;
+  rt::Device& dev = rt.device();
   // See Note [Measured split] in policies/split_search.h: from one step's end to the next on the
   // compute stream, so forward, backward and whatever the loop does between steps count too.
   STRATA_ASSIGN_OR_RETURN(rt::EventHandle end, dev.record_timed(rt.compute_stream()));
@@ -227,8 +242,13 @@ absl::Status Adam::measure_step() {
   if (line.empty()) return absl::OkStatus();
   placement_ = std::move(line);
   // The search is over: the host buffers of the splits it tried go back to the system, not to
-  // the pinned pool's cache for the rest of the run.
-  return runtime_.allocator().trim(rt::Tier::kPinnedHost).status();
+  // the pinned pool's cache for the rest of the run (a failure only keeps them cached).
+  if (absl::StatusOr<std::size_t> trimmed = rt.allocator().trim(rt::Tier::kPinnedHost);
+      !trimmed.ok()) {
+    std::fprintf(stderr, "strata: hybrid: keeping the pinned pool's cached segments: %s\n",
+                 std::string(trimmed.status().message()).c_str());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Adam::follow_placement() {
@@ -237,7 +257,11 @@ absl::Status Adam::follow_placement() {
     if (runtime_.step_place(layer) == rt::StepPlace::kHost) host.push_back(layer);
   }
   if (host == host_layers_) return absl::OkStatus();
-  // The new buffers first: without host memory for them the policy moves its steps back.
+  // Until the new buffers are made nothing changes: every layer stepped on the GPU must fit there,
+  // and the host buffers are made for the new layers before the old ones go.
+  std::map<int, std::size_t> step_bytes = all_step_bytes_;
+  for (int layer : host) step_bytes.erase(layer);
+  STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime_, step_bytes));
   const std::vector<int> old_layers = std::exchange(host_layers_, host);
   const std::vector<HostSlot> old_slots = host_slots_;
   void* const old_buffer = std::exchange(host_buffer_, nullptr);
@@ -247,19 +271,21 @@ absl::Status Adam::follow_placement() {
     host_slots_ = old_slots;
     host_buffer_ = old_buffer;
     host_scalars_ = old_scalars;
-    absl::Status back = runtime_.refuse_step_move();
-    return absl::Status(made.code(),
-                        str_cat("Adam: the hybrid's measured split moved steps and the host "
-                                "buffers for them could not be made (",
-                                made.message(), "); ",
-                                back.ok() ? "they stay where they were"
-                                          : str_cat("moving them back failed: ", back.message())));
+    return absl::Status(made.code(), str_cat("Adam: the host buffers for the layers the policy "
+                                             "now steps on the host: ",
+                                             made.message()));
   }
   if (host_layers_.empty()) {  // make_host_buffers made nothing
     host_slots_.clear();
     host_scalars_ = nullptr;
   }
-  // No copy of the last step still reads or writes the old buffers.
+  step_bytes_ = std::move(step_bytes);
+  // The undo of host steps in backward is sized for the host slots: made again at the next one.
+  void* const old_undo = std::exchange(host_undo_, nullptr);
+  host_undo_at_.clear();
+  host_undo_refused_ = false;
+  // The optimizer now follows the policy; what is left frees the old buffers once no copy of the
+  // last step reads or writes them.
   wait_for_host_steps();
   for (rt::StreamHandle s : {host_d2h_, host_h2d_}) {
     if (s != nullptr) STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(s));
@@ -267,15 +293,9 @@ absl::Status Adam::follow_placement() {
   if (old_buffer != nullptr) {
     STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPinnedHost, old_buffer));
   }
-  // The undo of host steps in backward is sized for the host slots: made again at the next one.
-  if (host_undo_ != nullptr) {
-    STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPageableHost, host_undo_));
-    host_undo_ = nullptr;
+  if (old_undo != nullptr) {
+    STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPageableHost, old_undo));
   }
-  host_undo_at_.clear();
-  host_undo_refused_ = false;
-  step_bytes_ = all_step_bytes_;
-  for (int layer : host_layers_) step_bytes_.erase(layer);
   return absl::OkStatus();
 }
 

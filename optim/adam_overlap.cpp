@@ -32,6 +32,9 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(finish_release());
   if (!overlap_open_) {
+    // See Note [Measured split] in policies/split_search.h: each layer steps where the policy
+    // steps it.
+    if (rt.places_steps()) STRATA_RETURN_IF_ERROR(follow_placement());
     STRATA_RETURN_IF_ERROR(check_can_step());
     overlap_open_ = true;
     speculative_scale_ = grad_scale;

@@ -2,6 +2,7 @@
 // on the host, chosen by the cost model (policies/layer_prefetch.h, policies/step_cost_model.h).
 #include <algorithm>
 #include <cstdio>
+#include <utility>
 
 #include "base/status.h"
 #include "base/strings.h"
@@ -71,20 +72,23 @@ absl::StatusOr<std::string> LayerPrefetch::on_step_measured(rt::PolicyContext& r
   const int before = search.current();
   search.add(seconds);
   ++split_.steps;
+  split_.moved_last = false;
   if (search.current() != before) {
     split_.before_move = host_layers_;
     absl::Status moved = move_steps(rt, host_layers_for(search.current()));
     if (!moved.ok()) {
-      split_.search.reset();  // it stops where the move left it
+      split_.search.reset();  // it stops with the split it had (move_steps put it back)
       return absl::Status(
           moved.code(), str_cat("hybrid: moving steps for the measured split: ", moved.message()));
     }
+    split_.moved_last = true;
   }
   return search.done() ? describe_search() : std::string();
 }
 
 absl::Status LayerPrefetch::on_move_refused(rt::PolicyContext& rt) {
   split_.search.reset();
+  if (!std::exchange(split_.moved_last, false)) return absl::OkStatus();
   return move_steps(rt, split_.before_move);
 }
 
@@ -136,10 +140,15 @@ absl::Status LayerPrefetch::move_steps(rt::PolicyContext& rt, const std::vector<
   // One host wait, between steps and during the search only: the last step's write-backs arrive
   // home, so that settle may move layers now stepped on the GPU to its main pool.
   STRATA_RETURN_IF_ERROR(rt.wait_all());
-  host_layers_ = host;
+  const std::vector<int> before = std::exchange(host_layers_, host);
   parameter_layers_.reset();
   settled_ = false;
-  return settle(rt);
+  absl::Status settled = settle(rt);
+  if (settled.ok()) return absl::OkStatus();
+  // The layers step where they did (the next step's settle lays them out again).
+  host_layers_ = before;
+  settled_ = false;
+  return settled;
 }
 
 }  // namespace internal

@@ -275,12 +275,14 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     std::optional<SplitSearch> search;
     int steps = 0;
     std::vector<int> before_move;  // host_layers_ before the last move
+    bool moved_last = false;       // the last on_step_measured moved steps
   };
   Split split_;
   // The layers stepped on the host with the first k movable ones there, ascending.
   std::vector<int> host_layers_for(int k) const;
   // Steps `host` (ascending) on the host from the next step on: their resident states go home,
-  // and the ring and the resident layers are laid out again.
+  // and the ring and the resident layers are laid out again. A failure leaves the layers stepping
+  // where they did.
   absl::Status move_steps(rt::PolicyContext& rt, const std::vector<int>& host);
   std::string describe_search() const;
 };

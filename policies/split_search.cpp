@@ -43,23 +43,21 @@ void SplitSearch::add(double seconds) {
   std::nth_element(samples_.begin(), mid, samples_.end());
   measured_[current_] = *mid;
 
-  // See Note [Measured split]: on while the newest split is the best, else back to the start and
-  // down, once.
-  const bool newest_best = best() == current_;
-  int next = current_ + direction_ * stride_;
-  if (current_ != start_ && !newest_best) {
-    if (direction_ > 0 && measured_.size() == 2) {
-      direction_ = -1;
-      next = start_ - stride_;
-    } else {
-      next = -1;  // ends the walk
-    }
-  }
-  if (current_ == start_ && direction_ > 0 && start_ + stride_ > movable_) {
+  // See Note [Measured split]: on while the newest split is the best; up from the start, else
+  // (the first split up was slower, or there is none) down from it, once. A step past either end
+  // stops at it.
+  auto neighbor = [&](int k, int direction) {
+    const int n = std::clamp(k + direction * stride_, 0, movable_);
+    return n == k || measured_.count(n) != 0 ? -1 : n;
+  };
+  const bool improving = best() == current_;
+  int next = improving ? neighbor(current_, direction_) : -1;
+  const bool first_up_slower = measured_.size() == 2 && !improving;
+  if (next < 0 && direction_ > 0 && (current_ == start_ || first_up_slower)) {
     direction_ = -1;
-    next = start_ - stride_;
+    next = neighbor(start_, -1);
   }
-  if (next < 0 || next > movable_ || measured_.count(next) != 0) {
+  if (next < 0) {
     done_ = true;
     go_to(best());
     return;

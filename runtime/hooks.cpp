@@ -241,9 +241,12 @@ bool Runtime::wants_step_times() const {
 
 absl::StatusOr<std::string> Runtime::step_measured(double seconds) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (impl_->undo.size() != 0) {
+  const Impl::StepState& step = impl_->step;
+  if (impl_->undo.size() != 0 || step.in_optimizer_step || step.optimizer_unfinished ||
+      step.offloaded) {
     return absl::FailedPreconditionError(
-        "step_measured: a step's undo is kept; hand step times in between steps");
+        "step_measured: an optimizer step is under way, its undo kept, or the tensors offloaded; "
+        "hand step times in between steps");
   }
   PolicyContext ctx(*this);
   return impl_->policy->on_step_measured(ctx, seconds);

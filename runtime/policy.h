@@ -197,15 +197,17 @@ class ResidencyPolicy {
   virtual StepPlace step_place(int layer) const { return StepPlace::kGpu; }
   // Whether the policy wants the optimizer's step times now (See Note [Measured split] in
   // policies/split_search.h); the optimizer then hands it each step's seconds, between steps,
-  // and it may move layers' steps there (step_place changes). Returns a line saying what it
-  // decided when it moved steps or stopped measuring, empty otherwise.
+  // and it may move layers' steps there (step_place changes; a failed move leaves them where they
+  // were and stops measuring). Returns a line saying what it decided once its search ends, empty
+  // otherwise.
   virtual bool wants_step_times() const { return false; }
   [[nodiscard]] virtual absl::StatusOr<std::string> on_step_measured(PolicyContext& rt,
                                                                      double seconds) {
     return std::string();
   }
-  // The optimizer could not follow the steps on_step_measured moved (no host memory for the
-  // moved layers' buffers): the policy puts them back where they were and stops measuring.
+  // The optimizer could not measure a step or follow what on_step_measured moved (no host memory
+  // for the moved layers' buffers): the policy stops measuring and puts back what the last
+  // on_step_measured moved.
   [[nodiscard]] virtual absl::Status on_move_refused(PolicyContext& rt) { return absl::OkStatus(); }
   // The order in which the optimizer walks layers; default ascending.
   virtual std::vector<int> optimizer_layer_order(const PolicyContext& rt) const;

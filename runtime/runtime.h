@@ -299,11 +299,13 @@ class Runtime {
   [[nodiscard]] absl::StatusOr<std::string> place_steps(const StepCosts& costs);
   StepPlace step_place(int layer) const;
   // See Note [Measured split] in policies/split_search.h. Whether the policy wants step times;
-  // handing it one step's seconds (between steps, nothing kept for undo: kFailedPrecondition
-  // otherwise) returns its line when it moved steps or stopped measuring, else empty.
+  // handing it one step's seconds (between steps: kFailedPrecondition during an optimizer step,
+  // while anything is kept for undo, or while offloaded) returns its line when it ended its
+  // search, else empty.
   bool wants_step_times() const;
   [[nodiscard]] absl::StatusOr<std::string> step_measured(double seconds);
-  // The optimizer could not follow what step_measured moved: the policy moves it back and stops.
+  // The optimizer could not measure a step or follow what step_measured moved: the policy stops
+  // measuring and moves back what the last step_measured moved.
   [[nodiscard]] absl::Status refuse_step_move();
 
   // Calls fn(tensor, tier, address) on the host whenever the address that compute should use for a

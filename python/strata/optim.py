@@ -269,6 +269,7 @@ class Adam(torch.optim.Optimizer):
         self._keep_alive: tuple = ()
         self._hypers = [_args.hyper_of(g, self._decoupled) for g in self.param_groups]
         self._placement_line = self._adam.placement()
+        self._undo_decided = False  # by _decide_undo, after the first step
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.last_step_outcome: Optional[str] = None
@@ -477,6 +478,8 @@ class Adam(torch.optim.Optimizer):
         if self._adam.placement() != self._placement_line:  # See Note [Measured split]
             self._placement_line = self._adam.placement()
             _plan.log_placement(self._name, self._placement_line)
+            if self._undo_decided:  # the layers that keep no undo moved
+                self._decide_undo()
         if self._auto_budget:
             self._auto_budget = False
             _budget.set_auto_budget(self._runtime, self._name)
@@ -490,6 +493,7 @@ class Adam(torch.optim.Optimizer):
     # (See Note [The undo on the GPU when there is room] in strata/budget.py).
     def _decide_undo(self) -> None:
         self._auto_undo = False
+        self._undo_decided = True
         need = _budget.undo_need(self._runtime, set(self._adam.host_layers()))
         _budget.set_auto_undo(self._runtime, self._name, need)
 

@@ -9,6 +9,7 @@
 // computed as its backward runs, as bridge::GradientStats takes them.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
@@ -33,8 +34,11 @@ using rt::TensorHandle;
 // backward unless `step_in_backward` is false (the client steps after backward this time, as
 // strata.optim does while clipping fires). Returns every tensor's bytes and each group's step
 // count.
+// `after_step(step, runtime, adam)` runs after each step has ended (a test's own checks and changes
+// between steps).
 Bytes train(const Case& setup, bool overlapped, int steps, std::uint64_t seed, Outcomes* outcomes,
-            bool step_in_backward = true) {
+            bool step_in_backward = true,
+            const std::function<void(int, rt::Runtime&, Adam&)>& after_step = {}) {
   rt::PolicyConfig config = setup.config;
   config.overlap = overlapped ? rt::Overlap::kBackward : rt::Overlap::kNone;
   rt::testing::Made made =
@@ -165,6 +169,7 @@ Bytes train(const Case& setup, bool overlapped, int steps, std::uint64_t seed, O
       outcomes->placement = adam.placement();
       EXPECT_EQ(runtime.undo_tensors(), 0u);
       if (!ok(runtime.end_step())) return {};
+      if (after_step) after_step(step, runtime, adam);
       jiggle();
     }
   }
@@ -296,6 +301,41 @@ TEST(OverlapTest, HybridMeasuredSplitMovesStepsAndStaysBitwise) {
         EXPECT_NE(o->placement.find("measured steps chose"), std::string::npos) << o->placement;
       }
     }
+  }
+}
+
+// See Note [Measured split]: a move the optimizer cannot follow (no pinned memory for the host
+// buffers of the layers moved, the pinned budget held at what the first step left) stops the
+// search, and the policy moves back. Every step still succeeds, the optimizer and the policy step
+// each layer in the same place, and the run ends bitwise layer_prefetch's.
+TEST(OverlapTest, HybridMeasuredSplitThatCannotMoveStopsAndStaysBitwise) {
+  constexpr int kSteps = 16;
+  const rt::PolicyConfig states{.prefetch_depth = 1, .roles = RoleSet::optimizer_states()};
+  // The cost model's split, here none of the 4 layers on the host: the search walks up.
+  Case setup{"hybrid", states, DType::kBFloat16, 1, alloc::kNoBudget, 256 << 10};
+  for (bool overlapped : {false, true}) {
+    SCOPED_TRACE(overlapped ? "overlapped" : "sequential");
+    Outcomes ref, got;
+    const Bytes want = train(reference(setup), /*overlap=*/false, kSteps, 1, &ref);
+    bool consistent = true;
+    const Bytes bytes = train(
+        setup, overlapped, kSteps, 2, &got, true, [&](int step, rt::Runtime& runtime, Adam& adam) {
+          alloc::TieredAllocator& a = runtime.allocator();
+          if (step == 1) {
+            ASSERT_TRUE(a.trim(rt::Tier::kPinnedHost).ok());
+            const auto held =
+                static_cast<std::size_t>(a.stats(rt::Tier::kPinnedHost).reserved_bytes.current);
+            ASSERT_TRUE(a.set_budget(rt::Tier::kPinnedHost, held).ok());
+          }
+          const std::vector<int>& host = adam.host_layers();
+          for (int l = 0; l < kLayers; ++l) {
+            const bool on_host = std::find(host.begin(), host.end(), l) != host.end();
+            consistent = consistent && on_host == (runtime.step_place(l) == rt::StepPlace::kHost);
+          }
+        });
+    expect_same_tensors(want, bytes);
+    EXPECT_NE(got.placement.find("the measured split stopped"), std::string::npos) << got.placement;
+    EXPECT_TRUE(consistent);
   }
 }
 

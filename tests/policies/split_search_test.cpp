@@ -102,15 +102,19 @@ TEST(SplitSearchTest, NothingMovableIsDoneFromTheStart) {
 }
 
 TEST(SplitSearchTest, StaysWithinItsLayers) {
-  // Started at the top, it can only go down; a stride past every layer ends at once.
+  // Started at the top, it can only go down; a stride past an end stops at it, so every layer on
+  // the GPU (layer_prefetch's split) and every layer on the host are among the splits it reaches.
   SplitSearch top(6, 6, {.samples = 1, .stride = 4});
   run(top, valley(0));
-  EXPECT_EQ(top.best(), 2);
-  EXPECT_EQ(top.measured().count(10), 0u);
+  EXPECT_EQ(top.best(), 0);
+  EXPECT_EQ(top.measured().size(), 3u);  // 6, 2, 0
   SplitSearch wide(3, 0, {.samples = 1, .stride = 4});
   run(wide, valley(3));
   EXPECT_TRUE(wide.done());
-  EXPECT_EQ(wide.best(), 0);
+  EXPECT_EQ(wide.best(), 3);
+  SplitSearch near_bottom(24, 7, {.samples = 1, .stride = 3});
+  run(near_bottom, valley(0));
+  EXPECT_EQ(near_bottom.best(), 0);  // 7, 10 (slower), 4, 1, 0
   // The default stride is a tenth of the layers, rounded up.
   EXPECT_EQ(SplitSearch(26, 0, {}).stride(), 3);
   EXPECT_EQ(SplitSearch(5, 0, {}).stride(), 1);
