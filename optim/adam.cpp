@@ -83,8 +83,11 @@ Adam::~Adam() {
     runtime_.device().destroy_stream(host_d2h_);
     runtime_.device().destroy_stream(host_h2d_);
   }
-  if (host_buffer_ != nullptr) {
-    (void)runtime_.allocator().deallocate(rt::Tier::kPinnedHost, host_buffer_);
+  for (const auto& [layer, buffer] : host_buffers_) {
+    (void)runtime_.allocator().deallocate(rt::Tier::kPinnedHost, buffer);
+  }
+  if (host_scalars_ != nullptr) {
+    (void)runtime_.allocator().deallocate(rt::Tier::kPinnedHost, host_scalars_);
   }
   if (step_end_ != nullptr) runtime_.device().release_timed(step_end_);
   if (skipped_ != nullptr) {

@@ -368,10 +368,15 @@ class Adam {
   absl::Status check_groups();
   absl::Status register_states();
   absl::Status place_steps();
-  // create(): the pinned buffers host steps copy gradients into and low-precision parameters out
-  // of. A gradient buffer holds float32 where gradients are given at each step (set_gradient may
-  // give float32 for a low-precision parameter), else the registered gradient's dtype.
+  // create(), for a policy that places steps: the pinned scalars host steps read, and for each
+  // host-stepped layer the pinned buffer its gradients are copied into and its low-precision
+  // parameters out of (make_layer_buffer). A gradient buffer holds float32 where gradients are
+  // given at each step (set_gradient may give float32 for a low-precision parameter), else the
+  // registered gradient's dtype.
   absl::Status make_host_buffers();
+  // A layer's buffer, made (nothing if it has one) or freed, with its slots' host_slots_.
+  absl::Status make_layer_buffer(int layer);
+  absl::Status free_layer_buffer(int layer);
   std::size_t grad_buffer_elem(const Slot& s) const {
     return options_.gradients_given ? std::max(elem_size(s.grad_type), elem_size(ElemType::kF32))
                                     : elem_size(s.grad_type);
@@ -438,14 +443,14 @@ class Adam {
     void* param = nullptr;  // pinned: a low-precision parameter, copied to the GPU; else null
     int request = 0;        // its bias corrections' index in host_bias_
   };
-  std::vector<HostSlot> host_slots_;  // per slot; empty without host layers
+  std::vector<HostSlot> host_slots_;  // per slot; empty for a policy that places no steps
   HostStepBytes host_step_bytes_;
-  void* host_buffer_ = nullptr;  // the pinned memory host_slots_ point into
+  std::map<int, void*> host_buffers_;  // per host layer: the pinned memory host_slots_ point into
   rt::StreamHandle host_d2h_ = nullptr, host_h2d_ = nullptr;
   // This step's: per host layer, the event its gradients arrived by.
   std::vector<rt::EventHandle> host_arrived_;
-  // Pinned: the step's grad_scale and found_inf as the host kernel reads them, then 2 floats of
-  // bias corrections per request (See Note [Bias corrections from the device] in adam_kernels.h).
+  // Pinned: the step's grad_scale and found_inf as the host kernel reads them, then the rule's
+  // scalars per request (See Note [Scalars from the device] in step_rule.h), room for one a slot.
   float* host_scalars_ = nullptr;
   // The host kernel's threads (simulated device), made at its first step.
   std::shared_ptr<ThreadPool> cpu_pool_;

@@ -29,6 +29,7 @@
 // [Host steps in backward] in adam_host_speculation.cpp).
 #include <algorithm>
 #include <cstdio>
+#include <iterator>
 #include <map>
 #include <set>
 #include <thread>
@@ -168,31 +169,42 @@ absl::Status Adam::place_steps() {
 }
 
 absl::Status Adam::make_host_buffers() {
-  if (host_layers_.empty()) return absl::OkStatus();
+  if (!runtime_.places_steps()) return absl::OkStatus();
   host_slots_.assign(slots_.size(), HostSlot{});
-  std::size_t count = 0;
+  // grad_scale and found_inf, then the rule's scalars from the device for each slot at most (See
+  // Note [Scalars from the device] in step_rule.h): for every slot, so that it never changes when
+  // layers move (See Note [Measured split] in policies/split_search.h).
+  const std::size_t head =
+      (4 + static_cast<std::size_t>(options_.rule->host_scalars()) * slots_.size()) * sizeof(float);
+  STRATA_ASSIGN_OR_RETURN(
+      void* scalars,
+      runtime_.allocator().allocate(rt::Tier::kPinnedHost, head,
+                                    {.owner = "Adam: the scalars host-stepped layers read"}));
+  host_scalars_ = static_cast<float*>(scalars);
+  for (int layer : host_layers_) STRATA_RETURN_IF_ERROR(make_layer_buffer(layer));
+  return absl::OkStatus();
+}
+
+absl::Status Adam::make_layer_buffer(int layer) {
+  auto it = by_layer_.find(layer);
+  if (it == by_layer_.end() || host_buffers_.count(layer) != 0) return absl::OkStatus();
   std::size_t bytes = 0;
-  for (const Slot& s : slots_) {
-    if (!steps_on_host(s.layer)) continue;
-    ++count;
+  for (std::size_t i : it->second) {
+    const Slot& s = slots_[i];
     bytes += aligned(static_cast<std::size_t>(s.numel) * grad_buffer_elem(s));
     if (s.param_type != ElemType::kF32) {
       bytes += aligned(static_cast<std::size_t>(s.numel) * elem_size(s.param_type));
     }
   }
-  // grad_scale and found_inf, then the rule's scalars from the device for each host slot at most
-  // (See Note [Scalars from the device] in step_rule.h).
-  const std::size_t head = aligned(
-      (4 + static_cast<std::size_t>(options_.rule->host_scalars()) * count) * sizeof(float));
-  STRATA_ASSIGN_OR_RETURN(host_buffer_,
+  if (bytes == 0) return absl::OkStatus();
+  STRATA_ASSIGN_OR_RETURN(void* buffer,
                           runtime_.allocator().allocate(
-                              rt::Tier::kPinnedHost, head + bytes,
-                              {.owner = "Adam: host-stepped layers' gradients and parameters"}));
-  host_scalars_ = static_cast<float*>(host_buffer_);
-  char* next = static_cast<char*>(host_buffer_) + head;
-  for (std::size_t i = 0; i < slots_.size(); ++i) {
+                              rt::Tier::kPinnedHost, bytes,
+                              {.owner = "Adam: a host-stepped layer's gradients and parameters"}));
+  host_buffers_[layer] = buffer;
+  char* next = static_cast<char*>(buffer);
+  for (std::size_t i : it->second) {
     const Slot& s = slots_[i];
-    if (!steps_on_host(s.layer)) continue;
     host_slots_[i].grad = next;
     next += aligned(static_cast<std::size_t>(s.numel) * grad_buffer_elem(s));
     if (s.param_type != ElemType::kF32) {
@@ -201,6 +213,15 @@ absl::Status Adam::make_host_buffers() {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status Adam::free_layer_buffer(int layer) {
+  auto it = host_buffers_.find(layer);
+  if (it == host_buffers_.end()) return absl::OkStatus();
+  void* const buffer = it->second;
+  host_buffers_.erase(it);
+  for (std::size_t i : by_layer_.at(layer)) host_slots_[i] = HostSlot{};
+  return runtime_.allocator().deallocate(rt::Tier::kPinnedHost, buffer);
 }
 
 absl::Status Adam::measure_step() {
@@ -257,42 +278,39 @@ absl::Status Adam::follow_placement() {
     if (runtime_.step_place(layer) == rt::StepPlace::kHost) host.push_back(layer);
   }
   if (host == host_layers_) return absl::OkStatus();
-  // Until the new buffers are made nothing changes: every layer stepped on the GPU must fit there,
-  // and the host buffers are made for the new layers before the old ones go.
+  // Until the layers coming to the host have their buffers nothing changes: every layer stepped on
+  // the GPU must fit there, and a buffer that cannot be made takes back those made before it
+  // (nothing has used them).
   std::map<int, std::size_t> step_bytes = all_step_bytes_;
   for (int layer : host) step_bytes.erase(layer);
   STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime_, step_bytes));
-  const std::vector<int> old_layers = std::exchange(host_layers_, host);
-  const std::vector<HostSlot> old_slots = host_slots_;
-  void* const old_buffer = std::exchange(host_buffer_, nullptr);
-  float* const old_scalars = host_scalars_;
-  if (absl::Status made = make_host_buffers(); !made.ok()) {
-    host_layers_ = old_layers;
-    host_slots_ = old_slots;
-    host_buffer_ = old_buffer;
-    host_scalars_ = old_scalars;
-    return absl::Status(made.code(), str_cat("Adam: the host buffers for the layers the policy "
-                                             "now steps on the host: ",
-                                             made.message()));
+  std::vector<int> made;
+  for (int layer : host) {
+    if (steps_on_host(layer)) continue;
+    if (absl::Status s = make_layer_buffer(layer); !s.ok()) {
+      for (int l : made) (void)free_layer_buffer(l);
+      return absl::Status(s.code(), str_cat("Adam: the host buffers for the layers the policy "
+                                            "now steps on the host: ",
+                                            s.message()));
+    }
+    made.push_back(layer);
   }
-  if (host_layers_.empty()) {  // make_host_buffers made nothing
-    host_slots_.clear();
-    host_scalars_ = nullptr;
-  }
+  std::vector<int> leaving;
+  std::set_difference(host_layers_.begin(), host_layers_.end(), host.begin(), host.end(),
+                      std::back_inserter(leaving));
+  host_layers_ = std::move(host);
   step_bytes_ = std::move(step_bytes);
   // The undo of host steps in backward is sized for the host slots: made again at the next one.
   void* const old_undo = std::exchange(host_undo_, nullptr);
   host_undo_at_.clear();
   host_undo_refused_ = false;
-  // The optimizer now follows the policy; what is left frees the old buffers once no copy of the
-  // last step reads or writes them.
+  // The optimizer now follows the policy; what is left frees the buffers of the layers that left
+  // the host once no copy of the last step reads or writes them.
   wait_for_host_steps();
   for (rt::StreamHandle s : {host_d2h_, host_h2d_}) {
     if (s != nullptr) STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(s));
   }
-  if (old_buffer != nullptr) {
-    STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPinnedHost, old_buffer));
-  }
+  for (int layer : leaving) STRATA_RETURN_IF_ERROR(free_layer_buffer(layer));
   if (old_undo != nullptr) {
     STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPageableHost, old_undo));
   }
