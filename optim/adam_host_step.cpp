@@ -51,14 +51,6 @@ namespace {
 double host_touch_bytes(double grad_bytes, double param_bytes, double state_bytes) {
   return grad_bytes + 2 * state_bytes + (param_bytes < 4 ? param_bytes : 0);
 }
-bool same_states(const std::vector<StateDecl>& a, const std::vector<StateDecl>& b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
-                    [](const StateDecl& x, const StateDecl& y) {
-                      return x.name == y.name && x.suffix == y.suffix && x.dtype == y.dtype &&
-                             x.from_parameter == y.from_parameter && x.int8_blocks == y.int8_blocks;
-                    });
-}
-
 // Where a host slot's pinned buffers start: a cache line apart.
 constexpr std::size_t kAlign = 64;
 
@@ -130,9 +122,8 @@ absl::Status Adam::place_steps() {
           n * host_touch_bytes(grad_bytes, param_bytes, bytes_at(rt::StepPlace::kHost) / n);
       // See Note [Measured split] in policies/split_search.h: a layer moves between steps only
       // where its states stay what they are.
-      if (!same_states(
-              rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kHost, options_.state_dtype),
-              rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype))) {
+      if (rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kHost, options_.state_dtype) !=
+          rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype)) {
         fixed.insert(p.spec.layer);
       }
     }
@@ -273,11 +264,16 @@ absl::Status Adam::time_step() {
 }
 
 absl::Status Adam::follow_placement() {
+  // As each step begins too: nothing is built unless the policy moved a layer.
+  const bool same = std::all_of(by_layer_.begin(), by_layer_.end(), [&](const auto& entry) {
+    const int layer = entry.first;
+    return steps_on_host(layer) == (runtime_.step_place(layer) == rt::StepPlace::kHost);
+  });
+  if (same) return absl::OkStatus();
   std::vector<int> host;
   for (const auto& [layer, slots] : by_layer_) {
     if (runtime_.step_place(layer) == rt::StepPlace::kHost) host.push_back(layer);
   }
-  if (host == host_layers_) return absl::OkStatus();
   // Until the layers coming to the host have their buffers nothing changes: every layer stepped on
   // the GPU must fit there, and a buffer that cannot be made takes back those made before it
   // (nothing has used them).

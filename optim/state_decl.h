@@ -40,6 +40,8 @@ struct StateDecl {
   // Stored as int8 codes and a float32 scale per block (See Note [Compressed moments] in
   // state_codec.h): a 1-d uint8 tensor of int8_state_bytes(numel) bytes, not the parameter's shape.
   bool int8_blocks = false;
+
+  bool operator==(const StateDecl&) const = default;
 };
 
 // Bytes a state of a parameter of `numel` elements takes, and all of a parameter's together.
