@@ -24,6 +24,7 @@ BlockPool::BlockPool(PoolConfig config, std::unique_ptr<Upstream> upstream,
       stream_ops_(std::move(stream_ops)),
       budget_(config.shared_budget != nullptr ? config.shared_budget
                                               : std::make_shared<Budget>(config.budget)),
+      made_with_(budget_->limit()),
       expandable_(config.expandable && upstream_ != nullptr &&
                   upstream_->expansion_granularity() > 0),
       chunk_(upstream_ == nullptr
@@ -466,17 +467,18 @@ std::string BlockPool::oom_message_locked(std::size_t size, std::size_t requeste
   const std::size_t own = static_cast<std::size_t>(s.reserved_bytes.current);
   const std::size_t all = budget_->reserved();
   const std::size_t elsewhere = all > own ? all - own : 0;
-  return str_cat(
-      "out of memory in tier ", tier_name(config_.tier), ": tried to allocate ", format_bytes(size),
-      " (", requested, " bytes asked); reserved ",
-      format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), ", allocated ",
-      format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), ", budget ",
-      limit == kNoBudget ? std::string("unlimited") : format_bytes(limit), config_.budget_note,
-      elsewhere > 0 ? str_cat(" (", format_bytes(elsewhere),
-                              " of it reserved by the pools it is shared with)")
-                    : std::string(),
-      ", largest free block ", format_bytes(static_cast<std::size_t>(s.largest_free_block)),
-      cause.ok() ? std::string() : str_cat("; ", cause.message()));
+  return str_cat("out of memory in tier ", tier_name(config_.tier), ": tried to allocate ",
+                 format_bytes(size), " (", requested, " bytes asked); reserved ",
+                 format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), ", allocated ",
+                 format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), ", budget ",
+                 limit == kNoBudget ? std::string("unlimited") : format_bytes(limit),
+                 limit == made_with_ ? config_.budget_note : std::string(),
+                 elsewhere > 0 ? str_cat(" (", format_bytes(elsewhere),
+                                         " of it reserved by the pools it is shared with)")
+                               : std::string(),
+                 ", largest free block ",
+                 format_bytes(static_cast<std::size_t>(s.largest_free_block)),
+                 cause.ok() ? std::string() : str_cat("; ", cause.message()));
 }
 
 std::vector<LiveAllocation> BlockPool::live_allocations() const {

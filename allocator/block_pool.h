@@ -131,7 +131,8 @@ struct PoolConfig {
   bool track_allocations = false;
   // ...or in a Budget it shares with other pools (then `budget` is ignored).
   std::shared_ptr<Budget> shared_budget;
-  // Said after the budget in an out-of-memory message (where a default budget came from).
+  // Said after the budget in an out-of-memory message (where a default budget came from), while
+  // the budget is still the one the pool was made with.
   std::string budget_note;
   // Large blocks come from one address range per stream that grows and shrinks by mapping memory,
   // where the upstream can (expansion_granularity() > 0; See Note [Expandable segments] in
@@ -315,6 +316,7 @@ class BlockPool {
   mutable std::mutex mu_;
   // Taken before each upstream call, so segments on their way count too.
   const std::shared_ptr<Budget> budget_;
+  const std::size_t made_with_;  // the budget's limit when the pool was made (budget_note's)
   FreeSet small_free_ ABSL_GUARDED_BY(mu_);
   FreeSet large_free_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<const void*, Block*> live_ ABSL_GUARDED_BY(mu_);

@@ -201,46 +201,51 @@ absl::Status Adam::register_states() {
         return absl::InternalError(str_cat("optimizer ", options_.rule->name(), " declares ",
                                            decls.size(), " states, more than ", kMaxStates));
       }
+      const std::size_t index = slots_.size();
+      slot_of_param_[param.id] = index;
+      by_layer_[slot.layer].push_back(index);
+      slots_.push_back(std::move(slot));
       for (std::size_t j = 0; j < decls.size(); ++j) {
-        const StateDecl& decl = decls[j];
-        std::vector<float> initial;
-        if (decl.from_parameter) {
-          // The master copy starts as the parameter's values, exactly (every bfloat16 and float16
-          // value is a float32 value).
-          initial.resize(static_cast<std::size_t>(slot.numel));
-          if (slot.param_type == ElemType::kF32) {
-            STRATA_RETURN_IF_ERROR(runtime_.read(param, initial.data()));
-          } else {
-            std::vector<std::uint16_t> low(initial.size());
-            STRATA_RETURN_IF_ERROR(runtime_.read(param, low.data()));
-            for (std::size_t i = 0; i < low.size(); ++i)
-              initial[i] = load_elem(low.data(), slot.param_type, static_cast<std::int64_t>(i));
-          }
-        }
-        rt::TensorSpec spec = p.spec;
-        spec.name = str_cat(p.spec.name, ".", decl.suffix);
-        spec.role = rt::Role::kOptimizerState;
-        spec.state = decl.name;
-        spec.dtype = decl.dtype;
-        if (decl.int8_blocks) spec.shape = {state_bytes(decl, slot.numel)};
-        STRATA_ASSIGN_OR_RETURN(
-            rt::TensorHandle h,
-            runtime_.register_tensor(spec, decl.from_parameter ? initial.data() : nullptr));
-        owned_.push_back(h);
-        slot.declared[j] = h;
-        slot.suffixes[j] = decl.suffix;
-        if (decl.from_parameter) {
-          slot.master = h;
-          slot.master_at = static_cast<int>(j);
-        }
+        STRATA_RETURN_IF_ERROR(register_state(index, static_cast<int>(j), decls[j]));
       }
-      for (rt::TensorHandle h : slot.states()) {
-        if (h.valid()) slot_of_state_[h.id] = slots_.size();
-      }
-      slot_of_param_[param.id] = slots_.size();
-      by_layer_[slot.layer].push_back(slots_.size());
-      slots_.push_back(slot);
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::register_state(std::size_t index, int j, const StateDecl& decl) {
+  Slot& slot = slots_[index];
+  STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(slot.param));
+  std::vector<float> initial;
+  if (decl.from_parameter) {
+    // The master copy starts as the parameter's values, exactly (every bfloat16 and float16 value
+    // is a float32 value).
+    initial.resize(static_cast<std::size_t>(slot.numel));
+    if (slot.param_type == ElemType::kF32) {
+      STRATA_RETURN_IF_ERROR(runtime_.read(slot.param, initial.data()));
+    } else {
+      std::vector<std::uint16_t> low(initial.size());
+      STRATA_RETURN_IF_ERROR(runtime_.read(slot.param, low.data()));
+      for (std::size_t i = 0; i < low.size(); ++i)
+        initial[i] = load_elem(low.data(), slot.param_type, static_cast<std::int64_t>(i));
+    }
+  }
+  rt::TensorSpec spec = p.spec;
+  spec.name = str_cat(p.spec.name, ".", decl.suffix);
+  spec.role = rt::Role::kOptimizerState;
+  spec.state = decl.name;
+  spec.dtype = decl.dtype;
+  if (decl.int8_blocks) spec.shape = {state_bytes(decl, slot.numel)};
+  STRATA_ASSIGN_OR_RETURN(
+      rt::TensorHandle h,
+      runtime_.register_tensor(spec, decl.from_parameter ? initial.data() : nullptr));
+  owned_.push_back(h);
+  slot.declared[j] = h;
+  slot.suffixes[j] = decl.suffix;
+  slot_of_state_[h.id] = index;
+  if (decl.from_parameter) {
+    slot.master = h;
+    slot.master_at = j;
   }
   return absl::OkStatus();
 }

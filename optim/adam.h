@@ -282,6 +282,11 @@ class Adam {
     const void* given_grad = nullptr;
     // The key of its compressed moments' rounding (state_seed of the parameter's name).
     std::uint32_t seed = 0;
+    // Whether `h` is a float32 parameter's master, which checkpoints and state dicts leave out
+    // (See Note [Float32 masters follow the split] in adam_host_step.cpp).
+    bool float32_master(rt::TensorHandle h) const {
+      return param_type == ElemType::kF32 && master.valid() && h.id == master.id;
+    }
     // The optimizer's state tensors of this parameter, valid or not, in checkpoint order.
     const std::array<rt::TensorHandle, kMaxStates>& states() const { return declared; }
     // Every tensor the kernel takes, valid or not: the parameter, the gradient, then the states.
@@ -361,13 +366,24 @@ class Adam {
   bool steps_on_host(int layer) const {
     return std::binary_search(host_layers_.begin(), host_layers_.end(), layer);
   }
-  // create(): hands the policy each layer's costs and the measured rates, and keeps where it put
-  // each layer's step.
   // create(): every input checked before anything is registered, then the declared states
   // registered (See adam.cpp).
   absl::Status check_groups();
   absl::Status register_states();
+  // Registers state j of slots_[index] as `decl` declares it (a master from the parameter).
+  absl::Status register_state(std::size_t index, int j, const StateDecl& decl);
+  // create(): hands the policy each layer's costs and the measured rates, and keeps where it put
+  // each layer's step.
   absl::Status place_steps();
+  // See Note [Float32 masters follow the split] in adam_host_step.cpp: the master a parameter
+  // declares on the host only (nullopt when its states are the same on either side), or an error
+  // when its states differ by more, so that its layer never moves.
+  absl::StatusOr<std::optional<StateDecl>> host_master(const AdamHyper& hyper,
+                                                       rt::DType param_dtype) const;
+  // The masters of `layer`'s float32 parameters, registered (their slots added to `added`), and
+  // one slot's master unregistered.
+  absl::Status add_masters(int layer, std::vector<std::size_t>& added);
+  absl::Status drop_master(std::size_t index);
   // create(), for a policy that places steps: the pinned scalars host steps read, and for each
   // host-stepped layer the pinned buffer its gradients are copied into and its low-precision
   // parameters out of (make_layer_buffer). A gradient buffer holds float32 where gradients are

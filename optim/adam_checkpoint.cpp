@@ -10,7 +10,9 @@
 //   groups, per group {i64 step, f64 lr, beta1, beta2, eps, weight_decay, u8 decoupled, amsgrad,
 //   maximize}, u32 parameters, per parameter in the optimizer's order {i64 step} (See Note
 //   [Per-parameter steps] in adam.h; the group's step is the most of its parameters'), u32 tensors,
-//   per tensor {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of everything before it.
+//   per tensor (a float32 parameter's master left out: See Note [Float32 masters follow the split]
+//   in adam_host_step.cpp) {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of everything
+//   before it.
 // Version 4 ("STRATA-ADAM-4\n") had no state dtype: its moments are float32.
 // Version 3 ("STRATA-ADAM-3\n") had no per-parameter steps: each parameter takes its group's.
 // Version 2 ("STRATA-ADAM-2\n") stored the hyperparameters as f32, and version 1
@@ -155,7 +157,7 @@ absl::Status Adam::save(std::ostream& out) {
   std::vector<rt::TensorHandle> tensors;
   for (const Slot& s : slots_) {
     for (rt::TensorHandle h : s.states()) {
-      if (h.valid()) tensors.push_back(h);
+      if (h.valid() && !s.float32_master(h)) tensors.push_back(h);
     }
   }
   w.pod(static_cast<std::uint32_t>(tensors.size()));
@@ -264,7 +266,7 @@ absl::Status Adam::load(std::istream& in) {
   }
   std::size_t states = 0;
   for (const Slot& s : slots_) {
-    for (rt::TensorHandle h : s.states()) states += h.valid() ? 1 : 0;
+    for (rt::TensorHandle h : s.states()) states += h.valid() && !s.float32_master(h) ? 1 : 0;
   }
   std::uint32_t count = 0;
   if (!r.pod(count)) return truncated();
@@ -282,7 +284,8 @@ absl::Status Adam::load(std::istream& in) {
     if (len > kMaxNameBytes) return corrupt(str_cat("a state name of ", len, " bytes"));
     if (!r.grow(name, len) || !r.pod(bytes)) return truncated();
     absl::StatusOr<rt::TensorHandle> h = runtime_.find(name);
-    if (!h.ok() || slot_of_state_.count(h->id) == 0) {
+    if (!h.ok() || slot_of_state_.count(h->id) == 0 ||
+        slots_[slot_of_state_.at(h->id)].float32_master(*h)) {
       return absl::InvalidArgumentError(
           str_cat("Adam checkpoint has state '", name, "', which this optimizer does not"));
     }
@@ -304,6 +307,16 @@ absl::Status Adam::load(std::istream& in) {
   if (in.gcount() != sizeof(sum)) return truncated();
   if (sum != expect) return absl::DataLossError("Adam checkpoint: checksum mismatch (corrupt)");
 
+  // A float32 parameter's master is not in the checkpoint: it is the parameter's value (See Note
+  // [Float32 masters follow the split] in adam_host_step.cpp).
+  for (const Slot& s : slots_) {
+    if (!s.float32_master(s.master)) continue;
+    std::vector<unsigned char> value(static_cast<std::size_t>(s.numel) * sizeof(float));
+    if (absl::Status st = runtime_.read(s.param, value.data()); !st.ok()) {
+      return absl::Status(st.code(), str_cat("Adam checkpoint: nothing loaded: ", st.message()));
+    }
+    values.emplace_back(s.master, std::move(value));
+  }
   // All or nothing: the current values are kept, and written back if a write fails part way.
   std::vector<std::vector<unsigned char>> previous(values.size());
   for (std::size_t i = 0; i < values.size(); ++i) {
@@ -342,7 +355,7 @@ absl::StatusOr<std::vector<std::pair<std::string, std::vector<float>>>> Adam::re
   std::vector<std::pair<std::string, std::vector<float>>> out;
   std::vector<unsigned char> raw;
   for (rt::TensorHandle h : s.states()) {
-    if (!h.valid()) continue;
+    if (!h.valid() || s.float32_master(h)) continue;
     STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(h));
     std::vector<float> values(static_cast<std::size_t>(s.numel));
     if (info.spec.dtype == rt::DType::kFloat32) {

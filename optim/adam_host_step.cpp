@@ -18,7 +18,8 @@
 // parameter is copied from: otherwise the parameter would have to come to the host at every step
 // too. As with every master copy (and as torchao's and DeepSpeed's offloaded optimizers do), the
 // master is the parameter's value: a write to the parameter on the GPU between steps is overwritten
-// by the next step; load it through the optimizer's state (load_state_dict) instead.
+// by the next step, unless the optimizer's state is loaded after it (load and load_state_dict take
+// a float32 parameter's master from the parameter: See Note [Float32 masters follow the split]).
 //
 // The host kernel reads the step's grad_scale and found_inf and its bias corrections from the
 // device, copied to pinned memory in stream order before the gradients (See Note [Bias
@@ -121,11 +122,9 @@ absl::Status Adam::place_steps() {
       c.host_touch_bytes +=
           n * host_touch_bytes(grad_bytes, param_bytes, bytes_at(rt::StepPlace::kHost) / n);
       // See Note [Measured split] in policies/split_search.h: a layer moves between steps only
-      // where its states stay what they are.
-      if (rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kHost, options_.state_dtype) !=
-          rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype)) {
-        fixed.insert(p.spec.layer);
-      }
+      // where its states stay what they are, but for a float32 parameter's master (See Note
+      // [Float32 masters follow the split]).
+      if (!host_master(group.hyper, p.spec.dtype).ok()) fixed.insert(p.spec.layer);
     }
   }
   rt::StepCosts costs;
@@ -263,6 +262,67 @@ absl::Status Adam::time_step() {
   return absl::OkStatus();
 }
 
+// Note [Float32 masters follow the split]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A float32 parameter keeps a master copy only while its layer steps on the host (See Note
+// [Host-stepped layers]), and the master is the parameter's value: the host step writes the one
+// from the other, bit for bit. So a float32 layer may move with the measured split (See Note
+// [Measured split] in policies/split_search.h): when the policy brings it to the host,
+// follow_placement registers its masters from the parameters as they are (where the policy places
+// the host layers' states, in pinned memory); when it leaves, the masters are unregistered once no
+// host step reads them. Checkpoints and state dicts hold no master of a float32 parameter, which
+// would be there or not with the split; load takes it from the parameter.
+absl::StatusOr<std::optional<StateDecl>> Adam::host_master(const AdamHyper& hyper,
+                                                           rt::DType param_dtype) const {
+  const StepRule& rule = *options_.rule;
+  std::vector<StateDecl> host =
+      rule.states(hyper, param_dtype, rt::StepPlace::kHost, options_.state_dtype);
+  const std::vector<StateDecl> gpu =
+      rule.states(hyper, param_dtype, rt::StepPlace::kGpu, options_.state_dtype);
+  if (host == gpu) return std::nullopt;
+  if (param_dtype == rt::DType::kFloat32 && host.size() == gpu.size() + 1 &&
+      host.back().from_parameter && std::equal(gpu.begin(), gpu.end(), host.begin())) {
+    return host.back();
+  }
+  return absl::FailedPreconditionError(str_cat(
+      rule.name(), ": a ", rt::dtype_name(param_dtype),
+      " parameter's states on the host differ from its states on the GPU by more than a master"));
+}
+
+absl::Status Adam::add_masters(int layer, std::vector<std::size_t>& added) {
+  for (std::size_t index : by_layer_.at(layer)) {
+    const Slot& s = slots_[index];
+    if (s.master.valid()) continue;
+    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(s.param));
+    STRATA_ASSIGN_OR_RETURN(std::optional<StateDecl> master,
+                            host_master(groups_[s.group].hyper, p.spec.dtype));
+    if (!master) continue;
+    int j = 0;
+    while (j < kMaxStates && s.declared[j].valid()) ++j;
+    if (j == kMaxStates) {
+      return absl::InternalError(str_cat("optimizer ", options_.rule->name(),
+                                         " declares more than ", kMaxStates,
+                                         " states with a master"));
+    }
+    STRATA_RETURN_IF_ERROR(register_state(index, j, *master));
+    added.push_back(index);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::drop_master(std::size_t index) {
+  Slot& s = slots_[index];
+  const rt::TensorHandle master = s.master;
+  STRATA_RETURN_IF_ERROR(runtime_.unregister(master));
+  std::erase_if(owned_, [&](rt::TensorHandle h) { return h.id == master.id; });
+  slot_of_state_.erase(master.id);
+  s.declared[s.master_at] = rt::TensorHandle{};
+  s.suffixes[s.master_at].clear();
+  s.master = rt::TensorHandle{};
+  s.master_at = -1;
+  return absl::OkStatus();
+}
+
 absl::Status Adam::follow_placement() {
   // As each step begins too: nothing is built unless the policy moved a layer.
   const bool same = std::all_of(by_layer_.begin(), by_layer_.end(), [&](const auto& entry) {
@@ -281,15 +341,21 @@ absl::Status Adam::follow_placement() {
   for (int layer : host) step_bytes.erase(layer);
   STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime_, step_bytes));
   std::vector<int> made;
+  std::vector<std::size_t> mastered;  // See Note [Float32 masters follow the split]
   for (int layer : host) {
     if (steps_on_host(layer)) continue;
-    if (absl::Status s = make_layer_buffer(layer); !s.ok()) {
+    absl::Status s = make_layer_buffer(layer);
+    if (s.ok()) {
+      made.push_back(layer);
+      s = add_masters(layer, mastered);
+    }
+    if (!s.ok()) {
+      for (std::size_t i : mastered) (void)drop_master(i);
       for (int l : made) (void)free_layer_buffer(l);
-      return absl::Status(s.code(), str_cat("Adam: the host buffers for the layers the policy "
-                                            "now steps on the host: ",
+      return absl::Status(s.code(), str_cat("Adam: the host buffers and masters for the layers the "
+                                            "policy now steps on the host: ",
                                             s.message()));
     }
-    made.push_back(layer);
   }
   std::vector<int> leaving;
   std::set_difference(host_layers_.begin(), host_layers_.end(), host.begin(), host.end(),
@@ -306,7 +372,15 @@ absl::Status Adam::follow_placement() {
   for (rt::StreamHandle s : {host_d2h_, host_h2d_}) {
     if (s != nullptr) STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(s));
   }
-  for (int layer : leaving) STRATA_RETURN_IF_ERROR(free_layer_buffer(layer));
+  for (int layer : leaving) {
+    STRATA_RETURN_IF_ERROR(free_layer_buffer(layer));
+    for (std::size_t index : by_layer_.at(layer)) {
+      const Slot& s = slots_[index];
+      if (s.master.valid() && s.param_type == ElemType::kF32) {
+        STRATA_RETURN_IF_ERROR(drop_master(index));
+      }
+    }
+  }
   if (old_undo != nullptr) {
     STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPageableHost, old_undo));
   }

@@ -230,12 +230,13 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   std::optional<std::vector<int>> parameter_layers_;
   const bool keep_resident_layers_;  // See Note [Resident layers]
   bool settled_ = false;             // See Note [Resident layers]; done for what is registered now
-  std::vector<int> order_;           // optimizer order, layers that stream only
-  std::vector<int> forward_;         // forward order, layers whose parameters stream
-  std::vector<int> backward_;        // backward order
-  std::vector<int> staged_;          // layers this policy staged, oldest first
-  std::size_t next_ = 0;             // next layer to stage in the current phase
-  std::size_t slots_ = 1;            // slots of the ring
+  std::uint64_t settled_unregistrations_ = 0;  // rt.unregistrations() when settled
+  std::vector<int> order_;                     // optimizer order, layers that stream only
+  std::vector<int> forward_;                   // forward order, layers whose parameters stream
+  std::vector<int> backward_;                  // backward order
+  std::vector<int> staged_;                    // layers this policy staged, oldest first
+  std::size_t next_ = 0;                       // next layer to stage in the current phase
+  std::size_t slots_ = 1;                      // slots of the ring
   // The most slots the budget leaves room for (See Note [Ring under a budget]).
   std::size_t slots_cap_;
   // Where the parameters stream (See Note [Layer prefetch's phases]).

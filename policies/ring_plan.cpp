@@ -48,7 +48,9 @@ std::vector<int> LayerPrefetch::streamed_layers(const rt::PolicyContext& rt, Rol
 // full of the layers that settled without it, and the ring cut down to what is left: fewer layers
 // prefetched, and in an overlapped step each fetch waiting for a write-back to free its slot.
 absl::Status LayerPrefetch::settle(rt::PolicyContext& rt) {
-  if (settled_) return absl::OkStatus();
+  // A tensor unregistered since (a float32 master the hybrid's split moved off the host) may have
+  // had room in the layout.
+  if (settled_ && rt.unregistrations() == settled_unregistrations_) return absl::OkStatus();
   STRATA_RETURN_IF_ERROR(reset(rt));
   absl::Status fit = fit_ring(rt);
   if (!fit.ok() || slots_cap_ < wanted_slots(rt)) {
@@ -66,6 +68,7 @@ absl::Status LayerPrefetch::settle(rt::PolicyContext& rt) {
     STRATA_RETURN_IF_ERROR(settle_residents(rt));
   }
   settled_ = true;
+  settled_unregistrations_ = rt.unregistrations();
   return absl::OkStatus();
 }
 

@@ -20,13 +20,14 @@
 // either side: See Note [Host-stepped layers] in optim/adam_host_step.cpp), so the policy may try
 // splits on the steps of the run itself, at no cost to what they compute.
 //
-// Only layers whose states are the same wherever they step move (a float32 parameter stepped on
-// the host keeps a master copy the GPU side does not), in the cost model's order: a split is the
-// first k of them on the host. The search starts at the cost model's k and measures each split
-// over `samples` steps after one it discards (the step after a move pays for the move). It walks
-// up, `stride` layers at a time (the last step stopping at all of them), while each new split is
-// the best so far; if the first split up is not, or there is none, it walks down from the start
-// the same way, down to none on the host. The best is the one with the fewest host
+// Layers whose states are the same wherever they step move, and so do float32 ones, whose master
+// copy exists on the host only and is the parameter's value, made and dropped as the layer moves
+// (See Note [Float32 masters follow the split] in optim/adam_host_step.cpp); in the cost model's
+// order, a split is the first k of them on the host. The search starts at the cost model's k and
+// measures each split over `samples` steps after one it discards (the step after a move pays for
+// the move). It walks up, `stride` layers at a time (the last step stopping at all of them), while
+// each new split is the best so far; if the first split up is not, or there is none, it walks down
+// from the start the same way, down to none on the host. The best is the one with the fewest host
 // layers among those within `margin` of the fastest: more host layers cost host memory and host
 // threads, and must pay for themselves. A split's time is the median of its samples, so one slow
 // step (an evaluation, a checkpoint, a redone overlapped step) does not decide. Once done, the

@@ -278,6 +278,10 @@ std::size_t PolicyContext::layer_bytes(int layer, RoleSet roles) const {
   return runtime_.impl_->layer_bytes_locked(layer, roles);
 }
 
+std::uint64_t PolicyContext::unregistrations() const {
+  return runtime_.impl_->registry.unregistrations();
+}
+
 std::vector<int> PolicyContext::optimizer_layer_order() const {
   return runtime_.impl_->policy->optimizer_layer_order(*this);
 }

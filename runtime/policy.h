@@ -53,6 +53,9 @@ class PolicyContext {
   std::vector<TensorHandle> layer_tensors(int layer, RoleSet roles) const;
   std::vector<int> layers() const;
   std::size_t layer_bytes(int layer, RoleSet roles) const;
+  // Tensors unregistered so far (Runtime::unregistrations): a layout made before it changed may
+  // hold room for tensors that are gone.
+  std::uint64_t unregistrations() const;
   std::vector<int> optimizer_layer_order() const;
 
   [[nodiscard]] absl::Status migrate(TensorHandle tensor, Tier dst);

@@ -125,10 +125,11 @@ def load_state_dict(
                             + (" on this rank" if is_dtensor(p) else "")
                         )
                     values[state] = v.detach().to("cpu", torch.float32).reshape(want.shape)
-            # A master copy (a low-precision parameter's, or a float32 one stepped on the host:
-            # See Note [Host-stepped layers] in optim/adam_host_step.cpp) not in the dict starts as
-            # the parameter; a parameter without one ignores the key.
-            if "master_param" not in values:
+            # A low-precision parameter's master copy not in the dict starts as the parameter. A
+            # float32 parameter's (on the host only) is always the parameter's value: See Note
+            # [Float32 masters follow the split] in optim/adam_host_step.cpp. A parameter without
+            # one ignores the key.
+            if "master_param" not in values or p.dtype == torch.float32:
                 values["master_param"] = local(p).detach().to("cpu", torch.float32)
             entries.append((p, int(step), values))
         plan.append((gi, entries, saved))

@@ -524,7 +524,8 @@ class Adam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch.optim's state dict: {"state": {index: {"step", "exp_avg", "exp_avg_sq"
-        [, "max_exp_avg_sq"][, "master_param"]}}, "param_groups": [...]}, tensors on the CPU, read
+        [, "max_exp_avg_sq"][, "master_param" of a bfloat16 or float16 parameter]}},
+        "param_groups": [...]}, tensors on the CPU, read
         from whichever tier holds them (one tensor at a time); for DTensor parameters (FSDP2) this
         rank's shards as DTensors sharded like them. Before the first step the states are there
         too, at step 0 and zero."""

@@ -1,9 +1,11 @@
 """The hybrid's measured split from Python (See Note [Measured split] in policies/split_search.h),
-on the simulated device: a bfloat16 model of eight blocks in a ModuleList, trained with
+on the simulated device: a model of eight blocks in a ModuleList, in bfloat16 or in float32 under
+bfloat16 autocast (a float32 layer takes a master on the host and gives it up when it leaves: See
+Note [Float32 masters follow the split] in optim/adam_host_step.cpp), trained with
 strata.optim.AdamW(policy="hybrid"), moves layers between the host and the GPU over its first steps,
 logs what it chose on the "strata" logger, reports it in opt.placement, and trains bitwise as
-layer_prefetch does, with the step after backward and in backward; a forced fraction keeps its
-split."""
+layer_prefetch does, with the step after backward and in backward; its state dict is
+layer_prefetch's; a forced fraction keeps its split."""
 
 import logging
 
@@ -26,16 +28,18 @@ class Blocks(torch.nn.Module):
         return self.head(x)
 
 
-def run(policy, steps, **kw):
-    model = Blocks().to(torch.bfloat16)
+def run(policy, steps, dtype=torch.bfloat16, **kw):
+    model = Blocks().to(dtype)
     opt = strata.optim.AdamW(model.parameters(), lr=1e-2, policy=policy, model=model, **kw)
     host_sets, losses = [], []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
-        x = torch.randn(8, 32, generator=g).to(torch.bfloat16)
-        y = torch.randn(8, 4, generator=g).to(torch.bfloat16)
+        x = torch.randn(8, 32, generator=g).to(dtype)
+        y = torch.randn(8, 4, generator=g).to(dtype)
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+            out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y.float())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -43,16 +47,20 @@ def run(policy, steps, **kw):
         host_sets.append(tuple(opt.placement["host_layers"]))
     placement = opt.placement
     params = [p.detach().clone() for p in model.parameters()]
+    state = opt.state_dict()
     assert opt.close() == []
-    return losses, params, host_sets, placement
+    return losses, params, host_sets, placement, state
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("overlap", ["none", "backward"])
-def test_the_measured_split_moves_layers_logs_its_choice_and_trains_bitwise(overlap, caplog):
+def test_the_measured_split_moves_layers_logs_its_choice_and_trains_bitwise(overlap, dtype, caplog):
     steps = 40  # 9 layers, one at a time: every split it walks to is measured and the search done
-    want_losses, want_params, _, _ = run("layer_prefetch", steps, overlap=overlap)
+    want_losses, want_params, _, _, want_state = run(
+        "layer_prefetch", steps, dtype, overlap=overlap
+    )
     with caplog.at_level(logging.INFO, logger="strata"):
-        losses, params, host_sets, placement = run("hybrid", steps, overlap=overlap)
+        losses, params, host_sets, placement, state = run("hybrid", steps, dtype, overlap=overlap)
     assert losses == want_losses
     for p, q in zip(params, want_params):
         assert torch.equal(p, q)
@@ -62,9 +70,18 @@ def test_the_measured_split_moves_layers_logs_its_choice_and_trains_bitwise(over
     assert placement["line"].startswith("hybrid: measured steps chose")
     # After the search the split stays.
     assert host_sets[-1] == host_sets[-5]
+    # The state dict does not depend on where each layer stepped: a float32 parameter's master,
+    # which exists only on the host, is its value, and is left out.
+    assert state["state"].keys() == want_state["state"].keys()
+    for key, entry in state["state"].items():
+        assert entry.keys() == want_state["state"][key].keys()
+        for name, value in entry.items():
+            assert torch.equal(
+                torch.as_tensor(value), torch.as_tensor(want_state["state"][key][name])
+            )
 
 
 def test_a_forced_fraction_keeps_its_split():
-    _, _, host_sets, placement = run("hybrid", 12, hybrid_fraction=0.5)
+    _, _, host_sets, placement, _ = run("hybrid", 12, hybrid_fraction=0.5)
     assert len(set(host_sets)) == 1 and host_sets[0]
     assert "forced" in placement["line"] and "measured" not in placement["line"]

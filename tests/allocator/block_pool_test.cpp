@@ -396,9 +396,9 @@ TEST(TieredAllocatorTest, InitialReservationPinsOnceUpFront) {
   EXPECT_EQ((*allocator)->stats(Tier::kPinnedHost).num_segment_allocs, 1);
 }
 
-// A request larger than the machine's memory is an out-of-memory error naming the default budget,
-// not a process the kernel kills (strata-alloc-demo --layer-mib 100000 was, at 23.5 GB resident;
-// See Note [Host budgets] in allocator/tiered_allocator.h).
+// A request larger than the machine's memory is an out-of-memory error naming the default budget
+// (while it is the budget), not a process the kernel kills (strata-alloc-demo --layer-mib 100000
+// was, at 23.5 GB resident; See Note [Host budgets] in allocator/tiered_allocator.h).
 TEST(TieredAllocatorTest, HostTiersHaveBudgetsFromTheMachinesMemory) {
   AllocatorOptions options;
   options.device = DeviceBackend::kSimulated;
@@ -418,6 +418,11 @@ TEST(TieredAllocatorTest, HostTiersHaveBudgetsFromTheMachinesMemory) {
     EXPECT_NE(std::string(s.message()).find("AllocatorOptions::budgets sets another"),
               std::string::npos)
         << s;
+    // Once set_budget changes it, the budget is no longer the default, and the message says so.
+    ASSERT_TRUE((*allocator)->set_budget(tier, 8 * kMiB).ok());
+    s = (*allocator)->allocate(tier, 16 * kMiB).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_EQ(std::string(s.message()).find("the default"), std::string::npos) << s;
   }
   // The GPU tier has none unless given; kNoBudget turns a host tier's off.
   EXPECT_EQ((*allocator)->pool(Tier::kGpu).budget(), kNoBudget);
