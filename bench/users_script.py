@@ -17,6 +17,10 @@ zero_grad() after every step. The approaches (--approaches, all by default):
   strata_tuned    strata.optim.AdamW(model.parameters(), model=model, overlap="backward",
                   max_grad_norm=1.0): the step inside backward, clipping in the optimizer;
                   the prefetch depth and undo_on_gpu strata's defaults
+  strata_hybrid_tuned
+                  strata_tuned with policy="hybrid": host steps during backward, the split
+                  refined by the run's measured steps (give --warmup enough steps for its
+                  search: about 4 a split tried)
   strata_int8, strata_bf16, strata_tuned_int8
                   strata and strata_tuned with state_dtype="int8" or "bfloat16": the moments
                   stored and streamed compressed (See Note [Compressed moments])
@@ -39,6 +43,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   backward, clipping in the optimizer
   fsdp2_strata_int8, fsdp2_strata_tuned_int8
                   fsdp2_strata and fsdp2_strata_tuned with state_dtype="int8"
+  fsdp2_strata_hybrid, fsdp2_strata_hybrid_tuned
+                  fsdp2_strata and fsdp2_strata_tuned with policy="hybrid"
 
 Each run is a process of its own, so that its device peak is its own: cudaMemGetInfo polled every
 5 ms by a thread (the driver's view, torch's and strata's included), beside torch's
@@ -69,6 +75,7 @@ APPROACHES = [
     "strata_auto",
     "strata_hybrid",
     "strata_tuned",
+    "strata_hybrid_tuned",
     "strata_int8",
     "strata_bf16",
     "strata_tuned_int8",
@@ -80,6 +87,8 @@ APPROACHES = [
     "fsdp2_strata_tuned",
     "fsdp2_strata_int8",
     "fsdp2_strata_tuned_int8",
+    "fsdp2_strata_hybrid",
+    "fsdp2_strata_hybrid_tuned",
 ]
 
 
@@ -189,17 +198,23 @@ def one_run(args):
             from torchao.optim import CPUOffloadOptimizer
 
             opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
-        elif args.one in ("strata", "fsdp2_strata", "fsdp2_strata_int8"):
+        elif args.one in ("strata", "fsdp2_strata", "fsdp2_strata_int8", "fsdp2_strata_hybrid"):
             import strata
 
-            int8 = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
-            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, **int8)
-        elif args.one in ("fsdp2_strata_tuned", "fsdp2_strata_tuned_int8"):
+            kw = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
+            kw.update({"policy": "hybrid"} if "hybrid" in args.one else {})
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, **kw)
+        elif args.one in (
+            "fsdp2_strata_tuned",
+            "fsdp2_strata_tuned_int8",
+            "fsdp2_strata_hybrid_tuned",
+        ):
             import strata
 
-            int8 = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
+            kw = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
+            kw.update({"policy": "hybrid"} if "hybrid" in args.one else {})
             opt = strata.optim.AdamW(
-                model.parameters(), lr=1e-4, overlap="backward", max_grad_norm=1.0, **int8
+                model.parameters(), lr=1e-4, overlap="backward", max_grad_norm=1.0, **kw
             )
             clip_in_loop = False
         elif args.one == "strata_auto":
@@ -243,7 +258,7 @@ def one_run(args):
                 model=model, model_parameters=model.parameters(), config=config
             )
             clip_in_loop = False
-        elif args.one in ("strata_tuned", "strata_tuned_int8"):
+        elif args.one in ("strata_tuned", "strata_tuned_int8", "strata_hybrid_tuned"):
             import strata
 
             depth = {"prefetch_depth": args.tuned_depth} if args.depth_given else {}
@@ -251,6 +266,7 @@ def one_run(args):
                 model.parameters(),
                 lr=1e-4,
                 model=model,
+                policy="hybrid" if args.one == "strata_hybrid_tuned" else "layer_prefetch",
                 **depth,
                 overlap="backward",
                 max_grad_norm=1.0,
