@@ -60,8 +60,7 @@ class Overlap:
         self._closed = False
         self._speculating = False  # See Note [When to step in backward]
         self._spec_wait, self._spec_backoff = 0, 0
-        self._coef_host: torch.Tensor | None = None  # See Note [When to step in backward]
-        self._coef_ready = None
+        self._clips = ClipRecord()  # See Note [When to step in backward]
         # Iteration times by where the step ran (See Note [When to step in backward]): None where
         # nothing can be timed (parameters off the GPU).
         cuda = any(local(p).is_cuda for p in trainable[:1])
@@ -161,9 +160,12 @@ class Overlap:
     # the next steps are taken after backward (1, then 2, 4, ... up to 64 after redone tries in a
     # row), then stepping in backward is tried again; a try that holds resets the wait. With
     # max_grad_norm, the try waits further while the last step's clipping fired, or while that is
-    # not known yet: its coefficient is copied to the host without a wait (_note_clip) and read once
-    # the copy is done, so a run in which clipping fires at every step steps after backward at every
-    # step but the first, with no host wait added. last_step_outcome says what each step was.
+    # not known yet: each step's coefficient is copied to the host without a wait (ClipRecord), and
+    # the newest copy that is done answers, so a run in which clipping fires at every step steps
+    # after backward at every step but the first, with no host wait added. A host that queues its
+    # steps ahead of the GPU learns a step or two late, but learns: asking only about the step just
+    # queued would find it not done at every step, and the steps would never return to backward.
+    # last_step_outcome says what each step was.
     #
     # A step that holds can cost more in backward too: each layer stepped there keeps what a redo
     # would need (the bytes its kernel overwrites of tensors resting on the GPU, the parameters,
@@ -182,7 +184,7 @@ class Overlap:
         if self._spec_wait > 0:  # this step was taken after backward by choice
             self._spec_wait -= 1
             if self._spec_wait == 0:
-                if self._max_grad_norm is not None and self._clipping_fired_last() is not False:
+                if self._max_grad_norm is not None and self._clips.fired() is not False:
                     self._spec_wait = 1  # ask again after the next step
                     return
                 self._set_speculating(True)
@@ -237,24 +239,10 @@ class Overlap:
         self._spec_wait = self._slower_wait
         self._set_speculating(False)
 
-    # The last clip coefficient, on its way to the host (See Note [When to step in backward]).
+    # The step's clip coefficient, on its way to the host (See Note [When to step in backward]).
     def _note_clip(self, coef: torch.Tensor) -> None:
-        if self._runtime.overlap != "backward":
-            return
-        if coef.device.type != "cuda":
-            self._coef_host, self._coef_ready = coef.detach().clone(), None
-            return
-        if self._coef_host is None or self._coef_host.dtype != coef.dtype:
-            self._coef_host = torch.empty((), dtype=coef.dtype, pin_memory=True)
-            self._coef_ready = torch.cuda.Event()  # made once, recorded again at each step
-        self._coef_host.copy_(coef.reshape(()), non_blocking=True)
-        self._coef_ready.record()
-
-    # Whether the last step's clipping fired: None while its coefficient is not on the host yet.
-    def _clipping_fired_last(self) -> bool | None:
-        if self._coef_host is None or (self._coef_ready and not self._coef_ready.query()):
-            return None
-        return float(self._coef_host) < 1.0
+        if self._runtime.overlap == "backward":
+            self._clips.note(coef)
 
     # A layer is done once every parameter of it has had its post-accumulate-grad hook this step
     # (See Note [Stepping in backward under FSDP2] in strata/optim.py).
@@ -360,6 +348,40 @@ class Overlap:
         coef = clip_coef(total, self._max_grad_norm)
         self._note_clip(coef)
         return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False, total
+
+
+class ClipRecord:
+    """Whether clipping fired at the newest step whose clip coefficient has reached the host:
+    note(coef) copies each step's coefficient to pinned memory behind an event, without a wait;
+    fired() reads the copies that are done, oldest first (queried, never waited on), and answers
+    from the newest of them, None before any is done (See Note [When to step in backward]). A
+    coefficient already on the host is known at once. `make_event` makes the events (CUDA's)."""
+
+    def __init__(self, make_event=None) -> None:
+        self._make_event = make_event
+        self._fired: bool | None = None
+        self._pending: list = []  # (host tensor, event), oldest first
+        self._free: list = []  # read and done with, used again rather than made anew
+
+    def note(self, coef: torch.Tensor) -> None:
+        if coef.device.type != "cuda" and self._make_event is None:
+            self._fired = float(coef) < 1.0
+            return
+        if self._free:
+            host, event = self._free.pop()
+        else:
+            host = torch.empty((), dtype=torch.float32, pin_memory=coef.device.type == "cuda")
+            event = (self._make_event or torch.cuda.Event)()
+        host.copy_(coef.reshape(()).to(torch.float32), non_blocking=True)
+        event.record()
+        self._pending.append((host, event))
+
+    def fired(self) -> bool | None:
+        while self._pending and self._pending[0][1].query():
+            host, event = self._pending.pop(0)
+            self._fired = float(host) < 1.0
+            self._free.append((host, event))
+        return self._fired
 
 
 class StepClock:

@@ -343,6 +343,69 @@ def test_with_max_grad_norm_the_step_stays_after_backward_while_clipping_fires()
     assert opt.close() == []
 
 
+class LateEvents:
+    """Events a record late, as a GPU one step behind the host shows them: one is done once another
+    has been recorded after it."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def make(self):
+        events = self
+
+        class Event:
+            def record(self) -> None:
+                self.at = events.records
+                events.records += 1
+
+            def query(self) -> bool:
+                return events.records > self.at + 1
+
+        return Event()
+
+
+def test_a_host_ahead_of_the_gpu_still_learns_that_clipping_stopped():
+    # ClipRecord (See Note [When to step in backward] in strata/_overlap.py) answers from the newest
+    # coefficient that reached the host, not only from the step just queued.
+    from strata._overlap import ClipRecord
+
+    events = LateEvents()
+    clips = ClipRecord(make_event=events.make)
+    assert clips.fired() is None
+    clips.note(torch.tensor(0.5))  # step 0: clipping fired
+    assert clips.fired() is None, "not on the host yet"
+    clips.note(torch.tensor(1.0))  # step 1: it did not
+    assert clips.fired() is True, "step 0's answer, one step late"
+    clips.note(torch.tensor(1.0))
+    assert clips.fired() is False
+    assert ClipRecord().fired() is None
+    on_host = ClipRecord()
+    on_host.note(torch.tensor(0.25))
+    assert on_host.fired() is True, "a coefficient on the host is known at once"
+
+    # The loop of the test above, with the coefficients reaching the host a step late: the steps
+    # return to backward a step later, and do return.
+    def loop(model, opt, steps):
+        outcomes = []
+        for step in range(steps):
+            x, y = batch(step)
+            loss = F.mse_loss(model(x), y) * (100.0 if step < 4 else 1e-4)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            outcomes.append(opt.last_step_outcome)
+        return outcomes
+
+    model = Mlp()
+    opt = strata_opt("layer_prefetch", overlap="backward", max_grad_norm=1.0, layer_bytes="1KiB")(
+        model
+    )
+    opt._overlap._clips = ClipRecord(make_event=LateEvents().make)
+    outcomes = loop(model, opt, 10)
+    assert outcomes == ["redone"] + ["sequential"] * 5 + ["speculation"] * 4, outcomes
+    assert opt.close() == []
+
+
 class FakeClock:
     """Iteration times by where the step ran, as strata._overlap.StepClock gives them, but fixed
     (or taken in turn from a list, the last one repeated) and done at once."""
