@@ -283,7 +283,7 @@ class Adam {
     // The key of its compressed moments' rounding (state_seed of the parameter's name).
     std::uint32_t seed = 0;
     // Whether `h` is a float32 parameter's master, which checkpoints and state dicts leave out
-    // (See Note [Float32 masters follow the split] in adam_host_step.cpp).
+    // (See Note [Float32 masters follow the split] in adam_placement.cpp).
     bool float32_master(rt::TensorHandle h) const {
       return param_type == ElemType::kF32 && master.valid() && h.id == master.id;
     }
@@ -375,7 +375,7 @@ class Adam {
   // create(): hands the policy each layer's costs and the measured rates, and keeps where it put
   // each layer's step.
   absl::Status place_steps();
-  // See Note [Float32 masters follow the split] in adam_host_step.cpp: the master a parameter
+  // See Note [Float32 masters follow the split] in adam_placement.cpp: the master a parameter
   // declares on the host only (nullopt when its states are the same on either side), or an error
   // when its states differ by more, so that its layer never moves.
   absl::StatusOr<std::optional<StateDecl>> host_master(const AdamHyper& hyper,

@@ -11,7 +11,7 @@
 //   maximize}, u32 parameters, per parameter in the optimizer's order {i64 step} (See Note
 //   [Per-parameter steps] in adam.h; the group's step is the most of its parameters'), u32 tensors,
 //   per tensor (a float32 parameter's master left out: See Note [Float32 masters follow the split]
-//   in adam_host_step.cpp) {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of everything
+//   in adam_placement.cpp) {u32 name length, name, u64 bytes, bytes}, u64 FNV-1a of everything
 //   before it.
 // Version 4 ("STRATA-ADAM-4\n") had no state dtype: its moments are float32.
 // Version 3 ("STRATA-ADAM-3\n") had no per-parameter steps: each parameter takes its group's.
@@ -308,7 +308,7 @@ absl::Status Adam::load(std::istream& in) {
   if (sum != expect) return absl::DataLossError("Adam checkpoint: checksum mismatch (corrupt)");
 
   // A float32 parameter's master is not in the checkpoint: it is the parameter's value (See Note
-  // [Float32 masters follow the split] in adam_host_step.cpp).
+  // [Float32 masters follow the split] in adam_placement.cpp).
   for (const Slot& s : slots_) {
     if (!s.float32_master(s.master)) continue;
     std::vector<unsigned char> value(static_cast<std::size_t>(s.numel) * sizeof(float));

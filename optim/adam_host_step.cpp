@@ -1,6 +1,6 @@
-// optim/adam_host_step.cpp: Adam's layers whose step the policy put on the host (See Note [Step
-// placement] in runtime/policy.h): placing the steps at create, and stepping those layers around
-// the GPU layers' step.
+// optim/adam_host_step.cpp: stepping Adam's layers whose step the policy put on the host (See Note
+// [Step placement] in runtime/policy.h): their pinned buffers, and their step around the GPU
+// layers' step. Where each layer steps is adam_placement.cpp's.
 //
 // Note [Host-stepped layers]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -19,7 +19,8 @@
 // too. As with every master copy (and as torchao's and DeepSpeed's offloaded optimizers do), the
 // master is the parameter's value: a write to the parameter on the GPU between steps is overwritten
 // by the next step, unless the optimizer's state is loaded after it (load and load_state_dict take
-// a float32 parameter's master from the parameter: See Note [Float32 masters follow the split]).
+// a float32 parameter's master from the parameter: See Note [Float32 masters follow the split] in
+// adam_placement.cpp).
 //
 // The host kernel reads the step's grad_scale and found_inf and its bias corrections from the
 // device, copied to pinned memory in stream order before the gradients (See Note [Bias
@@ -46,12 +47,6 @@
 namespace strata::optim {
 namespace {
 
-// Host memory the host kernel reads and writes a parameter: its gradient read, every state it keeps
-// on the host read and written (`state_bytes` together, as stored: See Note [Compressed moments] in
-// state_codec.h; its float32 master among them), and a low-precision parameter written.
-double host_touch_bytes(double grad_bytes, double param_bytes, double state_bytes) {
-  return grad_bytes + 2 * state_bytes + (param_bytes < 4 ? param_bytes : 0);
-}
 // Where a host slot's pinned buffers start: a cache line apart.
 constexpr std::size_t kAlign = 64;
 
@@ -90,72 +85,6 @@ int Adam::host_threads() const {
 ThreadPool& Adam::pool() {
   if (cpu_pool_ == nullptr) cpu_pool_ = std::make_shared<ThreadPool>(host_threads());
   return *cpu_pool_;
-}
-
-absl::Status Adam::place_steps() {
-  std::map<int, rt::LayerCost> by_layer;
-  std::set<int> fixed;  // layers whose states depend on where they step
-  for (const ParamGroup& group : groups_) {
-    for (auto [param, grad] : group.params) {
-      STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(param));
-      rt::DType grad_dtype = p.spec.dtype;
-      if (grad.valid()) {
-        STRATA_ASSIGN_OR_RETURN(rt::TensorInfo g, runtime_.info(grad));
-        grad_dtype = g.spec.dtype;
-      }
-      const double n = static_cast<double>(p.bytes / rt::dtype_size(p.spec.dtype));
-      rt::LayerCost& c = by_layer[p.spec.layer];
-      c.layer = p.spec.layer;
-      c.params += static_cast<std::int64_t>(n);
-      // Weighted sums, divided by the parameters below: bytes a parameter over the layer.
-      const StepRule& rule = *options_.rule;
-      const auto numel = static_cast<std::int64_t>(n);
-      auto bytes_at = [&](rt::StepPlace place) {
-        return static_cast<double>(state_bytes(
-            rule.states(group.hyper, p.spec.dtype, place, options_.state_dtype), numel));
-      };
-      c.state_bytes += bytes_at(rt::StepPlace::kGpu);
-      const double grad_bytes = static_cast<double>(rt::dtype_size(grad_dtype));
-      const double param_bytes = static_cast<double>(rt::dtype_size(p.spec.dtype));
-      c.grad_bytes += n * grad_bytes;
-      c.param_bytes += n * param_bytes;
-      c.host_touch_bytes +=
-          n * host_touch_bytes(grad_bytes, param_bytes, bytes_at(rt::StepPlace::kHost) / n);
-      // See Note [Measured split] in policies/split_search.h: a layer moves between steps only
-      // where its states stay what they are, but for a float32 parameter's master (See Note
-      // [Float32 masters follow the split]).
-      if (!host_master(group.hyper, p.spec.dtype).ok()) fixed.insert(p.spec.layer);
-    }
-  }
-  rt::StepCosts costs;
-  for (auto& [layer, c] : by_layer) {
-    if (c.params > 0) {
-      const double n = static_cast<double>(c.params);
-      c.state_bytes /= n;
-      c.grad_bytes /= n;
-      c.param_bytes /= n;
-      c.host_touch_bytes /= n;
-    }
-    c.movable = fixed.count(layer) == 0 && step_bytes_[layer] <= runtime_.gpu_budget();
-    costs.layers.push_back(c);
-  }
-  // See Note [Measuring the step's rates] in step_rates.h; small on the simulated device, where the
-  // figures say nothing about a GPU anyway.
-  MeasureOptions measure;
-  if (runtime_.device().is_simulated()) {
-    measure = {
-        .link_bytes = 1 << 20, .adam_params = 1 << 16, .memory_bytes = 1 << 20, .repeats = 1};
-  }
-  measure.moments = options_.state_dtype;
-  measure.rule = options_.rule.get();
-  STRATA_ASSIGN_OR_RETURN(costs.rates, measure_step_rates(runtime_, pool(), measure));
-  step_rates_ = costs.rates;
-  STRATA_ASSIGN_OR_RETURN(placement_, runtime_.place_steps(costs));
-  host_layers_.clear();
-  for (const rt::LayerCost& c : costs.layers) {
-    if (runtime_.step_place(c.layer) == rt::StepPlace::kHost) host_layers_.push_back(c.layer);
-  }
-  return absl::OkStatus();
 }
 
 absl::Status Adam::make_host_buffers() {
@@ -212,179 +141,6 @@ absl::Status Adam::free_layer_buffer(int layer) {
   host_buffers_.erase(it);
   for (std::size_t i : by_layer_.at(layer)) host_slots_[i] = HostSlot{};
   return runtime_.allocator().deallocate(rt::Tier::kPinnedHost, buffer);
-}
-
-absl::Status Adam::measure_step() {
-  rt::Runtime& rt = runtime_;
-  rt::Device& dev = rt.device();
-  if (rt.wants_step_times()) {
-    absl::Status s = time_step();
-    if (s.ok()) return absl::OkStatus();
-    // See Note [Measured split] in policies/split_search.h: the step was taken and stands. The
-    // search is an optimization: it stops, and the policy puts back what it moved for this step.
-    absl::Status back = rt.refuse_step_move();
-    const std::string why = str_cat("hybrid: the measured split stopped: ", s.message(),
-                                    back.ok() ? "" : str_cat("; moving back: ", back.message()));
-    std::fprintf(stderr, "strata: %s\n", why.c_str());
-    placement_ = why;
-  }
-  if (step_end_ != nullptr) dev.release_timed(step_end_);
-  step_end_ = nullptr;
-  return absl::OkStatus();
-}
-
-absl::Status Adam::time_step() {
-  rt::Runtime& rt = runtime_;
-  rt::Device& dev = rt.device();
-  // See Note [Measured split] in policies/split_search.h: from one step's end to the next on the
-  // compute stream, so forward, backward and whatever the loop does between steps count too.
-  STRATA_ASSIGN_OR_RETURN(rt::EventHandle end, dev.record_timed(rt.compute_stream()));
-  if (absl::Status s = dev.synchronize(end); !s.ok()) {
-    dev.release_timed(end);
-    return s;
-  }
-  const rt::EventHandle start = std::exchange(step_end_, end);
-  if (start == nullptr) return absl::OkStatus();
-  absl::StatusOr<double> ms = dev.elapsed_ms(start, end);
-  dev.release_timed(start);
-  STRATA_RETURN_IF_ERROR(ms.status());
-  STRATA_ASSIGN_OR_RETURN(std::string line, rt.step_measured(*ms / 1e3));
-  STRATA_RETURN_IF_ERROR(follow_placement());
-  if (line.empty()) return absl::OkStatus();
-  placement_ = std::move(line);
-  // The search is over: the host buffers of the splits it tried go back to the system, not to
-  // the pinned pool's cache for the rest of the run (a failure only keeps them cached).
-  if (absl::StatusOr<std::size_t> trimmed = rt.allocator().trim(rt::Tier::kPinnedHost);
-      !trimmed.ok()) {
-    std::fprintf(stderr, "strata: hybrid: keeping the pinned pool's cached segments: %s\n",
-                 std::string(trimmed.status().message()).c_str());
-  }
-  return absl::OkStatus();
-}
-
-// Note [Float32 masters follow the split]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A float32 parameter keeps a master copy only while its layer steps on the host (See Note
-// [Host-stepped layers]), and the master is the parameter's value: the host step writes the one
-// from the other, bit for bit. So a float32 layer may move with the measured split (See Note
-// [Measured split] in policies/split_search.h): when the policy brings it to the host,
-// follow_placement registers its masters from the parameters as they are (where the policy places
-// the host layers' states, in pinned memory); when it leaves, the masters are unregistered once no
-// host step reads them. Checkpoints and state dicts hold no master of a float32 parameter, which
-// would be there or not with the split; load takes it from the parameter.
-absl::StatusOr<std::optional<StateDecl>> Adam::host_master(const AdamHyper& hyper,
-                                                           rt::DType param_dtype) const {
-  const StepRule& rule = *options_.rule;
-  std::vector<StateDecl> host =
-      rule.states(hyper, param_dtype, rt::StepPlace::kHost, options_.state_dtype);
-  const std::vector<StateDecl> gpu =
-      rule.states(hyper, param_dtype, rt::StepPlace::kGpu, options_.state_dtype);
-  if (host == gpu) return std::nullopt;
-  if (param_dtype == rt::DType::kFloat32 && host.size() == gpu.size() + 1 &&
-      host.back().from_parameter && std::equal(gpu.begin(), gpu.end(), host.begin())) {
-    return host.back();
-  }
-  return absl::FailedPreconditionError(str_cat(
-      rule.name(), ": a ", rt::dtype_name(param_dtype),
-      " parameter's states on the host differ from its states on the GPU by more than a master"));
-}
-
-absl::Status Adam::add_masters(int layer, std::vector<std::size_t>& added) {
-  for (std::size_t index : by_layer_.at(layer)) {
-    const Slot& s = slots_[index];
-    if (s.master.valid()) continue;
-    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(s.param));
-    STRATA_ASSIGN_OR_RETURN(std::optional<StateDecl> master,
-                            host_master(groups_[s.group].hyper, p.spec.dtype));
-    if (!master) continue;
-    int j = 0;
-    while (j < kMaxStates && s.declared[j].valid()) ++j;
-    if (j == kMaxStates) {
-      return absl::InternalError(str_cat("optimizer ", options_.rule->name(),
-                                         " declares more than ", kMaxStates,
-                                         " states with a master"));
-    }
-    STRATA_RETURN_IF_ERROR(register_state(index, j, *master));
-    added.push_back(index);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Adam::drop_master(std::size_t index) {
-  Slot& s = slots_[index];
-  const rt::TensorHandle master = s.master;
-  STRATA_RETURN_IF_ERROR(runtime_.unregister(master));
-  std::erase_if(owned_, [&](rt::TensorHandle h) { return h.id == master.id; });
-  slot_of_state_.erase(master.id);
-  s.declared[s.master_at] = rt::TensorHandle{};
-  s.suffixes[s.master_at].clear();
-  s.master = rt::TensorHandle{};
-  s.master_at = -1;
-  return absl::OkStatus();
-}
-
-absl::Status Adam::follow_placement() {
-  // As each step begins too: nothing is built unless the policy moved a layer.
-  const bool same = std::all_of(by_layer_.begin(), by_layer_.end(), [&](const auto& entry) {
-    const int layer = entry.first;
-    return steps_on_host(layer) == (runtime_.step_place(layer) == rt::StepPlace::kHost);
-  });
-  if (same) return absl::OkStatus();
-  std::vector<int> host;
-  for (const auto& [layer, slots] : by_layer_) {
-    if (runtime_.step_place(layer) == rt::StepPlace::kHost) host.push_back(layer);
-  }
-  // Until the layers coming to the host have their buffers nothing changes: every layer stepped on
-  // the GPU must fit there, and a buffer that cannot be made takes back those made before it
-  // (nothing has used them).
-  std::map<int, std::size_t> step_bytes = all_step_bytes_;
-  for (int layer : host) step_bytes.erase(layer);
-  STRATA_RETURN_IF_ERROR(check_fits_gpu(runtime_, step_bytes));
-  std::vector<int> made;
-  std::vector<std::size_t> mastered;  // See Note [Float32 masters follow the split]
-  for (int layer : host) {
-    if (steps_on_host(layer)) continue;
-    absl::Status s = make_layer_buffer(layer);
-    if (s.ok()) {
-      made.push_back(layer);
-      s = add_masters(layer, mastered);
-    }
-    if (!s.ok()) {
-      for (std::size_t i : mastered) (void)drop_master(i);
-      for (int l : made) (void)free_layer_buffer(l);
-      return absl::Status(s.code(), str_cat("Adam: the host buffers and masters for the layers the "
-                                            "policy now steps on the host: ",
-                                            s.message()));
-    }
-  }
-  std::vector<int> leaving;
-  std::set_difference(host_layers_.begin(), host_layers_.end(), host.begin(), host.end(),
-                      std::back_inserter(leaving));
-  host_layers_ = std::move(host);
-  step_bytes_ = std::move(step_bytes);
-  // The undo of host steps in backward is sized for the host slots: made again at the next one.
-  void* const old_undo = std::exchange(host_undo_, nullptr);
-  host_undo_at_.clear();
-  host_undo_refused_ = false;
-  // The optimizer now follows the policy; what is left frees the buffers of the layers that left
-  // the host once no copy of the last step reads or writes them.
-  wait_for_host_steps();
-  for (rt::StreamHandle s : {host_d2h_, host_h2d_}) {
-    if (s != nullptr) STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(s));
-  }
-  for (int layer : leaving) {
-    STRATA_RETURN_IF_ERROR(free_layer_buffer(layer));
-    for (std::size_t index : by_layer_.at(layer)) {
-      const Slot& s = slots_[index];
-      if (s.master.valid() && s.param_type == ElemType::kF32) {
-        STRATA_RETURN_IF_ERROR(drop_master(index));
-      }
-    }
-  }
-  if (old_undo != nullptr) {
-    STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPageableHost, old_undo));
-  }
-  return absl::OkStatus();
 }
 
 absl::Status Adam::queue_host_scalars(const std::vector<int>& layers, const float* grad_scale,

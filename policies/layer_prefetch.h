@@ -61,8 +61,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   LayerPrefetch(const rt::PolicyConfig& c, bool keep_resident_layers, bool hybrid)
       : ResidencyPolicy(c),
         keep_resident_layers_(keep_resident_layers),
-        hybrid_(hybrid),
-        slots_cap_(static_cast<std::size_t>(c.prefetch_depth) + 1) {}
+        slots_cap_(static_cast<std::size_t>(c.prefetch_depth) + 1),
+        hybrid_(hybrid) {}
   std::string_view name() const override { return hybrid_ ? "hybrid" : "layer_prefetch"; }
 
   bool places_steps() const override { return hybrid_; }

@@ -22,7 +22,7 @@
 //
 // Layers whose states are the same wherever they step move, and so do float32 ones, whose master
 // copy exists on the host only and is the parameter's value, made and dropped as the layer moves
-// (See Note [Float32 masters follow the split] in optim/adam_host_step.cpp); in the cost model's
+// (See Note [Float32 masters follow the split] in optim/adam_placement.cpp); in the cost model's
 // order, a split is the first k of them on the host. The search starts at the cost model's k and
 // measures each split over `samples` steps after one it discards (the step after a move pays for
 // the move). It walks up, `stride` layers at a time (the last step stopping at all of them), while

@@ -127,7 +127,7 @@ def load_state_dict(
                     values[state] = v.detach().to("cpu", torch.float32).reshape(want.shape)
             # A low-precision parameter's master copy not in the dict starts as the parameter. A
             # float32 parameter's (on the host only) is always the parameter's value: See Note
-            # [Float32 masters follow the split] in optim/adam_host_step.cpp. A parameter without
+            # [Float32 masters follow the split] in optim/adam_placement.cpp. A parameter without
             # one ignores the key.
             if "master_param" not in values or p.dtype == torch.float32:
                 values["master_param"] = local(p).detach().to("cpu", torch.float32)

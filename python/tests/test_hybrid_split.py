@@ -1,7 +1,7 @@
 """The hybrid's measured split from Python (See Note [Measured split] in policies/split_search.h),
 on the simulated device: a model of eight blocks in a ModuleList, in bfloat16 or in float32 under
 bfloat16 autocast (a float32 layer takes a master on the host and gives it up when it leaves: See
-Note [Float32 masters follow the split] in optim/adam_host_step.cpp), trained with
+Note [Float32 masters follow the split] in optim/adam_placement.cpp), trained with
 strata.optim.AdamW(policy="hybrid"), moves layers between the host and the GPU over its first steps,
 logs what it chose on the "strata" logger, reports it in opt.placement, and trains bitwise as
 layer_prefetch does, with the step after backward and in backward; its state dict is

@@ -397,7 +397,7 @@ std::map<std::string, std::vector<unsigned char>> states_of(rt::Runtime& runtime
 
 // states_of without the masters of float32 parameters (every parameter here), after checking
 // that each is its parameter's value (See Note [Float32 masters follow the split] in
-// optim/adam_host_step.cpp).
+// optim/adam_placement.cpp).
 std::map<std::string, std::vector<unsigned char>> states_but_masters(rt::Runtime& runtime) {
   std::map<std::string, std::vector<unsigned char>> out = states_of(runtime);
   std::erase_if(out, [&](const auto& entry) {
@@ -420,7 +420,7 @@ TEST(D3Test, CheckpointRoundTripFromEveryTier) {
     rt::PolicyConfig to_config = {};
   };
   // Every layer stepped on the host: float32 parameters with masters there, which checkpoints
-  // leave out (See Note [Float32 masters follow the split] in optim/adam_host_step.cpp).
+  // leave out (See Note [Float32 masters follow the split] in optim/adam_placement.cpp).
   const rt::PolicyConfig on_host{.prefetch_depth = 1, .hybrid_fraction = 0.0};
   const std::vector<Case> cases = {
       {"keep_on_gpu", {}, false, "layer_prefetch"},                     // states on the GPU

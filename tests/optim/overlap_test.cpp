@@ -276,7 +276,7 @@ TEST(OverlapTest, HybridStepIsBitwiseTheLayerPrefetchStep) {
 // again after each move), with resident layers under a budget (a layer going to the host leaves
 // the main pool), with Adam and Lion. A float32 layer keeps a master on the host only: it gets one
 // from its parameter when it moves there and gives it up when it leaves (See Note [Float32 masters
-// follow the split] in optim/adam_host_step.cpp), so at the end the masters are those of the
+// follow the split] in optim/adam_placement.cpp), so at the end the masters are those of the
 // layers on the host, each its parameter's value.
 TEST(OverlapTest, HybridMeasuredSplitMovesStepsAndStaysBitwise) {
   constexpr int kSteps = 24;  // 4 layers, one at a time: every split measured and the search done
