@@ -340,9 +340,10 @@ class Adam {
   // step), handed to the policy, then follow_placement.
   absl::Status time_step();
   // The host-stepped layers as the policy has them now (it moves steps between two steps): every
-  // layer stepped on the GPU checked to fit there and the host buffers made for the new ones, or
-  // an error and nothing changed; then the old buffers freed. check_can_step calls it too, so
-  // that no step runs while the two disagree.
+  // layer stepped on the GPU checked to fit there and the host buffers and float32 masters made
+  // for the new ones, or an error and nothing changed; then the old ones freed, all of them tried
+  // (See Note [Float32 masters follow the split] in adam_placement.cpp). run_step and step_layer
+  // call it as each step begins too, so that no step runs while the two disagree.
   absl::Status follow_placement();
   // The layer loop of step(): what it holds when it fails and the layer it was on
   // (See Note [A failed step] in adam.cpp); the parameters it stepped go to last_step_.
@@ -398,6 +399,8 @@ class Adam {
                                     : elem_size(s.grad_type);
   }
   ThreadPool& pool();
+  // Waits for the host steps' copy streams (gradients out, parameters back).
+  absl::Status sync_host_streams();
   // step_layers() around the GPU layers: queues the host layers' gradient copies (and what the host
   // kernel reads from the device) before, and steps them on the host and queues their parameters
   // back after.

@@ -20,6 +20,7 @@
 // flags, one byte of padding); load reads all three.
 #include <cstring>
 #include <istream>
+#include <map>
 #include <ostream>
 #include <set>
 #include <string>
@@ -200,6 +201,9 @@ absl::Status Adam::save(std::ostream& out) {
 // before the one write-back.
 absl::Status Adam::load(std::istream& in) {
   wait_for_host_steps();
+  // The float32 masters are read from the parameters below: the last host step's copies back are
+  // done first.
+  STRATA_RETURN_IF_ERROR(sync_host_streams());
   Reader r(in);
   char magic[14];
   static_assert(sizeof(magic) == kMagic5.size() && sizeof(magic) == kMagic4.size() &&
@@ -268,9 +272,22 @@ absl::Status Adam::load(std::istream& in) {
   for (const Slot& s : slots_) {
     for (rt::TensorHandle h : s.states()) states += h.valid() && !s.float32_master(h) ? 1 : 0;
   }
+  // A checkpoint saved before float32 masters were left out may hold them: each is read and
+  // dropped, as load takes the master from the parameter (See Note [Float32 masters follow the
+  // split] in adam_placement.cpp).
+  std::map<std::string, std::size_t, std::less<>> old_masters;  // name -> bytes
+  for (const Slot& s : slots_) {
+    if (s.param_type != ElemType::kF32) continue;
+    absl::StatusOr<std::optional<StateDecl>> m =
+        host_master(groups_[s.group].hyper, rt::DType::kFloat32);
+    if (m.ok() && m->has_value()) {
+      old_masters[str_cat(s.param_name, ".", (*m)->suffix)] =
+          static_cast<std::size_t>(s.numel) * sizeof(float);
+    }
+  }
   std::uint32_t count = 0;
   if (!r.pod(count)) return truncated();
-  if (count != states) {
+  if (count < states || count > states + old_masters.size()) {
     return absl::InvalidArgumentError(
         str_cat("Adam checkpoint has ", count, " state tensors; this optimizer has ", states));
   }
@@ -283,6 +300,16 @@ absl::Status Adam::load(std::istream& in) {
     if (!r.pod(len)) return truncated();
     if (len > kMaxNameBytes) return corrupt(str_cat("a state name of ", len, " bytes"));
     if (!r.grow(name, len) || !r.pod(bytes)) return truncated();
+    if (auto old = old_masters.find(name); old != old_masters.end()) {
+      if (bytes != old->second) {
+        return absl::InvalidArgumentError(str_cat("Adam checkpoint: master '", name, "' has ",
+                                                  bytes, " bytes; here it has ", old->second));
+      }
+      old_masters.erase(old);  // once at most
+      std::vector<unsigned char> dropped;
+      if (!r.grow(dropped, bytes)) return truncated();
+      continue;
+    }
     absl::StatusOr<rt::TensorHandle> h = runtime_.find(name);
     if (!h.ok() || slot_of_state_.count(h->id) == 0 ||
         slots_[slot_of_state_.at(h->id)].float32_master(*h)) {
@@ -300,6 +327,10 @@ absl::Status Adam::load(std::istream& in) {
     std::vector<unsigned char> data;
     if (!r.grow(data, bytes)) return truncated();
     values.emplace_back(*h, std::move(data));
+  }
+  if (values.size() != states) {
+    return absl::InvalidArgumentError(str_cat("Adam checkpoint has ", values.size(), " of the ",
+                                              states, " state tensors of this optimizer"));
   }
   const std::uint64_t expect = r.hash();
   std::uint64_t sum = 0;

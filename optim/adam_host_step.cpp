@@ -76,6 +76,13 @@ absl::StatusOr<void*> Adam::resting_address(rt::TensorHandle h, rt::Tier tier) c
   return info.data;
 }
 
+absl::Status Adam::sync_host_streams() {
+  for (rt::StreamHandle s : {host_d2h_, host_h2d_}) {
+    if (s != nullptr) STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(s));
+  }
+  return absl::OkStatus();
+}
+
 int Adam::host_threads() const {
   return options_.cpu_threads > 0
              ? options_.cpu_threads

@@ -148,13 +148,15 @@ absl::Status Adam::time_step() {
 // Note [Float32 masters follow the split]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A float32 parameter keeps a master copy only while its layer steps on the host (See Note
-// [Host-stepped layers]), and the master is the parameter's value: the host step writes the one
-// from the other, bit for bit. So a float32 layer may move with the measured split (See Note
-// [Measured split] in policies/split_search.h): when the policy brings it to the host,
-// follow_placement registers its masters from the parameters as they are (where the policy places
-// the host layers' states, in pinned memory); when it leaves, the masters are unregistered once no
-// host step reads them. Checkpoints and state dicts hold no master of a float32 parameter, which
-// would be there or not with the split; load takes it from the parameter.
+// [Host-stepped layers] in adam_host_step.cpp), and the master is the parameter's value: the host
+// step writes the one from the other, bit for bit. So a float32 layer may move with the measured
+// split (See Note [Measured split] in policies/split_search.h): when the policy brings it to the
+// host, follow_placement registers its masters from the parameters as they are (where the policy
+// places the host layers' states, in pinned memory); when it leaves, the masters are unregistered
+// once no host step reads them. The policy has laid the ring out by then, counting them; it lays
+// it out again at the next step, as after any unregistration. Checkpoints and state dicts hold no
+// master of a float32 parameter, which would be there or not with the split; load takes it from
+// the parameter, and drops one that a checkpoint saved before this holds.
 absl::StatusOr<std::optional<StateDecl>> Adam::host_master(const AdamHyper& hyper,
                                                            rt::DType param_dtype) const {
   const StepRule& rule = *options_.rule;
@@ -249,25 +251,25 @@ absl::Status Adam::follow_placement() {
   void* const old_undo = std::exchange(host_undo_, nullptr);
   host_undo_at_.clear();
   host_undo_refused_ = false;
-  // The optimizer now follows the policy; what is left frees the buffers of the layers that left
-  // the host once no copy of the last step reads or writes them.
+  // The optimizer now follows the policy. What is left frees the buffers and masters of the
+  // layers that left the host once no copy of the last step reads or writes them: all of it tried,
+  // the first error returned. What cannot go is memory kept, no wrong step: a layer stepped on the
+  // GPU with its master still there steps it as a low-precision parameter's.
   wait_for_host_steps();
-  for (rt::StreamHandle s : {host_d2h_, host_h2d_}) {
-    if (s != nullptr) STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(s));
-  }
-  for (int layer : leaving) {
-    STRATA_RETURN_IF_ERROR(free_layer_buffer(layer));
-    for (std::size_t index : by_layer_.at(layer)) {
-      const Slot& s = slots_[index];
-      if (s.master.valid() && s.param_type == ElemType::kF32) {
-        STRATA_RETURN_IF_ERROR(drop_master(index));
+  absl::Status first = sync_host_streams();
+  if (first.ok()) {  // else a copy may still use them: they are kept
+    for (int layer : leaving) {
+      first.Update(free_layer_buffer(layer));
+      for (std::size_t index : by_layer_.at(layer)) {
+        const Slot& s = slots_[index];
+        if (s.master.valid() && s.param_type == ElemType::kF32) first.Update(drop_master(index));
       }
     }
   }
-  if (old_undo != nullptr) {
-    STRATA_RETURN_IF_ERROR(runtime_.allocator().deallocate(rt::Tier::kPageableHost, old_undo));
+  if (old_undo != nullptr) {  // host threads only, done with it
+    first.Update(runtime_.allocator().deallocate(rt::Tier::kPageableHost, old_undo));
   }
-  return absl::OkStatus();
+  return first;
 }
 
 }  // namespace strata::optim

@@ -23,9 +23,11 @@ namespace internal {
 // resident layers, taken in ascending order from what is left, cost the link nothing, so with a
 // budget the split is a bound, not the best. Only optimizer states move: parameters and
 // gradients stay on the GPU, where the host step's copies read and write them. Unless the split is
-// forced, measured steps then move the layers whose states are the same on either side (See Note
-// [Measured split] in split_search.h); a layer that moves to the host leaves the main pool, and
-// the ring and the resident layers are laid out again over the layers stepped on the GPU.
+// forced, measured steps then move the layers the optimizer marks movable (See Note [Measured
+// split] in split_search.h); a layer that moves to the host leaves the main pool, and the ring and
+// the resident layers are laid out again over the layers stepped on the GPU (and once more at the
+// next step, when a float32 layer that left the host has given up its master: See Note [Float32
+// masters follow the split] in optim/adam_placement.cpp).
 absl::StatusOr<std::string> LayerPrefetch::on_place_steps(rt::PolicyContext& rt,
                                                           const rt::StepCosts& costs) {
   if (!hybrid_) return std::string();

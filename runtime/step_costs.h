@@ -39,8 +39,10 @@ struct LayerCost {
   double grad_bytes = 0;        // the gradient sent GPU to host for a host step (its dtype's size)
   double param_bytes = 0;       // the parameter sent host to GPU after a host step
   double host_touch_bytes = 0;  // host memory the host kernel reads and writes (about 28 for Adam)
-  // Its states are the same wherever it steps, and its step fits the GPU: measured steps may move
-  // it between the GPU and the host (See Note [Measured split] in policies/split_search.h).
+  // Its states are the same wherever it steps but for a float32 parameter's master (See Note
+  // [Float32 masters follow the split] in optim/adam_placement.cpp), and its step fits the GPU:
+  // measured steps may move it between the GPU and the host (See Note [Measured split] in
+  // policies/split_search.h).
   bool movable = false;
 };
 

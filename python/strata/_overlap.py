@@ -13,6 +13,7 @@ the model's forward or the first gradient, so that the states come in while they
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import statistics
@@ -360,13 +361,14 @@ class ClipRecord:
     def __init__(self, make_event=None) -> None:
         self._make_event = make_event
         self._fired: bool | None = None
-        self._pending: list = []  # (host tensor, event), oldest first
+        self._pending: collections.deque = collections.deque()  # (host tensor, event), oldest first
         self._free: list = []  # read and done with, used again rather than made anew
 
     def note(self, coef: torch.Tensor) -> None:
         if coef.device.type != "cuda" and self._make_event is None:
             self._fired = float(coef) < 1.0
             return
+        self.fired()  # the copies done since, read and free: at most a few stay pending
         if self._free:
             host, event = self._free.pop()
         else:
@@ -378,10 +380,14 @@ class ClipRecord:
 
     def fired(self) -> bool | None:
         while self._pending and self._pending[0][1].query():
-            host, event = self._pending.pop(0)
+            host, event = self._pending.popleft()
             self._fired = float(host) < 1.0
             self._free.append((host, event))
         return self._fired
+
+    def pending(self) -> int:
+        """Copies not yet known to be done."""
+        return len(self._pending)
 
 
 class StepClock:

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <random>
 #include <sstream>
@@ -508,6 +509,61 @@ TEST(D3Test, CorruptTruncatedOrForeignCheckpointsAreRefusedAndChangeNothing) {
   EXPECT_EQ(other->load(in).message(),
             "Adam checkpoint: state 'l3.w.exp_avg' has 16384 bytes; here it has 16380");
   EXPECT_EQ(other->step_count(0), 0);
+}
+
+// A checkpoint saved before float32 masters were left out (See Note [Float32 masters follow the
+// split] in optim/adam_placement.cpp) holds one for each float32 parameter stepped on the host:
+// it still loads, each master read and dropped, the master taken from the parameter. Such a
+// master twice, or in place of a state, is refused and changes nothing.
+TEST(D3Test, ACheckpointThatHoldsFloat32MastersStillLoads) {
+  const auto init = initial_values();
+  auto [a, a_dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1});
+  Model ma = register_model(*a, init);
+  auto adam = *Adam::create(*a, options_for(ma, true, true));
+  run_steps(*a, *adam, ma, 5);
+  std::stringstream file;
+  ASSERT_TRUE(adam->save(file).ok());
+  const std::string saved = file.str();
+  // The tensors come last: u32 count, then each {u32 name length, name, u64 bytes, bytes}; the
+  // FNV-1a of everything before it closes the file.
+  const std::size_t first = saved.find("l0.w.exp_avg") - sizeof(std::uint32_t);
+  const std::size_t count_at = first - sizeof(std::uint32_t);
+  auto entry = [](const std::string& name, const std::vector<float>& v) {
+    std::string out;
+    const auto len = static_cast<std::uint32_t>(name.size());
+    const std::uint64_t bytes = v.size() * sizeof(float);
+    out.append(reinterpret_cast<const char*>(&len), sizeof(len)).append(name);
+    out.append(reinterpret_cast<const char*>(&bytes), sizeof(bytes));
+    return out.append(reinterpret_cast<const char*>(v.data()), bytes);
+  };
+  auto with = [&](const std::vector<std::string>& extra, int more, std::size_t drop_first) {
+    std::string body = saved.substr(0, saved.size() - sizeof(std::uint64_t));
+    std::uint32_t count = 0;
+    std::memcpy(&count, body.data() + count_at, sizeof(count));
+    count += more;
+    std::memcpy(body.data() + count_at, &count, sizeof(count));
+    std::string entries;
+    for (const std::string& e : extra) entries += e;
+    body = body.substr(0, first) + entries + body.substr(first + drop_first);
+    std::uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : body) h = (h ^ c) * 1099511628211ull;
+    return body.append(reinterpret_cast<const char*>(&h), sizeof(h));
+  };
+  const std::vector<float> stale(kNumel[0], 123.0f);  // not the parameter: dropped
+  const std::string master = entry("l0.w.master", stale);
+  const auto before = states_of(*a);
+  auto load = [&](const std::string& bytes) {
+    std::stringstream in(bytes);
+    return adam->load(in);
+  };
+  // The first tensor's entry, to take out for the refused case.
+  const std::size_t first_bytes = 4 + 12 + 8 + kNumel[0] * sizeof(float);
+  EXPECT_EQ(load(with({master, master}, 2, 0)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load(with({master}, 0, first_bytes)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(states_of(*a), before);
+  const absl::Status loaded = load(with({master}, 1, 0));
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  EXPECT_EQ(states_of(*a), before);
 }
 
 #ifdef STRATA_HAS_CUDA

@@ -317,7 +317,8 @@ TEST(OverlapTest, HybridMeasuredSplitThatCannotMoveStopsAndStaysBitwise) {
   constexpr int kSteps = 16;
   const rt::PolicyConfig states{.prefetch_depth = 1, .roles = RoleSet::optimizer_states()};
   // The cost model's split, here none of the 4 layers on the host: the search walks up. A float32
-  // layer's move needs its masters too (See Note [Float32 masters follow the split]).
+  // layer's move needs its masters too (See Note [Float32 masters follow the split] in
+  // optim/adam_placement.cpp).
   for (auto [dtype, overlapped] : {std::pair{DType::kBFloat16, false},
                                    {DType::kBFloat16, true},
                                    {DType::kFloat32, false},
