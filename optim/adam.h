@@ -381,6 +381,8 @@ class Adam {
   // when its states differ by more, so that its layer never moves.
   absl::StatusOr<std::optional<StateDecl>> host_master(const AdamHyper& hyper,
                                                        rt::DType param_dtype) const;
+  // The master a float32 parameter's slot has on the host only; nullopt for another parameter.
+  std::optional<StateDecl> float32_master_decl(const Slot& s) const;
   // The masters of `layer`'s float32 parameters, registered (their slots added to `added`), and
   // one slot's master unregistered.
   absl::Status add_masters(int layer, std::vector<std::size_t>& added);

@@ -277,11 +277,8 @@ absl::Status Adam::load(std::istream& in) {
   // split] in adam_placement.cpp).
   std::map<std::string, std::size_t, std::less<>> old_masters;  // name -> bytes
   for (const Slot& s : slots_) {
-    if (s.param_type != ElemType::kF32) continue;
-    absl::StatusOr<std::optional<StateDecl>> m =
-        host_master(groups_[s.group].hyper, rt::DType::kFloat32);
-    if (m.ok() && m->has_value()) {
-      old_masters[str_cat(s.param_name, ".", (*m)->suffix)] =
+    if (const std::optional<StateDecl> m = float32_master_decl(s)) {
+      old_masters[str_cat(s.param_name, ".", m->suffix)] =
           static_cast<std::size_t>(s.numel) * sizeof(float);
     }
   }

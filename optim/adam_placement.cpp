@@ -174,13 +174,18 @@ absl::StatusOr<std::optional<StateDecl>> Adam::host_master(const AdamHyper& hype
       " parameter's states on the host differ from its states on the GPU by more than a master"));
 }
 
+std::optional<StateDecl> Adam::float32_master_decl(const Slot& s) const {
+  if (s.param_type != ElemType::kF32) return std::nullopt;
+  absl::StatusOr<std::optional<StateDecl>> m =
+      host_master(groups_[s.group].hyper, rt::DType::kFloat32);
+  return m.ok() ? *m : std::nullopt;
+}
+
 absl::Status Adam::add_masters(int layer, std::vector<std::size_t>& added) {
   for (std::size_t index : by_layer_.at(layer)) {
     const Slot& s = slots_[index];
     if (s.master.valid()) continue;
-    STRATA_ASSIGN_OR_RETURN(rt::TensorInfo p, runtime_.info(s.param));
-    STRATA_ASSIGN_OR_RETURN(std::optional<StateDecl> master,
-                            host_master(groups_[s.group].hyper, p.spec.dtype));
+    const std::optional<StateDecl> master = float32_master_decl(s);
     if (!master) continue;
     int j = 0;
     while (j < kMaxStates && s.declared[j].valid()) ++j;
@@ -261,8 +266,7 @@ absl::Status Adam::follow_placement() {
     for (int layer : leaving) {
       first.Update(free_layer_buffer(layer));
       for (std::size_t index : by_layer_.at(layer)) {
-        const Slot& s = slots_[index];
-        if (s.master.valid() && s.param_type == ElemType::kF32) first.Update(drop_master(index));
+        if (slots_[index].float32_master(slots_[index].master)) first.Update(drop_master(index));
       }
     }
   }
