@@ -99,6 +99,16 @@ PYBIND11_MODULE(_strata, m) {
       },
       py::arg("scalars"), py::call_guard<py::gil_scoped_release>());
 
+  // The policy a runtime made with `policy` would run, and where the name came from ("argument",
+  // "STRATA_POLICY", "default"): strata.optim chooses its overlap from it before it makes one.
+  m.def(
+      "choose_policy",
+      [](const std::optional<std::string>& policy) {
+        const strata::rt::PolicyChoice c = strata::rt::choose_policy_name(policy, "argument");
+        return std::make_pair(c.name, c.source);
+      },
+      py::arg("policy"));
+
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
       .def(py::init<const std::optional<std::string>&, const std::optional<std::int64_t>&, int,
                     const std::string&, const std::string&, const std::optional<std::int64_t>&,

@@ -62,7 +62,13 @@ def check_arguments(
         raise ValueError(
             f"max_grad_norm: expected a positive number (None: no clipping), got {max_grad_norm!r}"
         )
-    if runtime is not None and overlap is not None and overlap != runtime.overlap:
+    if overlap not in (None, "auto", "none", "backward"):
+        raise ValueError(
+            f"overlap={overlap!r}: use 'auto' (the default: see Note [Overlap by default] in "
+            "strata/_overlap.py), 'backward' (each layer steps as soon as its backward is done) "
+            "or 'none' (the optimizer steps after backward)"
+        )
+    if runtime is not None and overlap not in (None, "auto") and overlap != runtime.overlap:
         raise ValueError(
             f"overlap={overlap!r}, but the runtime given was made with overlap="
             f"{runtime.overlap!r}; make the runtime with the overlap wanted"

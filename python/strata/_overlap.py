@@ -31,6 +31,35 @@ _TIMED = 3
 _KEPT = 5
 
 
+# Note [Overlap by default]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Stepping in backward hides the optimizer's step, and the link time of streamed states, under
+# backward; after backward only what backward did not hide is left. It is exact in every loop:
+# what it cannot know in time (clipping, GradScaler's inf, a gradient or hyperparameter the loop
+# changed, another backward pass before step()) it takes back and steps again (See Note [Gradients
+# changed after their layer stepped] and Note [Backward passes before a step]), and where it
+# measures slower than the step after backward it steps there (See Note [When to step in
+# backward]). So strata.optim's own runtime steps in backward unless told not to (overlap="auto",
+# the default), where it can gain: on a GPU, under a policy that streams the optimizer's states
+# (layer_prefetch, hybrid). keep_on_gpu and bulk keep the states in place for the step, so a step
+# in backward would save little and keep an undo; the simulated device has no clock to measure
+# the choice by. The INFO line at construction says what was chosen and why.
+def choose_overlap(given: str | None, policy: str | None, cuda: bool) -> tuple:
+    """(overlap, why) for strata.optim's own runtime: `given` unless it is "auto" or None, else
+    by Note [Overlap by default] from the policy a runtime made with `policy` would run and
+    whether the parameters are on a GPU."""
+    if given not in (None, "auto"):
+        return given, "argument"
+    from . import _strata
+
+    name, _ = _strata.choose_policy(policy)
+    if not cuda:
+        return "none", "auto: no GPU to step in backward on"
+    if name not in ("layer_prefetch", "hybrid"):
+        return "none", f"auto: {name} streams no optimizer states"
+    return "backward", "auto"
+
+
 class Overlap:
     """The optimizer's part in stepping during backward: gradient hooks, the choice to speculate,
     the gradients a step read, clipping. `name` is the optimizer's ("AdamW"), `adam` its
@@ -58,6 +87,17 @@ class Overlap:
         self._hooks: list = []
         self._layer_size: dict = {}
         self._layer_seen: dict = {}
+        # Backward passes a step (See Note [Backward passes before a step]): learned from the last
+        # step; this step's so far; the layers stepped in this step's backward, and the forward
+        # guard that takes them back.
+        self._passes = 1
+        self._passes_now = 0
+        self._passes_before = 0  # passes counted before a take-back restarted the count
+        self._after_only = False  # this step's backward passes only accumulate now
+        self._stepped: set = set()
+        self._guard = None
+        self._taken_back = False
+        self._told_taken_back = self._told_passes = False  # each said once at INFO, then DEBUG
         self._closed = False
         self._speculating = False  # See Note [When to step in backward]
         self._spec_wait, self._spec_backoff = 0, 0
@@ -90,6 +130,7 @@ class Overlap:
         """Removes the hooks and lets go of the optimizer's kernels (their states are freed with
         the optimizer's last reference)."""
         self._closed = True
+        self._remove_guard()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -143,6 +184,7 @@ class Overlap:
     def step_ended(self, outcome: str | None, grad_scale: torch.Tensor | None) -> None:
         self._versions = {}
         self._layer_seen = {}
+        self._learn_passes()
         if self._runtime.overlap == "backward":
             self._adapt_speculation(outcome)
             self._measured_choice(outcome)
@@ -194,8 +236,8 @@ class Overlap:
             if self._spec_backoff == 0:
                 _log.info(
                     "strata.optim.%s: a step taken in backward was redone (clipping fired, inf "
-                    "was found, or the loop changed a gradient); the next steps run after backward "
-                    "for a while (Note [When to step in backward])",
+                    "was found, the loop changed a gradient, or a forward came before step()); the "
+                    "next steps run after backward for a while (Note [When to step in backward])",
                     self._name,
                 )
             self._spec_backoff = min(2 * self._spec_backoff, 64) if self._spec_backoff else 1
@@ -274,28 +316,138 @@ class Overlap:
         if not self._closed and not self._runtime._rt.in_step():
             self._runtime._rt.begin_step()
 
+    # Note [Backward passes before a step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A loop may run several backward passes before step() (gradient accumulation: nanoGPT, HF
+    # Trainer's gradient_accumulation_steps), and nothing tells strata which is the last. A layer
+    # may be stepped in backward only in the last: the next forward must read the parameters as
+    # they were. So the optimizer counts the passes of each step (a layer's pass ends when every
+    # parameter of it has had its gradient hook) and steps a layer in backward only in the pass
+    # whose number is the last step's count; in the other passes, and in steps run after backward,
+    # the hooks only begin the runtime's step, and step() runs it as without overlap. When a step
+    # has more passes than the last, the forward of the next one shows it before it reads a
+    # parameter: while layers stepped in backward wait for step(), a forward pre-hook on every
+    # module (registered only then, so that forwards at other times pay nothing) looks at each
+    # module called; one that holds a parameter of a stepped layer takes the step back (the
+    # parameters and states as they were) before its forward runs, and the rest of that step's
+    # passes only accumulate; the step counts as redone (See Note [When to step in backward]), and
+    # the next steps step in backward in their last pass. zero_grad() before step() takes it back
+    # too, and so does such a forward once the loop dropped or changed the gradients
+    # (model.zero_grad()): torch would have changed nothing, and the count starts again. A
+    # forward during backward of layers not yet stepped (activation checkpointing recomputes the
+    # layer about to run backward) changes nothing. A parameter read outside a module's forward
+    # (p.norm() between backward and step()) is not seen: it holds the step's result already. A
+    # backward with no forward before it (backward(retain_graph=True) twice) cannot be taken back
+    # in time, and raises.
     def _grad_hook(self, layer: int):
         def hook(_param):
             if self.accumulating:
                 return
             seen = self._layer_seen.get(layer, 0) + 1
-            if seen > self._layer_size[layer]:
+            self._layer_seen[layer] = seen
+            size = self._layer_size[layer]
+            if seen % size:
+                return
+            passes = seen // size
+            self._passes_now = max(self._passes_now, self._passes_before + passes)
+            self._begin_step()
+            if layer in self._stepped:
                 self._abandon_backward()
                 raise RuntimeError(
                     f"strata.optim.{self._name}: layer {layer}'s gradients were accumulated "
-                    "twice before step(); with overlap='backward' each layer is stepped in its "
-                    "backward, so a step has one backward (under FSDP2, micro-batches before the "
-                    "last run with set_requires_gradient_sync(False)); run the backward passes "
-                    "before the last inside `with opt.accumulate():`, or use overlap='none'. "
-                    "The layers stepped in the first backward were rolled back; zero the "
-                    "gradients and go on"
+                    "again after it was stepped in backward, with no forward between that strata "
+                    "could take the step back at (a backward with retain_graph=True run twice?); "
+                    "run the backward passes before the last inside `with opt.accumulate():`, or "
+                    "use overlap='none'. The layers stepped in the first backward were rolled "
+                    "back; zero the gradients and go on"
                 )
-            self._layer_seen[layer] = seen
-            if seen == self._layer_size[layer]:
-                self._begin_step()
-                self._runtime._after_backward(layer)
+            if not self._speculating or self._after_only:
+                return  # step() steps it (See Note [Backward passes before a step])
+            if self._passes_before + passes != self._passes:
+                return
+            self._runtime._after_backward(layer)
+            self._stepped.add(layer)
+            if self._guard is None:
+                self._guard = torch.nn.modules.module.register_module_forward_pre_hook(
+                    self._forward_guard
+                )
 
         return hook
+
+    # A module's forward while layers stepped in backward wait for step(): one that holds their
+    # parameters takes the step back first (See Note [Backward passes before a step]).
+    def _forward_guard(self, module, _args) -> None:
+        if not self._stepped:
+            return
+        layer_of = self._runtime._layer_of
+        if any(layer_of.get(id(p)) in self._stepped for p in module.parameters()):
+            if self.gradients_changed(False):  # dropped (model.zero_grad()): a step begins anew
+                self.gradients_dropped("a forward after the gradients were dropped ran")
+            else:  # another backward pass of this step comes
+                self.take_back("a forward ran")
+
+    def _remove_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+
+    def take_back(self, why: str) -> None:
+        """A forward before step(): takes back the layers this step stepped in backward, their
+        parameters and states as they were; the rest of the step's backward passes only accumulate
+        and step() steps them all (See Note [Backward passes before a step])."""
+        if not self._stepped:
+            return
+        passes = self._passes_now
+        self._abandon_backward()
+        self._passes_before = passes
+        self._after_only = True
+        self._taken_back = True
+        self._tell_taken_back(why)
+
+    def gradients_dropped(self, why: str = "zero_grad() ran") -> None:
+        """zero_grad() before step(), or a forward after the loop dropped or changed the
+        gradients: what this step's backward stepped is taken back, and the count of its backward
+        passes starts again (See Note [Backward passes before a step])."""
+        if self._stepped:
+            self._abandon_backward()
+            self._tell_taken_back(why)
+        self._layer_seen = {}
+        self._versions = {}
+        self._passes_now = self._passes_before = 0
+        self._after_only = False
+
+    def _tell_taken_back(self, why: str) -> None:
+        level = logging.DEBUG if self._told_taken_back else logging.INFO
+        self._told_taken_back = True
+        _log.log(
+            level,
+            "strata.optim.%s: %s while layers stepped in backward waited for step(); they were "
+            "taken back (Note [Backward passes before a step])",
+            self._name,
+            why,
+        )
+
+    def taken_back(self) -> bool:
+        """Whether this step's backward stepped layers that take_back took back."""
+        return self._taken_back
+
+    # After a step: its count of backward passes is the next step's (See Note [Backward passes
+    # before a step]).
+    def _learn_passes(self) -> None:
+        self._remove_guard()
+        self._stepped = set()
+        if self._passes_now and self._passes_now != self._passes:
+            _log.log(
+                logging.DEBUG if self._told_passes else logging.INFO,
+                "strata.optim.%s: %d backward passes before step(); layers step in backward in "
+                "the last of them (Note [Backward passes before a step])",
+                self._name,
+                self._passes_now,
+            )
+            self._passes = self._passes_now
+            self._told_passes = True
+        self._passes_now = self._passes_before = 0
+        self._after_only = self._taken_back = False
 
     # Takes back what the step's backward stepped and ends the runtime's step with no optimizer
     # step, so that training can go on from the parameters as they were before it.
@@ -311,6 +463,8 @@ class Overlap:
             self._adam.set_step_in_backward(self._speculating)
             self._layer_seen = {}
             self._versions = {}
+            self._stepped = set()
+            self._remove_guard()
 
     # Note [Clipping in the step]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -115,11 +115,12 @@ def auto_depth(plan: list, budget: int | None, moments: int, state_dtype: str) -
 # The overlap and, under it, where a step in backward keeps its undo
 # (See Note [The undo on the GPU when there is room] in strata/budget.py).
 def overlap_line(runtime) -> str:
+    source = "" if runtime.overlap_from == "argument" else f"{runtime.overlap_from}; "
     if runtime.overlap != "backward":
-        return runtime.overlap
+        return f"{runtime.overlap} ({source.rstrip('; ')})" if source else runtime.overlap
     if runtime.undo_from == "undecided":
-        return "backward (undo on the GPU or the host: decided after the first step)"
-    return f"backward (undo on the {'GPU' if runtime._rt.undo_on_gpu() else 'host'})"
+        return f"backward ({source}undo on the GPU or the host: decided after the first step)"
+    return f"backward ({source}undo on the {'GPU' if runtime._rt.undo_on_gpu() else 'host'})"
 
 
 # The INFO line of what was chosen, the step placement's line when the policy places steps, and a

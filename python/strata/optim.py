@@ -20,12 +20,13 @@ float32, in torch's format, and loads back into the same bytes:
     opt = strata.optim.AdamW(model.parameters(), lr=3e-4, policy="layer_prefetch",
                              state_dtype="int8")
 
-Stepping during backward (overlap="backward"): each layer is stepped as soon as its gradients are
-final, while backward goes on, and step() validates it; clipping then belongs to the optimizer
-(max_grad_norm), since the norm is known only once backward ends:
+Stepping during backward (on a GPU with streamed states, the default: See Note [Overlap by
+default] in strata/_overlap.py): each layer is stepped as soon as its gradients are final, while
+backward goes on, and step() validates it. Clipping is cheapest in the optimizer (max_grad_norm),
+since the norm is known only once backward ends; a loop's own clip_grad_norm_ makes step() redo the
+step, and the optimizer then steps after backward for a while:
 
-    opt = strata.optim.AdamW(model.parameters(), lr=3e-4, policy="layer_prefetch",
-                             overlap="backward", max_grad_norm=1.0)
+    opt = strata.optim.AdamW(model.parameters(), lr=3e-4, max_grad_norm=1.0)
     loss.backward()                 # each layer (fully_shard unit) steps here
     opt.step()                      # validates: redoes the step if clipping triggered
     norm = opt.last_grad_norm       # as clip_grad_norm_ returns it
@@ -74,7 +75,7 @@ import torch
 
 from . import _args, _checkpoint, _plan
 from . import budget as _budget
-from ._overlap import Overlap
+from ._overlap import Overlap, choose_overlap
 from .distributed import is_dtensor, local
 from .runtime import Runtime
 
@@ -170,6 +171,10 @@ class Adam(torch.optim.Optimizer):
                     f"found {first.device} and {p.device}"
                 )
         self._owns_runtime = runtime is None
+        if runtime is None:  # See Note [Overlap by default] in strata/_overlap.py
+            overlap, overlap_from = choose_overlap(
+                overlap, policy, local(first).is_cuda and device != "simulated"
+            )
         # None until the first step has run (See Note [The automatic budget] in strata/budget.py).
         self._auto_budget = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
         budget = None if self._auto_budget else parse_bytes(gpu_budget, "gpu_budget")
@@ -217,6 +222,7 @@ class Adam(torch.optim.Optimizer):
         self._runtime = runtime
         if self._owns_runtime:
             runtime.undo_from = "default" if undo_on_gpu_given is None else "argument"
+            runtime.overlap_from = overlap_from
         no_driver = None  # why the GPU's memory cannot be asked for, if it cannot
         if self._auto_undo or self._auto_budget:
             try:
@@ -471,7 +477,7 @@ class Adam(torch.optim.Optimizer):
         # What the kernels read stays alive until they have run (the next step).
         self._keep_alive += (grad_scale, found_inf, scale)
         self.last_step_outcome = self._adam.finish_step(scale, found_inf)
-        if taken_back:
+        if taken_back or self._overlap.taken_back():
             self.last_step_outcome = "redone"
         self.steps_redone += self.last_step_outcome == "redone"
         rt.end_step()
@@ -501,7 +507,11 @@ class Adam(torch.optim.Optimizer):
         """As torch's: set_to_none drops every gradient (a parameter that then gets none in
         backward sits the next step out, as in torch); autograd accumulates the next gradient into
         strata's memory again (See Note [Gradients the loop replaced] in strata/runtime.py).
-        set_to_none=False zeroes them in place, wherever strata keeps them."""
+        set_to_none=False zeroes them in place, wherever strata keeps them. Before step(), what
+        a step in backward stepped is taken back first: the loop dropped its gradients (See Note
+        [Backward passes before a step] in strata/_overlap.py)."""
+        if not self._closed:
+            self._overlap.gradients_dropped()
         bound, dtensors = [], []
         for g in self.param_groups:
             for p in g["params"]:
@@ -600,11 +610,19 @@ class AdamW(Adam):
         runtime: a strata.Runtime to use (e.g. with the model attached) instead of one of the
             optimizer's own; policy, gpu_budget, prefetch_depth, overlap and undo_on_gpu then come
             from it.
-        overlap: "none" (default): the step runs in step(); "backward": each layer steps during
-            backward once its gradients are final, validated by step() (see the module's doc).
+        overlap: "backward": each layer steps during backward once its gradients are final (in
+            the last backward pass before step()), validated by step() (see the module's doc);
+            "none": the step runs in step(); "auto" (default): "backward" on a GPU under
+            layer_prefetch or hybrid, else "none" (See Note [Overlap by default] in
+            strata/_overlap.py). Between backward and step() the parameters of layers stepped in
+            backward hold the step's result; a module's forward or zero_grad() there takes the
+            step back first, but a read outside a forward (p.norm()) sees the new values: pass
+            overlap="none" for a loop that reads parameters there.
         max_grad_norm: clip the gradients by their global 2-norm (over every rank under FSDP2)
             inside the step, as clip_grad_norm_ would before it; the norm is in last_grad_norm.
-            None: no clipping. Needed for clipping with overlap="backward".
+            None: no clipping. Clipping here rather than in the loop keeps the step in
+            backward (a loop's clip_grad_norm_ changes the gradients after it, and step() redoes
+            it).
         undo_on_gpu: with overlap, keep the bytes a redo needs of tensors resting on the GPU
             (parameters, FSDP2's float32 shards, the states of layers resident on the GPU) on the
             GPU while the budget has room, instead of copying them to pinned host memory over the
@@ -626,9 +644,11 @@ class AdamW(Adam):
             raise ValueError (move the model first); "simulated" (or the environment variable
             STRATA_DEVICE=simulated) steps CPU parameters in host memory standing in for the GPU.
 
-    With overlap="backward", accumulate() runs micro-batches before the last without stepping,
-    and a gradient the loop changes after its layer was stepped (its own clip_grad_norm_,
-    scaler.unscale_) is seen, and the step redone with it.
+    Under overlap, a loop's gradient accumulation works as it is: layers step in backward in the
+    last of as many backward passes as the last step had, and a step with more is taken back at
+    the next forward (See Note [Backward passes before a step] in strata/_overlap.py);
+    accumulate() says which passes only accumulate. A gradient the loop changes after its layer
+    was stepped (its own clip_grad_norm_, scaler.unscale_) is seen, and the step redone with it.
     """
 
     _decoupled = True

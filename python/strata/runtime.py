@@ -138,6 +138,9 @@ class Runtime:
         # the budget), "undecided", or "auto" once it has decided (See Note [The undo on the GPU
         # when there is room] in strata/budget.py).
         self.undo_from = "argument"
+        # Where overlap came from: "argument", or strata.optim's choice for its own runtime
+        # ("auto", or "auto: " and why not; See Note [Overlap by default] in strata/_overlap.py).
+        self.overlap_from = "argument"
         self._names: set = set()
         self._bound: list = []  # bound tensors, in registration order
         self._layer_grads: list = []  # per layer, the bound gradients
