@@ -10,6 +10,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   AdamW, gradients copied to the host during backward (its default keeps the GPU
                   gradients too; its step does not see clip_grad_norm_, which acts on the GPU's)
   strata          strata.optim.AdamW(model.parameters()): the README's one line, defaults only
+                  (on a GPU that steps in backward: See Note [Overlap by default])
+  strata_seq      the same with overlap="none": every step after backward (the default before)
   strata_auto     strata.optim.AdamW(model.parameters(), gpu_budget="auto"): after the first
                   step, the layers whose states fit what the GPU has free stay there
   strata_hybrid   strata.optim.AdamW(model.parameters(), policy="hybrid"): the cost model places
@@ -38,6 +40,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   torch.optim.AdamW(fused=True), every state on the GPU
   fsdp2_offload   the same with CPUOffloadPolicy(pin_memory=True): fused CPU AdamW
   fsdp2_strata    the same FSDP2 model with strata.optim.AdamW(model.parameters())
+  fsdp2_strata_seq
+                  the same with overlap="none"
   fsdp2_strata_tuned
                   the same with overlap="backward", max_grad_norm=1.0: each unit steps in its
                   backward, clipping in the optimizer
@@ -72,6 +76,7 @@ APPROACHES = [
     "resident",
     "torchao",
     "strata",
+    "strata_seq",
     "strata_auto",
     "strata_hybrid",
     "strata_tuned",
@@ -84,6 +89,7 @@ APPROACHES = [
     "fsdp2",
     "fsdp2_offload",
     "fsdp2_strata",
+    "fsdp2_strata_seq",
     "fsdp2_strata_tuned",
     "fsdp2_strata_int8",
     "fsdp2_strata_tuned_int8",
@@ -198,11 +204,19 @@ def one_run(args):
             from torchao.optim import CPUOffloadOptimizer
 
             opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
-        elif args.one in ("strata", "fsdp2_strata", "fsdp2_strata_int8", "fsdp2_strata_hybrid"):
+        elif args.one in (
+            "strata",
+            "strata_seq",
+            "fsdp2_strata",
+            "fsdp2_strata_seq",
+            "fsdp2_strata_int8",
+            "fsdp2_strata_hybrid",
+        ):
             import strata
 
             kw = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
             kw.update({"policy": "hybrid"} if "hybrid" in args.one else {})
+            kw.update({"overlap": "none"} if args.one.endswith("_seq") else {})
             opt = strata.optim.AdamW(model.parameters(), lr=1e-4, **kw)
         elif args.one in (
             "fsdp2_strata_tuned",

@@ -75,9 +75,7 @@ class CausalLm(torch.nn.Module):
 
 def decay_groups(model, weight_decay):
     """The Trainer's split: no weight decay for biases and norm weights."""
-    norms = {
-        f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)
-    }
+    norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if name.endswith("bias") or name in norms else decay).append(p)
@@ -165,7 +163,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--policy", default="layer_prefetch")
-    ap.add_argument("--overlap", default="none", choices=["none", "backward"])
+    ap.add_argument("--overlap", default="auto", choices=["auto", "none", "backward"])
     ap.add_argument("--prefetch_depth", type=int, default=1)
     ap.add_argument("--overflow_at", type=int, default=3, help="step whose loss overflows")
     ap.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping")
@@ -174,7 +172,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     losses, params = train(args, use_strata=True)
-    print(f"strata ({args.policy}, overlap={args.overlap}): losses {losses[0]:.4f} .. {losses[-1]:.4f}")
+    print(
+        f"strata ({args.policy}, overlap={args.overlap}): losses {losses[0]:.4f} .. {losses[-1]:.4f}"
+    )
     if not args.compare:
         return 0
     want_losses, want_params = train(args, use_strata=False)

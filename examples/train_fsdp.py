@@ -263,9 +263,11 @@ def main():
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument(
         "--overlap",
-        default="none",
-        choices=["none", "backward"],
-        help="strata: step each fully_shard unit during backward (clipping inside the optimizer)",
+        default="auto",
+        choices=["auto", "none", "backward"],
+        help="strata: step each fully_shard unit during backward (backward: clipping inside the "
+        "optimizer; auto, strata's default: on a GPU under layer_prefetch or hybrid, the loop "
+        "clipping)",
     )
     p.add_argument(
         "--clip_in_optimizer",

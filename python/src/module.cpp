@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "allocator/tier.h"
+#include "bridge/fingerprints.h"
 #include "bridge/grad_stats.h"
 #include "bridge/model_hooks.h"
 #include "bridge/scalar_reader.h"
@@ -98,6 +99,9 @@ PYBIND11_MODULE(_strata, m) {
         return reader->read(scalars);
       },
       py::arg("scalars"), py::call_guard<py::gil_scoped_release>());
+
+  // See Note [Gradient fingerprints] in optim/fingerprint.h.
+  m.def("fingerprints", &strata::bridge::fingerprints, py::arg("tensors"));
 
   // The policy a runtime made with `policy` would run, and where the name came from ("argument",
   // "STRATA_POLICY", "default"): strata.optim chooses its overlap from it before it makes one.

@@ -20,6 +20,7 @@ import statistics
 
 import torch
 
+from . import _strata
 from .distributed import all_reduce_norm, clip_coef, fsdp_modules, grad_norm, local
 from .scalars import read_scalars
 
@@ -50,14 +51,18 @@ def choose_overlap(given: str | None, policy: str | None, cuda: bool) -> tuple:
     whether the parameters are on a GPU."""
     if given not in (None, "auto"):
         return given, "argument"
-    from . import _strata
-
     name, _ = _strata.choose_policy(policy)
     if not cuda:
         return "none", "auto: no GPU to step in backward on"
     if name not in ("layer_prefetch", "hybrid"):
         return "none", f"auto: {name} streams no optimizer states"
     return "backward", "auto"
+
+
+def fingerprintable(g: torch.Tensor) -> bool:
+    """Whether strata can take g's fingerprint (See Note [Gradient fingerprints] in
+    optim/fingerprint.h): contiguous, 2- or 4-byte elements, fewer than 2^32 of them."""
+    return g.is_contiguous() and g.element_size() in (2, 4) and g.numel() < 2**32
 
 
 class Overlap:
@@ -82,7 +87,13 @@ class Overlap:
         self._trainable = trainable
         self._max_grad_norm = max_grad_norm
         self.accumulating = False  # inside accumulate(): backward only accumulates
-        self._versions: dict = {}  # See Note [Gradients changed after their layer stepped]
+        # See Note [Gradients changed after their layer stepped]: the versions of the gradients
+        # read in backward; once the loop was seen to write gradients (_fingerprint), their
+        # fingerprints, a (parameters, fingerprints) pair a layer, and the parameters they cover.
+        self._versions: dict = {}
+        self._fingerprint = False
+        self._prints: list = []
+        self._printed: set = set()
         self._spec_scale: torch.Tensor | None = None
         self._hooks: list = []
         self._layer_size: dict = {}
@@ -155,10 +166,17 @@ class Overlap:
         self._speculating = on
         self._adam.set_step_in_backward(on)
 
-    # The version of p's gradient that its layer's step reads, kept until step()
-    # (See Note [Gradients changed after their layer stepped]).
-    def keep_version(self, p: torch.Tensor) -> None:
-        self._versions[id(p)] = (p.grad, local(p.grad)._version)
+    # The version of each gradient of `params` that their layer's step reads, and once the loop has
+    # written gradients, their fingerprints, kept until step() (See Note [Gradients changed after
+    # their layer stepped]).
+    def keep_versions(self, params: list) -> None:
+        for p in params:
+            self._versions[id(p)] = (p.grad, local(p.grad)._version)
+        if self._fingerprint and params:
+            grads = [local(p.grad) for p in params]
+            if all(fingerprintable(g) for g in grads):
+                self._prints.append((params, _strata.fingerprints(grads)))
+                self._printed.update(id(p) for p in params)
 
     # Note [Gradients changed after their layer stepped]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -167,22 +185,60 @@ class Overlap:
     # or a new tensor) makes that step stale, and step() takes it back and steps again with the
     # gradients as they are. GradScaler.step (when the loop did not unscale_) checks the gradients
     # for inf by multiplying them by 1.0 in place first: one version each, no value changed,
-    # allowed.
+    # allowed. A new version need not be a new value, though: clip_grad_norm_ multiplies every
+    # gradient in place by its coefficient even when that is exactly 1.0 (the norm below
+    # max_norm, as it is for most of a run), and Hugging Face's Trainer and nanoGPT clip so at
+    # every step. So once a step has seen the loop write a gradient its layer's step read, each
+    # layer stepped in backward keeps its gradients' fingerprints too, taken where the step reads
+    # them (See Note [Gradient fingerprints] in optim/fingerprint.h); when versions changed,
+    # step() takes them again and compares them on the GPU (a few bytes read on the host, as
+    # validating clipping reads), and only a changed value takes the step back. A fingerprint
+    # tells a scaling by any other factor (a clip that clipped) every time; another change, but for
+    # one chance in about 2^64. That costs one more read of the gradients in backward and one in
+    # step(), about a thousandth of the gradients' bytes over the GPU's memory bandwidth a
+    # millisecond, against a redo of the whole step.
     def gradients_changed(self, scaler_checked: bool) -> bool:
         allowed = 1 if scaler_checked else 0
+        written = []
         for p in self._trainable:
             seen = self._versions.get(id(p))
             if seen is None:
                 continue
             grad, version = seen
-            if p.grad is not grad or local(p.grad)._version - version > allowed:
+            if p.grad is None:
                 return True
-        return False
+            if p.grad is not grad or local(p.grad)._version - version > allowed:
+                written.append(p)
+        if not written:
+            return False
+        self._fingerprint = True  # the loop writes gradients: fingerprint them from now on
+        if not all(id(p) in self._printed for p in written):
+            return True
+        return not self._same_values()
+
+    # Whether every gradient fingerprinted in backward holds the values it held then (See Note
+    # [Gradients changed after their layer stepped]).
+    def _same_values(self) -> bool:
+        before, after = [], []
+        for params, prints in self._prints:
+            grads = [None if p.grad is None else local(p.grad) for p in params]
+            if not all(g is not None and fingerprintable(g) for g in grads):
+                return False
+            before.append(prints)
+            after.append(_strata.fingerprints(grads))
+        before, after = torch.cat(before), torch.cat(after)
+        if before.device != after.device or before.shape != after.shape:
+            return False
+        if before.is_cuda:
+            before.record_stream(torch.cuda.current_stream())  # made on the hooks' stream
+        differ = (before != after).any().to(torch.float32)
+        return read_scalars(differ)[0] == 0.0
 
     # After step(): what the next step's backward starts from. `outcome` is the step's
     # last_step_outcome, `grad_scale` GradScaler's scale (None without one).
     def step_ended(self, outcome: str | None, grad_scale: torch.Tensor | None) -> None:
         self._versions = {}
+        self._prints, self._printed = [], set()
         self._layer_seen = {}
         self._learn_passes()
         if self._runtime.overlap == "backward":
@@ -413,6 +469,7 @@ class Overlap:
             self._tell_taken_back(why)
         self._layer_seen = {}
         self._versions = {}
+        self._prints, self._printed = [], set()
         self._passes_now = self._passes_before = 0
         self._after_only = False
 
@@ -463,6 +520,7 @@ class Overlap:
             self._adam.set_step_in_backward(self._speculating)
             self._layer_seen = {}
             self._versions = {}
+            self._prints, self._printed = [], set()
             self._stepped = set()
             self._remove_guard()
 

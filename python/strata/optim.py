@@ -318,22 +318,23 @@ class Adam(torch.optim.Optimizer):
 
     # For a layer about to be stepped in backward (or, without overlap, whose backward is done): its
     # gradients are strata's again, and its parameters without one sit the step out
-    # (See Note [Gradients the loop replaced] in strata/runtime.py). The version of each gradient
-    # the layer's step read is kept (See Note [Gradients changed after their layer stepped] in
-    # strata/_overlap.py).
+    # (See Note [Gradients the loop replaced] in strata/runtime.py). The version (and, once the loop
+    # was seen to write gradients, the fingerprint) of each gradient the layer's step read is kept
+    # (See Note [Gradients changed after their layer stepped] in strata/_overlap.py).
     def _prepare_layer(self, layer: int) -> None:
         if self._closed or self._overlap.accumulating:
             return
         if not self._adam.overlapped_step_open():
             self._sync_hyper()  # the step begins: with the hyperparameters as they are now
-        skipped = []
+        skipped, read = [], []
         for p in self._runtime._layer_users[layer]:
             if id(p) not in self._param_name:
                 continue  # another optimizer's
             if self._runtime._take_gradient(p, self._param_name[id(p)]):
-                self._overlap.keep_version(p)
+                read.append(p)
             else:
                 skipped.append(self._runtime.bound_tensors(p)[0])
+        self._overlap.keep_versions(read)
         if skipped:
             self._adam.skip_parameters(skipped)
         self._give_gradients(self._runtime._layer_users[layer])

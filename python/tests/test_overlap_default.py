@@ -91,11 +91,13 @@ def test_the_number_of_passes_is_logged_once(caplog):
     assert len(said) == 1 and "3 backward passes" in said[0]
 
 
-@pytest.mark.parametrize("policy", LOOP_POLICIES)
-@pytest.mark.parametrize("how", ["zero_grad", "model_zero_grad"])
-def test_a_step_the_loop_skips_after_backward_changes_nothing(policy, how):
-    """A loop that drops a step's gradients after backward (a loss it will not step on) and goes
-    on: torch's parameters stay as they were, so strata's must too."""
+SKIP = object()  # what a plain_loop's after_backward returns to skip the step
+
+
+def plain_loop(after_backward):
+    """The plain loop: forward, backward, after_backward(model, opt, step) (the loop's own work
+    between backward and step(); SKIP skips the step), step(), zero_grad(). Returns the losses
+    and, for each step taken, (strata's last_step_outcome, what after_backward returned)."""
 
     def loop(model, opt, steps):
         losses, outcomes = [], []
@@ -103,22 +105,38 @@ def test_a_step_the_loop_skips_after_backward_changes_nothing(policy, how):
             x, y = batch(step)
             loss = F.mse_loss(model(x), y)
             loss.backward()
-            if step in (3, 6):  # skipped
-                (opt if how == "zero_grad" else model).zero_grad()
+            said = after_backward(model, opt, step)
+            if said is SKIP:
                 continue
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-            outcomes.append(getattr(opt, "last_step_outcome", None))
+            outcomes.append((getattr(opt, "last_step_outcome", None), said))
         return losses, outcomes
 
+    return loop
+
+
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
+@pytest.mark.parametrize("how", ["zero_grad", "model_zero_grad"])
+def test_a_step_the_loop_skips_after_backward_changes_nothing(policy, how):
+    """A loop that drops a step's gradients after backward (a loss it will not step on) and goes
+    on: torch's parameters stay as they were, so strata's must too."""
+
+    def skip(model, opt, step):
+        if step in (3, 6):
+            (opt if how == "zero_grad" else model).zero_grad()
+            return SKIP
+        return None
+
+    loop = plain_loop(skip)
     want_losses, want_params, _ = run(None, None, loop)
     losses, params, outcomes = run(policy, "backward", loop)
     assert_close(params, want_params, rel=1e-5)
     assert_close([torch.tensor(losses)], [torch.tensor(want_losses)], rel=1e-5)
     _, seq_params, _ = run(policy, "none", loop)
     assert_bitwise(params, seq_params)
-    assert outcomes[-1] == "speculation"
+    assert outcomes[-1][0] == "speculation"
 
 
 @pytest.mark.parametrize("policy", LOOP_POLICIES)
@@ -190,3 +208,49 @@ def test_the_info_line_says_where_overlap_came_from(caplog):
     assert "overlap backward (undo on" in lines[1]
     with pytest.raises(ValueError, match="'auto'.*'backward'.*'none'"):
         strata.optim.AdamW(Mlp().parameters(), overlap="sideways")
+
+
+def own_clip_loop(max_norm):
+    """Hugging Face Trainer's and nanoGPT's clipping: the loop's own clip_grad_norm_ before
+    step(), at every step; whether it clipped."""
+
+    def clip(model, _opt, step):
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm(step))
+        return float(norm) > max_norm(step)
+
+    return plain_loop(clip)
+
+
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
+def test_the_loops_own_clip_keeps_the_step_in_backward_while_it_does_not_clip(policy):
+    # Clipping fires at steps 3 and 6 only (a tiny max_norm there).
+    loop = own_clip_loop(lambda s: 1e-3 if s in (3, 6) else 1e3)
+    _, want_params, _ = run(None, None, loop, steps=12)
+    _, seq_params, _ = run(policy, "none", loop, steps=12)
+    _, params, outcomes = run(policy, "backward", loop, steps=12)
+    assert_close(params, want_params, rel=1e-5)
+    assert_bitwise(params, seq_params)
+    # The first step in backward sees the loop write the gradients and is redone; from then on the
+    # fingerprints show that a clip by 1.0 changed nothing, and the steps stand, but where the clip
+    # clipped.
+    for step, (outcome, clipped) in enumerate(outcomes):
+        if clipped:
+            assert outcome in ("redone", "sequential"), step
+    assert [o for o, _ in outcomes[-3:]] == ["speculation"] * 3
+
+
+def test_fingerprints_tell_any_scaling_and_not_a_rewrite_with_the_same_values():
+    from strata import _strata
+
+    g = torch.randn(4097) * 1e-3
+    before = _strata.fingerprints([g, g.to(torch.bfloat16)])
+    assert before.shape == (2, 2) and before.dtype == torch.int64
+    g.mul_(1.0)
+    assert torch.equal(_strata.fingerprints([g, g.to(torch.bfloat16)]), before)
+    for c in (1 - 2**-24, 1 - 2**-20, 0.999, 0.5, 1e-30, 0.0, 1 + 2**-23, 2.0):
+        assert not torch.equal(_strata.fingerprints([g * c]), before[:1]), c
+    swapped = g.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert not torch.equal(_strata.fingerprints([swapped]), before[:1])
+    with pytest.raises(ValueError, match="contiguous"):
+        _strata.fingerprints([torch.zeros(4, 4).t()])

@@ -39,7 +39,7 @@ for part in "${PARTS[@]}"; do
   case $part in
     b32) run fsdp_b32_overlap --batch 32 $OVERLAP --reference --cpu_offload_peer ;;
     b32-host) run fsdp_b32_overlap_host_undo --batch 32 --overlap backward ;;
-    b32-seq) run fsdp_b32_sequential --batch 32 --clip_in_optimizer ;;
+    b32-seq) run fsdp_b32_sequential --batch 32 --overlap none --clip_in_optimizer ;;
     b8) run fsdp_b8_overlap --batch 8 $OVERLAP --reference --cpu_offload_peer ;;
     b32-k*) run "fsdp_b32_overlap_$part" --batch 32 $OVERLAP --reference \
       --prefetch_depth "${part#b32-k}" ;;
