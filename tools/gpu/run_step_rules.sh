@@ -37,6 +37,8 @@ case "$MODE" in
     python3 -m pytest -q -m gpu python/tests >"$OUT/pytest-gpu.log" 2>&1 || status=1
     tail -2 "$OUT/pytest-gpu.log"
     memcheck memcheck-lion-kernel.log "$BUILD/bin/optim_kernel_test" --gtest_filter='GpuLion*'
+    memcheck memcheck-fingerprint.log "$BUILD/bin/optim_kernel_test" \
+      --gtest_filter='GpuFingerprint*'
     ;;
   c1)
     gpu_build "$OUT" optim_overlap_gpu_test || exit 1
