@@ -12,6 +12,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
   strata          strata.optim.AdamW(model.parameters()): the README's one line, defaults only
                   (on a GPU that steps in backward: See Note [Overlap by default])
   strata_seq      the same with overlap="none": every step after backward (the default before)
+  strata_hostundo the same with undo_on_gpu=False: a step in backward keeps its undo in pinned
+                  host memory (the default decides from the GPU's free memory)
   strata_auto     strata.optim.AdamW(model.parameters(), gpu_budget="auto"): after the first
                   step, the layers whose states fit what the GPU has free stay there
   strata_hybrid   strata.optim.AdamW(model.parameters(), policy="hybrid"): the cost model places
@@ -207,8 +209,10 @@ def one_run(args):
         elif args.one in (
             "strata",
             "strata_seq",
+            "strata_hostundo",
             "fsdp2_strata",
             "fsdp2_strata_seq",
+            "fsdp2_strata_hostundo",
             "fsdp2_strata_int8",
             "fsdp2_strata_hybrid",
         ):
@@ -217,6 +221,7 @@ def one_run(args):
             kw = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
             kw.update({"policy": "hybrid"} if "hybrid" in args.one else {})
             kw.update({"overlap": "none"} if args.one.endswith("_seq") else {})
+            kw.update({"undo_on_gpu": False} if args.one.endswith("_hostundo") else {})
             opt = strata.optim.AdamW(model.parameters(), lr=1e-4, **kw)
         elif args.one in (
             "fsdp2_strata_tuned",
