@@ -42,8 +42,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   torch.optim.AdamW(fused=True), every state on the GPU
   fsdp2_offload   the same with CPUOffloadPolicy(pin_memory=True): fused CPU AdamW
   fsdp2_strata    the same FSDP2 model with strata.optim.AdamW(model.parameters())
-  fsdp2_strata_seq
-                  the same with overlap="none"
+  fsdp2_strata_seq, fsdp2_strata_hostundo
+                  the same with overlap="none", or with undo_on_gpu=False
   fsdp2_strata_tuned
                   the same with overlap="backward", max_grad_norm=1.0: each unit steps in its
                   backward, clipping in the optimizer
@@ -79,6 +79,7 @@ APPROACHES = [
     "torchao",
     "strata",
     "strata_seq",
+    "strata_hostundo",
     "strata_auto",
     "strata_hybrid",
     "strata_tuned",
@@ -92,6 +93,7 @@ APPROACHES = [
     "fsdp2_offload",
     "fsdp2_strata",
     "fsdp2_strata_seq",
+    "fsdp2_strata_hostundo",
     "fsdp2_strata_tuned",
     "fsdp2_strata_int8",
     "fsdp2_strata_tuned_int8",

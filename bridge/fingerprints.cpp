@@ -1,6 +1,7 @@
 #include "bridge/fingerprints.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 
 #include "base/strings.h"
 #include "bridge/torch_runtime.h"
@@ -10,6 +11,8 @@ namespace strata::bridge {
 
 at::Tensor fingerprints(const std::vector<at::Tensor>& tensors) {
   const c10::Device device = tensors.empty() ? c10::Device(c10::kCPU) : tensors[0].device();
+  c10::OptionalDeviceGuard guard;
+  if (device.is_cuda()) guard.reset_device(device);  // the launch on the tensors' device
   at::Tensor out = at::zeros({static_cast<std::int64_t>(tensors.size()), 2},
                              at::TensorOptions().dtype(at::kLong).device(device));
   for (std::size_t i = 0; i < tensors.size(); ++i) {

@@ -5,15 +5,17 @@
 //
 // Note [Gradient fingerprints]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Each element's bits are read as a signed integer of its width (2 or 4 bytes). For a float, that
-// integer grows with the magnitude on either sign (a negative float's is its magnitude minus
-// 2^(bits-1)), and rounding is monotone, so scaling a tensor by any c in [0, 1] (or in [1, inf))
-// moves every element's integer one way: their sum, taken exactly in 64 bits (no overflow below
-// 2^32 elements), differs unless no element changed. That is what torch.nn.utils.clip_grad_norm_
-// does in place (by exactly 1.0 when the norm is below max_norm), and GradScaler's unscale_. For
-// any other change, a second sum weights each integer by an odd constant of its index, modulo 2^64;
-// both agree after a change only by an accident of about one in 2^64. Integer sums do not depend
-// on the order they are added in, so any split over threads gives the same fingerprint.
+// Each element's bits are read as a signed integer of its width (2 or 4 bytes). For a finite float,
+// that integer grows with the magnitude on either sign (a negative float's is its magnitude minus
+// 2^(bits-1)), and rounding is monotone, so scaling finite values by any c in [0, 1] (or in
+// [1, inf)) moves every element's integer the same way or not at all: their sum, taken exactly in
+// 64 bits (no overflow below 2^32 elements), differs unless no element changed. That is what
+// torch.nn.utils.clip_grad_norm_ does in place (by exactly 1.0 when the norm is below max_norm),
+// and GradScaler's unscale_. For any other change (and for NaN, whose bits a multiplication may
+// change without changing the value, which costs a redo, never a wrong step), a second sum weights
+// each integer by an odd constant of its index, modulo 2^64: a change escapes both only if it
+// happens to leave both sums as they were. Integer sums do not depend on the order they are added
+// in, so any split over threads gives the same fingerprint.
 //
 // Example (a gradient of n float32 elements):
 //   std::int64_t before[2] = {0, 0};

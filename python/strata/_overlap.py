@@ -35,7 +35,8 @@ _KEPT = 5
 # Note [Overlap by default]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # Stepping in backward hides the optimizer's step, and the link time of streamed states, under
-# backward; after backward only what backward did not hide is left. It is exact in every loop:
+# backward; after backward only what backward did not hide is left. It is exact in the loops users
+# write (the holes are in Note [Backward passes before a step]):
 # what it cannot know in time (clipping, GradScaler's inf, a gradient or hyperparameter the loop
 # changed, another backward pass before step()) it takes back and steps again (See Note [Gradients
 # changed after their layer stepped] and Note [Backward passes before a step]), and where it
@@ -44,16 +45,23 @@ _KEPT = 5
 # the default), where it can gain: on a GPU, under a policy that streams the optimizer's states
 # (layer_prefetch, hybrid). keep_on_gpu and bulk keep the states in place for the step, so a step
 # in backward would save little and keep an undo; the simulated device has no clock to measure
-# the choice by. The INFO line at construction says what was chosen and why.
-def choose_overlap(given: str | None, policy: str | None, cuda: bool) -> tuple:
+# the choice by; under DDP (torch.distributed without FSDP2's DTensors) the gradients a layer's hook
+# sees are the rank's own, averaged in place only at the end of backward, so every step would be
+# redone. The INFO line at construction says what was chosen and why.
+def choose_overlap(
+    given: str | None, policy: str | None, cuda: bool, replicated: bool = False
+) -> tuple:
     """(overlap, why) for strata.optim's own runtime: `given` unless it is "auto" or None, else
-    by Note [Overlap by default] from the policy a runtime made with `policy` would run and
-    whether the parameters are on a GPU."""
+    by Note [Overlap by default] from the policy a runtime made with `policy` would run, whether
+    the parameters are on a GPU, and whether they are replicated across ranks by
+    torch.distributed without FSDP2 (DDP)."""
     if given not in (None, "auto"):
         return given, "argument"
     name, _ = _strata.choose_policy(policy)
     if not cuda:
         return "none", "auto: no GPU to step in backward on"
+    if replicated:
+        return "none", "auto: DDP averages the gradients after their hooks"
     if name not in ("layer_prefetch", "hybrid"):
         return "none", f"auto: {name} streams no optimizer states"
     return "backward", "auto"
@@ -96,8 +104,8 @@ class Overlap:
         self._printed: set = set()
         self._spec_scale: torch.Tensor | None = None
         self._hooks: list = []
-        self._layer_size: dict = {}
-        self._layer_seen: dict = {}
+        self._layer_params: dict = {}  # layer -> its parameters this optimizer hooks
+        self._param_seen: dict = {}  # id(parameter) -> its gradient hooks this step
         # Backward passes a step (See Note [Backward passes before a step]): learned from the last
         # step; this step's so far; the layers stepped in this step's backward, and the forward
         # guard that takes them back.
@@ -142,10 +150,15 @@ class Overlap:
         the optimizer's last reference)."""
         self._closed = True
         self._remove_guard()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self._adam = None
+        try:
+            if self._adam is not None and self._adam.overlapped_step_open():
+                # The loop ended between backward and step(): torch would have stepped nothing.
+                self._abandon_backward()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            self._adam = None
 
     @contextlib.contextmanager
     def accumulate(self):
@@ -169,10 +182,13 @@ class Overlap:
     # The version of each gradient of `params` that their layer's step reads, and once the loop has
     # written gradients, their fingerprints, kept until step() (See Note [Gradients changed after
     # their layer stepped]).
-    def keep_versions(self, params: list) -> None:
+    def keep_versions(self, params: list, absent: list = ()) -> None:
+        """`absent`: the layer's parameters that sit its step out, having no gradient."""
         for p in params:
             self._versions[id(p)] = (p.grad, local(p.grad)._version)
-        if self._fingerprint and params:
+        for p in absent:
+            self._versions[id(p)] = (None, 0)
+        if self._fingerprint and params and not self._runtime._streams_gradients:
             grads = [local(p.grad) for p in params]
             if all(fingerprintable(g) for g in grads):
                 self._prints.append((params, _strata.fingerprints(grads)))
@@ -193,10 +209,12 @@ class Overlap:
     # them (See Note [Gradient fingerprints] in optim/fingerprint.h); when versions changed,
     # step() takes them again and compares them on the GPU (a few bytes read on the host, as
     # validating clipping reads), and only a changed value takes the step back. A fingerprint
-    # tells a scaling by any other factor (a clip that clipped) every time; another change, but for
-    # one chance in about 2^64. That costs one more read of the gradients in backward and one in
-    # step(), about a thousandth of the gradients' bytes over the GPU's memory bandwidth a
-    # millisecond, against a redo of the whole step.
+    # tells a scaling of finite values by any other factor (a clip that clipped) every time, and
+    # another change but by a rare accident of the sums. The price is two more reads of the
+    # gradients a step (one in backward, one in step()), against a redo of the whole step. A
+    # gradient that comes after its layer stepped without one, or one the loop set to None,
+    # changed too. Streamed gradients (roles="all") are gone from the GPU by step(): no
+    # fingerprints, and any version change redoes the step.
     def gradients_changed(self, scaler_checked: bool) -> bool:
         allowed = 1 if scaler_checked else 0
         written = []
@@ -205,8 +223,10 @@ class Overlap:
             if seen is None:
                 continue
             grad, version = seen
-            if p.grad is None:
-                return True
+            if grad is None and p.grad is None:
+                continue  # sat the step out, and still has no gradient
+            if grad is None or p.grad is None:
+                return True  # a gradient came after its layer stepped, or the loop dropped one
             if p.grad is not grad or local(p.grad)._version - version > allowed:
                 written.append(p)
         if not written:
@@ -226,11 +246,12 @@ class Overlap:
                 return False
             before.append(prints)
             after.append(_strata.fingerprints(grads))
+        if before[0].is_cuda:  # made on the hooks' stream (FSDP2's post-reduce), read on this one
+            for prints in before:
+                prints.record_stream(torch.cuda.current_stream())
         before, after = torch.cat(before), torch.cat(after)
         if before.device != after.device or before.shape != after.shape:
             return False
-        if before.is_cuda:
-            before.record_stream(torch.cuda.current_stream())  # made on the hooks' stream
         differ = (before != after).any().to(torch.float32)
         return read_scalars(differ)[0] == 0.0
 
@@ -239,7 +260,7 @@ class Overlap:
     def step_ended(self, outcome: str | None, grad_scale: torch.Tensor | None) -> None:
         self._versions = {}
         self._prints, self._printed = [], set()
-        self._layer_seen = {}
+        self._param_seen = {}
         self._learn_passes()
         if self._runtime.overlap == "backward":
             self._adapt_speculation(outcome)
@@ -346,13 +367,13 @@ class Overlap:
     # A layer is done once every parameter of it has had its post-accumulate-grad hook this step
     # (See Note [Stepping in backward under FSDP2] in strata/optim.py).
     def _hook_gradients(self) -> None:
-        self._layer_size, self._layer_seen = {}, {}
+        self._layer_params, self._param_seen = {}, {}
         params = list(self._trainable)
         for p in params:
             layer = self._runtime._layer_of.get(id(p))
             if layer is None:
                 continue  # bound by its owner under another name: stepped after backward
-            self._layer_size[layer] = self._layer_size.get(layer, 0) + 1
+            self._layer_params.setdefault(layer, []).append(p)
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(layer)))
         units = fsdp_modules()
         modules = {id(units[id(p)]): units[id(p)] for p in params if id(p) in units}
@@ -377,37 +398,41 @@ class Overlap:
     # A loop may run several backward passes before step() (gradient accumulation: nanoGPT, HF
     # Trainer's gradient_accumulation_steps), and nothing tells strata which is the last. A layer
     # may be stepped in backward only in the last: the next forward must read the parameters as
-    # they were. So the optimizer counts the passes of each step (a layer's pass ends when every
-    # parameter of it has had its gradient hook) and steps a layer in backward only in the pass
-    # whose number is the last step's count; in the other passes, and in steps run after backward,
-    # the hooks only begin the runtime's step, and step() runs it as without overlap. When a step
-    # has more passes than the last, the forward of the next one shows it before it reads a
-    # parameter: while layers stepped in backward wait for step(), a forward pre-hook on every
-    # module (registered only then, so that forwards at other times pay nothing) looks at each
-    # module called; one that holds a parameter of a stepped layer takes the step back (the
-    # parameters and states as they were) before its forward runs, and the rest of that step's
-    # passes only accumulate; the step counts as redone (See Note [When to step in backward]), and
-    # the next steps step in backward in their last pass. zero_grad() before step() takes it back
-    # too, and so does such a forward once the loop dropped or changed the gradients
-    # (model.zero_grad()): torch would have changed nothing, and the count starts again. A
-    # forward during backward of layers not yet stepped (activation checkpointing recomputes the
-    # layer about to run backward) changes nothing. A parameter read outside a module's forward
-    # (p.norm() between backward and step()) is not seen: it holds the step's result already. A
-    # backward with no forward before it (backward(retain_graph=True) twice) cannot be taken back
-    # in time, and raises.
+    # they were. So the optimizer counts the passes of each step (a layer has ended k passes when
+    # each of its parameters has had its gradient hook k times; a parameter no pass uses keeps its
+    # layer for step()) and steps a layer in backward only in the pass whose number is the last
+    # step's count; in the other passes, and in steps run after backward, the hooks only begin the
+    # runtime's step, and step() runs it as without overlap. When a step has more passes than the
+    # last, the forward of the next one shows it before it reads a parameter: while layers stepped
+    # in backward wait for step(), a forward pre-hook on every module (registered only then, so
+    # that forwards at other times pay nothing) looks at each module called; one that holds a
+    # parameter of a stepped layer takes the step back (the parameters and states as they were)
+    # before its forward runs, and the rest of that step's passes only accumulate; the step counts
+    # as redone (See Note [When to step in backward]), and the next steps step in backward in their
+    # last pass. zero_grad() before step() takes it back too, and so does such a forward once the
+    # loop set a gradient the step read to None (model.zero_grad()): torch would have changed
+    # nothing, and the count starts again. A forward during backward of layers not yet stepped
+    # (activation checkpointing recomputes the layer about to run backward) changes nothing, and
+    # close() between backward and step() takes the step back. What the hook cannot see: a
+    # backward with no forward before it (backward(retain_graph=True) twice) reaches a stepped
+    # layer too late, and raises (the next steps step in the last of as many passes); and a
+    # parameter read or written outside a module's call between backward and step() (p.norm(),
+    # model.forward(x) called directly, a TorchScript module, FSDP2's explicit unshard() ahead of
+    # the next forward, a manual clamp) sees the step's result: such loops pass overlap="none".
     def _grad_hook(self, layer: int):
-        def hook(_param):
+        def hook(param):
             if self.accumulating:
                 return
-            seen = self._layer_seen.get(layer, 0) + 1
-            self._layer_seen[layer] = seen
-            size = self._layer_size[layer]
-            if seen % size:
-                return
-            passes = seen // size
+            before = self._layer_passes(layer)
+            self._param_seen[id(param)] = self._param_seen.get(id(param), 0) + 1
+            passes = self._layer_passes(layer)
+            if passes == before:
+                return  # the pass goes on: a parameter of the layer has not had its hook
             self._passes_now = max(self._passes_now, self._passes_before + passes)
             self._begin_step()
             if layer in self._stepped:
+                # The next step steps in backward in the last of as many passes.
+                self._passes = max(self._passes, self._passes_now)
                 self._abandon_backward()
                 raise RuntimeError(
                     f"strata.optim.{self._name}: layer {layer}'s gradients were accumulated "
@@ -430,6 +455,11 @@ class Overlap:
 
         return hook
 
+    # The passes a layer has ended this step: as many as the hooks of its parameter that had the
+    # fewest (See Note [Backward passes before a step]).
+    def _layer_passes(self, layer: int) -> int:
+        return min(self._param_seen.get(id(p), 0) for p in self._layer_params[layer])
+
     # A module's forward while layers stepped in backward wait for step(): one that holds their
     # parameters takes the step back first (See Note [Backward passes before a step]).
     def _forward_guard(self, module, _args) -> None:
@@ -437,10 +467,18 @@ class Overlap:
             return
         layer_of = self._runtime._layer_of
         if any(layer_of.get(id(p)) in self._stepped for p in module.parameters()):
-            if self.gradients_changed(False):  # dropped (model.zero_grad()): a step begins anew
+            if self._gradients_dropped():  # model.zero_grad(): a step begins anew
                 self.gradients_dropped("a forward after the gradients were dropped ran")
             else:  # another backward pass of this step comes
                 self.take_back("a forward ran")
+
+    # Whether the loop dropped a gradient a step in backward read (set it to None).
+    def _gradients_dropped(self) -> bool:
+        return any(
+            grad is not None and p.grad is None
+            for p in self._trainable
+            for grad, _ in [self._versions.get(id(p), (None, 0))]
+        )
 
     def _remove_guard(self) -> None:
         if self._guard is not None:
@@ -464,14 +502,14 @@ class Overlap:
         """zero_grad() before step(), or a forward after the loop dropped or changed the
         gradients: what this step's backward stepped is taken back, and the count of its backward
         passes starts again (See Note [Backward passes before a step])."""
-        if self._stepped:
+        if self._adam is not None and self._adam.overlapped_step_open():
             self._abandon_backward()
             self._tell_taken_back(why)
-        self._layer_seen = {}
+        self._param_seen = {}
         self._versions = {}
         self._prints, self._printed = [], set()
         self._passes_now = self._passes_before = 0
-        self._after_only = False
+        self._after_only = self._taken_back = False
 
     def _tell_taken_back(self, why: str) -> None:
         level = logging.DEBUG if self._told_taken_back else logging.INFO
@@ -518,7 +556,7 @@ class Overlap:
             self._runtime._rt.end_step()
         finally:
             self._adam.set_step_in_backward(self._speculating)
-            self._layer_seen = {}
+            self._param_seen = {}
             self._versions = {}
             self._prints, self._printed = [], set()
             self._stepped = set()

@@ -172,8 +172,13 @@ class Adam(torch.optim.Optimizer):
                 )
         self._owns_runtime = runtime is None
         if runtime is None:  # See Note [Overlap by default] in strata/_overlap.py
+            replicated = (
+                torch.distributed.is_available()
+                and torch.distributed.is_initialized()
+                and not is_dtensor(first)
+            )
             overlap, overlap_from = choose_overlap(
-                overlap, policy, local(first).is_cuda and device != "simulated"
+                overlap, policy, local(first).is_cuda and device != "simulated", replicated
             )
         # None until the first step has run (See Note [The automatic budget] in strata/budget.py).
         self._auto_budget = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
@@ -326,7 +331,7 @@ class Adam(torch.optim.Optimizer):
             return
         if not self._adam.overlapped_step_open():
             self._sync_hyper()  # the step begins: with the hyperparameters as they are now
-        skipped, read = [], []
+        skipped, read, absent = [], [], []
         for p in self._runtime._layer_users[layer]:
             if id(p) not in self._param_name:
                 continue  # another optimizer's
@@ -334,7 +339,8 @@ class Adam(torch.optim.Optimizer):
                 read.append(p)
             else:
                 skipped.append(self._runtime.bound_tensors(p)[0])
-        self._overlap.keep_versions(read)
+                absent.append(p)
+        self._overlap.keep_versions(read, absent)
         if skipped:
             self._adam.skip_parameters(skipped)
         self._give_gradients(self._runtime._layer_users[layer])

@@ -254,3 +254,118 @@ def test_fingerprints_tell_any_scaling_and_not_a_rewrite_with_the_same_values():
     assert not torch.equal(_strata.fingerprints([swapped]), before[:1])
     with pytest.raises(ValueError, match="contiguous"):
         _strata.fingerprints([torch.zeros(4, 4).t()])
+
+
+class SometimesHead(torch.nn.Module):
+    """One strata layer (layer_bytes large) whose second Linear is used only in the last of a
+    step's passes: its hooks end fewer passes than the first's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(16, 4)
+        self.extra = torch.nn.Linear(16, 4)
+
+    def forward(self, x, use_extra=False):
+        out = self.body(x)
+        return out + self.extra(x) if use_extra else out
+
+
+def test_a_parameter_used_only_in_the_last_pass_is_stepped_with_its_gradient():
+    def loop(model, opt, steps):
+        for step in range(steps):
+            x, y = batch(step)
+            passes = 4 if step >= 2 else 2
+            for i, (xs, ys) in enumerate(zip(x.chunk(passes), y.chunk(passes))):
+                F.mse_loss(model(xs, use_extra=i == passes - 1), ys).backward()
+            opt.step()
+            opt.zero_grad()
+        return [], []
+
+    ref = SometimesHead()
+    loop(ref, torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER), 6)
+    for overlap in ("none", "backward"):
+        model = SometimesHead()
+        opt = strata.optim.AdamW(
+            model.parameters(), policy="layer_prefetch", overlap=overlap, **HYPER
+        )
+        loop(model, opt, 6)
+        assert_close(params_of(model), params_of(ref), rel=1e-5)
+        assert opt.close() == []
+
+
+def test_a_backward_run_twice_raises_once_and_the_next_steps_step_in_the_last_pass():
+    model = Mlp()
+    opt = make_opt(model, "layer_prefetch", "backward")
+    x, y = batch(0)
+    loss = F.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="accumulated again"):
+        loss.backward()
+    opt.zero_grad()
+    outcomes = []
+    for step in range(1, 6):  # the same loop, now stepping in its second pass
+        x, y = batch(step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        outcomes.append(opt.last_step_outcome)
+    assert outcomes[-1] == "speculation"
+    assert opt.close() == []
+
+
+def test_closing_between_backward_and_step_takes_the_step_back():
+    model = Mlp()
+    before = params_of(model)
+    opt = make_opt(model, "layer_prefetch", "backward")
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    assert opt._adam.overlapped_step_open()
+    assert opt.close() == []
+    assert_bitwise(params_of(model), before)
+
+
+def test_an_evaluation_then_a_skipped_step_leaves_the_next_step_clean():
+    model = Mlp()
+    opt = make_opt(model, "layer_prefetch", "backward")
+    outcomes = []
+    for step in range(6):
+        x, y = batch(step)
+        F.mse_loss(model(x), y).backward()
+        if step == 3:
+            with torch.no_grad():
+                model(x)  # takes the step back
+            opt.zero_grad()  # and the loop skips it
+            continue
+        opt.step()
+        opt.zero_grad()
+        outcomes.append(opt.last_step_outcome)
+    assert outcomes[-2:] == ["speculation", "speculation"]  # the step after is not "redone"
+    assert opt.close() == []
+
+
+def test_ddp_steps_after_backward_by_default():
+    assert choose_overlap(None, "layer_prefetch", True, replicated=True)[0] == "none"
+    assert choose_overlap("backward", "layer_prefetch", True, replicated=True)[0] == "backward"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_step_skipped_with_zero_grad_under_attach_changes_nothing(policy):
+    def skip(model, opt, step):
+        if step in (3, 6):
+            opt.zero_grad()
+            return SKIP
+        return None
+
+    loop = plain_loop(skip)
+    _, want_params, _ = run(None, None, loop)
+    model = Mlp()
+    rt = strata.Runtime(policy=policy, roles="all", device="simulated", overlap="backward")
+    strata.attach(model, rt)
+    opt = strata.optim.AdamW(model.parameters(), runtime=rt, **HYPER)
+    loop(model, opt, 10)
+    assert_close(params_of(model), want_params, rel=1e-5)
+    assert opt.close() == []
+    assert rt.close() == []

@@ -1,8 +1,9 @@
 // strata's Adam through the runtime, on the simulated device: against LibTorch's torch::optim::Adam
 // and AdamW over 100 steps with several parameter groups (rtol 1e-5, atol 1e-6; the largest
 // differences are printed), D2 of RELIABILITY.md (bitwise equal parameters and moments under
-// keep_on_gpu, bulk offloading every step and layer_prefetch, exact step counters), and the bad
-// inputs Adam rejects before anything runs.
+// keep_on_gpu, bulk offloading every step and layer_prefetch, exact step counters), per-parameter
+// steps, and the bad inputs Adam rejects before anything runs. Checkpoints (D3) are in
+// adam_checkpoint_test.cpp.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -19,89 +20,13 @@
 #include "base/units.h"
 #include "optim/adam.h"
 #include "policies/builtin.h"
+#include "tests/optim/adam_test_model.h"
 #include "tests/runtime/runtime_test_util.h"
 
 namespace strata::optim {
 namespace {
 
-using rt::Role;
-using rt::RoleSet;
-using rt::TensorHandle;
-using rt::Tier;
-using rt::testing::make_runtime;
-using rt::testing::read_all;
-using rt::testing::spec;
-
-constexpr int kLayers = 4;
-const std::size_t kNumel[kLayers] = {257, 1000, 3, 4096};
-
-struct Model {
-  std::vector<TensorHandle> params, grads;
-};
-
-Model register_model(rt::Runtime& runtime, const std::vector<std::vector<float>>& init) {
-  Model m;
-  for (int l = 0; l < kLayers; ++l) {
-    m.params.push_back(*runtime.register_tensor(
-        spec(str_cat("l", l, ".w"), l, Role::kParameter, kNumel[l]), init[l].data()));
-    m.grads.push_back(
-        *runtime.register_tensor(spec(str_cat("l", l, ".w.grad"), l, Role::kGradient, kNumel[l])));
-  }
-  return m;
-}
-
-std::vector<std::vector<float>> initial_values() {
-  std::vector<std::vector<float>> out;
-  for (int l = 0; l < kLayers; ++l) {
-    torch::manual_seed(l);
-    torch::Tensor t = torch::randn({static_cast<long>(kNumel[l])});
-    out.emplace_back(t.data_ptr<float>(), t.data_ptr<float>() + kNumel[l]);
-  }
-  return out;
-}
-
-std::vector<float> gradient(int layer, int step) {
-  torch::manual_seed(1000 * step + layer);
-  torch::Tensor g = torch::randn({static_cast<long>(kNumel[layer])}) * 0.1;
-  return {g.data_ptr<float>(), g.data_ptr<float>() + kNumel[layer]};
-}
-
-// Groups: layers 0-1 one set of hyperparameters, layers 2-3 another.
-AdamOptions options_for(const Model& m, bool decoupled, bool amsgrad) {
-  AdamOptions o;
-  o.groups.resize(2);
-  o.groups[0].hyper = {
-      .lr = 1e-2f, .weight_decay = 0.05f, .decoupled = decoupled, .amsgrad = amsgrad};
-  o.groups[1].hyper = {.lr = 3e-3f,
-                       .beta1 = 0.8f,
-                       .beta2 = 0.99f,
-                       .eps = 1e-6f,
-                       .weight_decay = 0.0f,
-                       .decoupled = decoupled,
-                       .amsgrad = amsgrad};
-  for (int l = 0; l < kLayers; ++l)
-    o.groups[l < 2 ? 0 : 1].params.push_back({m.params[l], m.grads[l]});
-  return o;
-}
-
-void run_steps(rt::Runtime& runtime, Adam& adam, const Model& m, int steps) {
-  for (int step = 1; step <= steps; ++step) {
-    for (int l = 0; l < kLayers; ++l) {
-      ASSERT_TRUE(runtime.write(m.grads[l], gradient(l, step).data()).ok());
-    }
-    ASSERT_TRUE(runtime.begin_step().ok());
-    absl::Status s = adam.step();
-    ASSERT_TRUE(s.ok()) << s;
-    ASSERT_TRUE(runtime.end_step().ok());
-  }
-}
-
-std::vector<float> as_floats(rt::Runtime& runtime, TensorHandle h) {
-  std::vector<unsigned char> raw = read_all(runtime, h);
-  std::vector<float> out(raw.size() / 4);
-  std::memcpy(out.data(), raw.data(), raw.size());
-  return out;
-}
+using namespace adam_testing;  // NOLINT(build/namespaces): the shared model
 
 class AgainstTorchTest : public ::testing::TestWithParam<std::pair<bool, bool>> {};
 
@@ -382,190 +307,6 @@ TEST(GpuD2Test, GpuBitwiseEqualUnderEveryPolicy) {
   }
 }
 
-// D3 of RELIABILITY.md: optimizer state saved from whichever tier holds it and loaded into a fresh
-// runtime (whose policy places it) is bitwise equal, with exact step counters, and training goes
-// on identically.
-std::map<std::string, std::vector<unsigned char>> states_of(rt::Runtime& runtime) {
-  std::map<std::string, std::vector<unsigned char>> out;
-  for (TensorHandle h : runtime.tensors()) {
-    rt::TensorInfo i = *runtime.info(h);
-    if (i.spec.role == Role::kOptimizerState || i.spec.role == Role::kParameter) {
-      out[i.spec.name] = read_all(runtime, h);
-    }
-  }
-  return out;
-}
-
-// states_of without the masters of float32 parameters (every parameter here), after checking
-// that each is its parameter's value (See Note [Float32 masters follow the split] in
-// optim/adam_placement.cpp).
-std::map<std::string, std::vector<unsigned char>> states_but_masters(rt::Runtime& runtime) {
-  std::map<std::string, std::vector<unsigned char>> out = states_of(runtime);
-  std::erase_if(out, [&](const auto& entry) {
-    const std::string& name = entry.first;
-    if (!name.ends_with(".master")) return false;
-    const std::string param = name.substr(0, name.size() - std::string(".master").size());
-    EXPECT_TRUE(out.count(param) == 1 && out.at(param) == entry.second) << name;
-    return true;
-  });
-  return out;
-}
-
-TEST(D3Test, CheckpointRoundTripFromEveryTier) {
-  const auto init = initial_values();
-  struct Case {
-    std::string from;
-    rt::PolicyConfig from_config;
-    bool offload_before_save;
-    std::string to;
-    rt::PolicyConfig to_config = {};
-  };
-  // Every layer stepped on the host: float32 parameters with masters there, which checkpoints
-  // leave out (See Note [Float32 masters follow the split] in optim/adam_placement.cpp).
-  const rt::PolicyConfig on_host{.prefetch_depth = 1, .hybrid_fraction = 0.0};
-  const std::vector<Case> cases = {
-      {"keep_on_gpu", {}, false, "layer_prefetch"},                     // states on the GPU
-      {"layer_prefetch", {.prefetch_depth = 1}, false, "keep_on_gpu"},  // states pinned
-      {"bulk", {.roles = RoleSet::optimizer_states()}, true, "bulk"},   // offloaded to pinned
-      {"hybrid", on_host, false, "layer_prefetch", {.prefetch_depth = 1}},
-      {"layer_prefetch", {.prefetch_depth = 1}, false, "hybrid", on_host},
-  };
-  for (const Case& c : cases) {
-    auto [a, a_dev] = make_runtime(c.from, c.from_config);
-    Model ma = register_model(*a, init);
-    auto adam_a = *Adam::create(*a, options_for(ma, true, true));
-    run_steps(*a, *adam_a, ma, 30);
-    if (c.offload_before_save) {
-      ASSERT_TRUE(a->offload_all().ok());
-    }
-    const Tier saved_from = a->info(*a->find("l0.w.exp_avg"))->tier;
-    if (c.from == "hybrid") EXPECT_TRUE(a->find("l0.w.master").ok()) << "a master to leave out";
-    std::stringstream file;
-    ASSERT_TRUE(adam_a->save(file).ok());
-    const std::int64_t gpu_peak = a->allocator().stats(Tier::kGpu).allocated_bytes.peak;
-
-    // A fresh runtime: the parameters come from the model checkpoint (here: copied over).
-    auto [b, b_dev] = make_runtime(c.to, c.to_config);
-    std::vector<std::vector<float>> params;
-    for (int l = 0; l < kLayers; ++l) {
-      std::vector<unsigned char> raw = read_all(*a, ma.params[l]);
-      params.emplace_back(reinterpret_cast<float*>(raw.data()),
-                          reinterpret_cast<float*>(raw.data()) + kNumel[l]);
-    }
-    Model mb = register_model(*b, params);
-    auto adam_b = *Adam::create(*b, options_for(mb, true, true));
-    absl::Status loaded = adam_b->load(file);
-    ASSERT_TRUE(loaded.ok()) << loaded;
-    if (c.to == "hybrid") EXPECT_TRUE(b->find("l0.w.master").ok()) << "a master to take";
-    EXPECT_EQ(adam_b->step_count(0), 30);
-    EXPECT_EQ(adam_b->step_count(1), 30);
-    EXPECT_EQ(states_but_masters(*b), states_but_masters(*a)) << c.from << " -> " << c.to;
-    if (saved_from != Tier::kGpu) {
-      EXPECT_EQ(a->allocator().stats(Tier::kGpu).allocated_bytes.peak, gpu_peak)
-          << "saving from " << alloc::tier_name(saved_from) << " must not bring states to the GPU";
-    }
-    if (c.offload_before_save) {
-      ASSERT_TRUE(a->reload_all().ok());
-    }
-    run_steps(*a, *adam_a, ma, 20);
-    run_steps(*b, *adam_b, mb, 20);
-    EXPECT_EQ(states_but_masters(*b), states_but_masters(*a))
-        << "training diverged after " << c.from << " -> " << c.to;
-  }
-}
-
-TEST(D3Test, CorruptTruncatedOrForeignCheckpointsAreRefusedAndChangeNothing) {
-  const auto init = initial_values();
-  auto [a, a_dev] = make_runtime("keep_on_gpu");
-  Model ma = register_model(*a, init);
-  auto adam = *Adam::create(*a, options_for(ma, true, false));
-  run_steps(*a, *adam, ma, 3);
-  std::stringstream file;
-  ASSERT_TRUE(adam->save(file).ok());
-  const std::string good = file.str();
-  const auto before = states_of(*a);
-  auto load = [&](const std::string& bytes) {
-    std::stringstream in(bytes);
-    return adam->load(in);
-  };
-  std::string corrupt = good;
-  corrupt[corrupt.size() / 2] ^= 0x40;
-  EXPECT_EQ(load(corrupt).message(), "Adam checkpoint: checksum mismatch (corrupt)");
-  EXPECT_EQ(load(good.substr(0, good.size() - 9)).code(), absl::StatusCode::kDataLoss);
-  EXPECT_EQ(load("not a checkpoint").code(), absl::StatusCode::kDataLoss);
-  EXPECT_EQ(states_of(*a), before);
-  EXPECT_EQ(adam->step_count(0), 3);
-  // Another model's checkpoint: layer 3 has 4096 floats here, 4095 there.
-  auto [c, c_dev] = make_runtime("keep_on_gpu");
-  Model mc;
-  for (int l = 0; l < kLayers; ++l) {
-    const std::size_t n = l == 3 ? 4095 : kNumel[l];
-    mc.params.push_back(*c->register_tensor(spec(str_cat("l", l, ".w"), l, Role::kParameter, n)));
-    mc.grads.push_back(
-        *c->register_tensor(spec(str_cat("l", l, ".w.grad"), l, Role::kGradient, n)));
-  }
-  auto other = *Adam::create(*c, options_for(mc, true, false));
-  std::stringstream in(good);
-  EXPECT_EQ(other->load(in).message(),
-            "Adam checkpoint: state 'l3.w.exp_avg' has 16384 bytes; here it has 16380");
-  EXPECT_EQ(other->step_count(0), 0);
-}
-
-// A checkpoint saved before float32 masters were left out (See Note [Float32 masters follow the
-// split] in optim/adam_placement.cpp) holds one for each float32 parameter stepped on the host:
-// it still loads, each master read and dropped, the master taken from the parameter. Such a
-// master twice, or in place of a state, is refused and changes nothing.
-TEST(D3Test, ACheckpointThatHoldsFloat32MastersStillLoads) {
-  const auto init = initial_values();
-  auto [a, a_dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1});
-  Model ma = register_model(*a, init);
-  auto adam = *Adam::create(*a, options_for(ma, true, true));
-  run_steps(*a, *adam, ma, 5);
-  std::stringstream file;
-  ASSERT_TRUE(adam->save(file).ok());
-  const std::string saved = file.str();
-  // The tensors come last: u32 count, then each {u32 name length, name, u64 bytes, bytes}; the
-  // FNV-1a of everything before it closes the file.
-  const std::size_t first = saved.find("l0.w.exp_avg") - sizeof(std::uint32_t);
-  const std::size_t count_at = first - sizeof(std::uint32_t);
-  auto entry = [](const std::string& name, const std::vector<float>& v) {
-    std::string out;
-    const auto len = static_cast<std::uint32_t>(name.size());
-    const std::uint64_t bytes = v.size() * sizeof(float);
-    out.append(reinterpret_cast<const char*>(&len), sizeof(len)).append(name);
-    out.append(reinterpret_cast<const char*>(&bytes), sizeof(bytes));
-    return out.append(reinterpret_cast<const char*>(v.data()), bytes);
-  };
-  auto with = [&](const std::vector<std::string>& extra, int more, std::size_t drop_first) {
-    std::string body = saved.substr(0, saved.size() - sizeof(std::uint64_t));
-    std::uint32_t count = 0;
-    std::memcpy(&count, body.data() + count_at, sizeof(count));
-    count += more;
-    std::memcpy(body.data() + count_at, &count, sizeof(count));
-    std::string entries;
-    for (const std::string& e : extra) entries += e;
-    body = body.substr(0, first) + entries + body.substr(first + drop_first);
-    std::uint64_t h = 1469598103934665603ull;
-    for (unsigned char c : body) h = (h ^ c) * 1099511628211ull;
-    return body.append(reinterpret_cast<const char*>(&h), sizeof(h));
-  };
-  const std::vector<float> stale(kNumel[0], 123.0f);  // not the parameter: dropped
-  const std::string master = entry("l0.w.master", stale);
-  const auto before = states_of(*a);
-  auto load = [&](const std::string& bytes) {
-    std::stringstream in(bytes);
-    return adam->load(in);
-  };
-  // The first tensor's entry, to take out for the refused case.
-  const std::size_t first_bytes = 4 + 12 + 8 + kNumel[0] * sizeof(float);
-  EXPECT_EQ(load(with({master, master}, 2, 0)).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(load(with({master}, 0, first_bytes)).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(states_of(*a), before);
-  const absl::Status loaded = load(with({master}, 1, 0));
-  ASSERT_TRUE(loaded.ok()) << loaded;
-  EXPECT_EQ(states_of(*a), before);
-}
-
 #ifdef STRATA_HAS_CUDA
 // C1 of RELIABILITY.md on a real GPU: the copy streams are held up at random (host functions that
 // sleep) while layer_prefetch moves states around the Adam step; the results equal keep_on_gpu's.
@@ -710,7 +451,9 @@ TEST_P(PerParameterStepsTest, SkippedParametersAreUntouchedAndKeepTheirOwnCounts
     const std::vector<unsigned char> layer1 = read_all(*runtime, m.params[1]);
     const std::vector<unsigned char> layer0 = read_all(*runtime, m.params[0]);
     const bool skip = step == 2 || step == 3;
-    if (skip) ASSERT_TRUE(adam->skip_parameters({m.params[1]}).ok());
+    if (skip) {
+      ASSERT_TRUE(adam->skip_parameters({m.params[1]}).ok());
+    }
     EXPECT_EQ(adam->skipped_this_step(m.params[1]), skip);
     ASSERT_TRUE(runtime->begin_step().ok());
     ASSERT_TRUE(adam->step().ok());

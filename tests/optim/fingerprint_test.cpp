@@ -57,7 +57,9 @@ TEST(FingerprintTest, SameValuesSamePrintAndEveryScalingButOneChangesIt) {
     std::vector<float> scaled = g;
     for (float& x : scaled) x *= c;
     EXPECT_NE(print_of(scaled), before) << c;
-    if (c < 0.999f || c > 1.001f) EXPECT_NE(print_of(to_bf16(scaled)), before_bf16) << c;
+    if (c < 0.999f || c > 1.001f) {
+      EXPECT_NE(print_of(to_bf16(scaled)), before_bf16) << c;
+    }
   }
 }
 
@@ -89,9 +91,13 @@ TEST(GpuFingerprintTest, GpuFingerprintIsTheHosts) {
     ASSERT_EQ(cudaMalloc(&data, std::max<std::size_t>(4 * n, 4)), cudaSuccess);
     ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&out), 4 * sizeof(std::int64_t)), cudaSuccess);
     ASSERT_EQ(cudaMemset(out, 0, 4 * sizeof(std::int64_t)), cudaSuccess);
-    if (n > 0) ASSERT_EQ(cudaMemcpy(data, g.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
+    if (n > 0) {
+      ASSERT_EQ(cudaMemcpy(data, g.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
+    }
     ASSERT_EQ(fingerprint_cuda(data, static_cast<std::int64_t>(n), 4, out, nullptr), cudaSuccess);
-    if (n > 0) ASSERT_EQ(cudaMemcpy(data, low.data(), 2 * n, cudaMemcpyHostToDevice), cudaSuccess);
+    if (n > 0) {
+      ASSERT_EQ(cudaMemcpy(data, low.data(), 2 * n, cudaMemcpyHostToDevice), cudaSuccess);
+    }
     ASSERT_EQ(fingerprint_cuda(data, static_cast<std::int64_t>(n), 2, out + 2, nullptr),
               cudaSuccess);
     std::vector<std::int64_t> got(4);
