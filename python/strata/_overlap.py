@@ -105,7 +105,12 @@ class Overlap:
         self._spec_scale: torch.Tensor | None = None
         self._hooks: list = []
         self._layer_params: dict = {}  # layer -> its parameters this optimizer hooks
-        self._param_seen: dict = {}  # id(parameter) -> its gradient hooks this step
+        # This step's gradient hooks (See Note [Backward passes before a step]): per parameter
+        # (by id), and per layer the passes it has ended and how many of its parameters have had
+        # no more hooks than that.
+        self._param_seen: dict = {}
+        self._layer_low: dict = {}
+        self._layer_left: dict = {}
         # Backward passes a step (See Note [Backward passes before a step]): learned from the last
         # step; this step's so far; the layers stepped in this step's backward, and the forward
         # guard that takes them back.
@@ -154,6 +159,8 @@ class Overlap:
             if self._adam is not None and self._adam.overlapped_step_open():
                 # The loop ended between backward and step(): torch would have stepped nothing.
                 self._abandon_backward()
+            if self._adam is not None:
+                self._adam.set_step_in_backward(False)
         finally:
             for h in self._hooks:
                 h.remove()
@@ -260,7 +267,7 @@ class Overlap:
     def step_ended(self, outcome: str | None, grad_scale: torch.Tensor | None) -> None:
         self._versions = {}
         self._prints, self._printed = [], set()
-        self._param_seen = {}
+        self._reset_counts()
         self._learn_passes()
         if self._runtime.overlap == "backward":
             self._adapt_speculation(outcome)
@@ -367,7 +374,8 @@ class Overlap:
     # A layer is done once every parameter of it has had its post-accumulate-grad hook this step
     # (See Note [Stepping in backward under FSDP2] in strata/optim.py).
     def _hook_gradients(self) -> None:
-        self._layer_params, self._param_seen = {}, {}
+        self._layer_params = {}
+        self._reset_counts()
         params = list(self._trainable)
         for p in params:
             layer = self._runtime._layer_of.get(id(p))
@@ -419,14 +427,14 @@ class Overlap:
     # parameter read or written outside a module's call between backward and step() (p.norm(),
     # model.forward(x) called directly, a TorchScript module, FSDP2's explicit unshard() ahead of
     # the next forward, a manual clamp) sees the step's result: such loops pass overlap="none".
+    # A parameter of a layer used only in some passes can end the layer's pass before another
+    # parameter's gradient of that pass has come; the other's new version then redoes the step.
     def _grad_hook(self, layer: int):
         def hook(param):
             if self.accumulating:
                 return
-            before = self._layer_passes(layer)
-            self._param_seen[id(param)] = self._param_seen.get(id(param), 0) + 1
-            passes = self._layer_passes(layer)
-            if passes == before:
+            passes = self._count_hook(layer, param)
+            if passes is None:
                 return  # the pass goes on: a parameter of the layer has not had its hook
             self._passes_now = max(self._passes_now, self._passes_before + passes)
             self._begin_step()
@@ -455,10 +463,28 @@ class Overlap:
 
         return hook
 
-    # The passes a layer has ended this step: as many as the hooks of its parameter that had the
-    # fewest (See Note [Backward passes before a step]).
-    def _layer_passes(self, layer: int) -> int:
-        return min(self._param_seen.get(id(p), 0) for p in self._layer_params[layer])
+    # Counts param's gradient hook; the passes `layer` has now ended if this hook ended one, else
+    # None. A layer has ended as many passes as the hooks of its parameter that had the fewest
+    # (See Note [Backward passes before a step]); the layer's parameters are read only when that
+    # number may have grown, so a pass costs a look at each parameter once.
+    def _count_hook(self, layer: int, param) -> int | None:
+        had = self._param_seen.get(id(param), 0)
+        self._param_seen[id(param)] = had + 1
+        params = self._layer_params[layer]
+        low = self._layer_low.get(layer, 0)
+        if had != low:
+            return None
+        left = self._layer_left.get(layer, len(params)) - 1
+        self._layer_left[layer] = left
+        if left > 0:
+            return None
+        counts = [self._param_seen.get(id(p), 0) for p in params]
+        low = min(counts)
+        self._layer_low[layer], self._layer_left[layer] = low, counts.count(low)
+        return low
+
+    def _reset_counts(self) -> None:
+        self._param_seen, self._layer_low, self._layer_left = {}, {}, {}
 
     # A module's forward while layers stepped in backward wait for step(): one that holds their
     # parameters takes the step back first (See Note [Backward passes before a step]).
@@ -505,7 +531,7 @@ class Overlap:
         if self._adam is not None and self._adam.overlapped_step_open():
             self._abandon_backward()
             self._tell_taken_back(why)
-        self._param_seen = {}
+        self._reset_counts()
         self._versions = {}
         self._prints, self._printed = [], set()
         self._passes_now = self._passes_before = 0
@@ -556,7 +582,7 @@ class Overlap:
             self._runtime._rt.end_step()
         finally:
             self._adam.set_step_in_backward(self._speculating)
-            self._param_seen = {}
+            self._reset_counts()
             self._versions = {}
             self._prints, self._printed = [], set()
             self._stepped = set()

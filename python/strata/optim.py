@@ -175,7 +175,8 @@ class Adam(torch.optim.Optimizer):
             replicated = (
                 torch.distributed.is_available()
                 and torch.distributed.is_initialized()
-                and not is_dtensor(first)
+                and torch.distributed.get_world_size() > 1
+                and not any(is_dtensor(p) for p in self._trainable)
             )
             overlap, overlap_from = choose_overlap(
                 overlap, policy, local(first).is_cuda and device != "simulated", replicated
@@ -572,12 +573,22 @@ class Adam(torch.optim.Optimizer):
         if self._closed:
             return []
         self._closed = True
-        self._overlap.close()
-        self._runtime.wait_all()
-        self._adam = None
-        if self._owns_runtime:
-            return self._runtime.close()
-        return []
+        error = None
+        try:
+            self._overlap.close()  # takes back a step left open in backward
+        except Exception as e:  # noqa: BLE001: the runtime closes all the same; this one is raised
+            error = e
+        try:
+            self._runtime.wait_all()
+            self._adam = None
+            report = self._runtime.close() if self._owns_runtime else []
+        except Exception:
+            if error is not None:
+                raise error from None
+            raise
+        if error is not None:
+            raise error
+        return report
 
     def __del__(self):
         try:

@@ -369,3 +369,22 @@ def test_a_step_skipped_with_zero_grad_under_attach_changes_nothing(policy):
     assert_close(params_of(model), want_params, rel=1e-5)
     assert opt.close() == []
     assert rt.close() == []
+
+
+def test_close_closes_the_runtime_even_when_the_take_back_fails(monkeypatch):
+    model = Mlp()
+    opt = make_opt(model, "layer_prefetch", "backward")
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+
+    def fail():
+        raise RuntimeError("the take-back failed")
+
+    closed = []
+    real_close = opt.runtime.close
+    monkeypatch.setattr(opt._overlap, "_abandon_backward", fail)
+    monkeypatch.setattr(opt.runtime, "close", lambda: closed.append(1) or real_close())
+    # The first failure is the one raised, and the runtime was asked to close all the same.
+    with pytest.raises(RuntimeError, match="the take-back failed"):
+        opt.close()
+    assert closed == [1]
