@@ -265,9 +265,7 @@ class Overlap:
     # After step(): what the next step's backward starts from. `outcome` is the step's
     # last_step_outcome, `grad_scale` GradScaler's scale (None without one).
     def step_ended(self, outcome: str | None, grad_scale: torch.Tensor | None) -> None:
-        self._versions = {}
-        self._prints, self._printed = [], set()
-        self._reset_counts()
+        self._forget_backward()
         self._learn_passes()
         if self._runtime.overlap == "backward":
             self._adapt_speculation(outcome)
@@ -486,6 +484,13 @@ class Overlap:
     def _reset_counts(self) -> None:
         self._param_seen, self._layer_low, self._layer_left = {}, {}, {}
 
+    # What a step kept of its backward: the hooks counted, the gradients' versions and
+    # fingerprints.
+    def _forget_backward(self) -> None:
+        self._reset_counts()
+        self._versions = {}
+        self._prints, self._printed = [], set()
+
     # A module's forward while layers stepped in backward wait for step(): one that holds their
     # parameters takes the step back first (See Note [Backward passes before a step]).
     def _forward_guard(self, module, _args) -> None:
@@ -501,9 +506,8 @@ class Overlap:
     # Whether the loop dropped a gradient a step in backward read (set it to None).
     def _gradients_dropped(self) -> bool:
         return any(
-            grad is not None and p.grad is None
+            self._versions.get(id(p), (None, 0))[0] is not None and p.grad is None
             for p in self._trainable
-            for grad, _ in [self._versions.get(id(p), (None, 0))]
         )
 
     def _remove_guard(self) -> None:
@@ -531,9 +535,7 @@ class Overlap:
         if self._adam is not None and self._adam.overlapped_step_open():
             self._abandon_backward()
             self._tell_taken_back(why)
-        self._reset_counts()
-        self._versions = {}
-        self._prints, self._printed = [], set()
+        self._forget_backward()
         self._passes_now = self._passes_before = 0
         self._after_only = self._taken_back = False
 
@@ -582,9 +584,7 @@ class Overlap:
             self._runtime._rt.end_step()
         finally:
             self._adam.set_step_in_backward(self._speculating)
-            self._reset_counts()
-            self._versions = {}
-            self._prints, self._printed = [], set()
+            self._forget_backward()
             self._stepped = set()
             self._remove_guard()
 

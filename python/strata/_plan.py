@@ -115,12 +115,14 @@ def auto_depth(plan: list, budget: int | None, moments: int, state_dtype: str) -
 # The overlap and, under it, where a step in backward keeps its undo
 # (See Note [The undo on the GPU when there is room] in strata/budget.py).
 def overlap_line(runtime) -> str:
-    source = "" if runtime.overlap_from == "argument" else f"{runtime.overlap_from}; "
+    chosen = [] if runtime.overlap_from == "argument" else [runtime.overlap_from]
     if runtime.overlap != "backward":
-        return f"{runtime.overlap} ({source.rstrip('; ')})" if source else runtime.overlap
+        return f"{runtime.overlap} ({chosen[0]})" if chosen else runtime.overlap
     if runtime.undo_from == "undecided":
-        return f"backward ({source}undo on the GPU or the host: decided after the first step)"
-    return f"backward ({source}undo on the {'GPU' if runtime._rt.undo_on_gpu() else 'host'})"
+        undo = "undo on the GPU or the host: decided after the first step"
+    else:
+        undo = f"undo on the {'GPU' if runtime._rt.undo_on_gpu() else 'host'}"
+    return f"backward ({'; '.join(chosen + [undo])})"
 
 
 # The INFO line of what was chosen, the step placement's line when the policy places steps, and a
