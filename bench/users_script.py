@@ -355,6 +355,10 @@ def one_run(args):
             name = f"profile-{args.one}{depth}-b{args.batch}.txt"
             with open(os.path.join(args.profile, name), "w") as f:
                 f.write(f"3 steps of {args.one}, batch {args.batch}\n{table}\n")
+            # The streams' timeline, for chrome://tracing or Perfetto.
+            trace = os.path.join(args.profile, name[: -len(".txt")] + ".json")
+            prof.export_chrome_trace(trace)
+            subprocess.run(["gzip", "-f", trace], check=False)
     out = {
         "approach": args.one,
         "batch": args.batch,

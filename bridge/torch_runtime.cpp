@@ -12,6 +12,7 @@
 #include "base/status.h"
 #include "bridge/binding_state.h"
 #include "bridge/status.h"
+#include "bridge/torch_undo_memory.h"
 #include "c10/core/Storage.h"
 #include "c10/core/StorageImpl.h"
 #include "c10/core/impl/VirtualGuardImpl.h"
@@ -220,7 +221,13 @@ TorchBinding::TorchBinding(rt::Runtime& runtime)
   // Torch computes on its current stream; the runtime's hooks fence copies behind it
   // (See Note [Compute fence] in runtime/migration.cpp).
   if (!gpu_is_simulated_) {
-    runtime_.set_compute_stream(current_stream(c10::Device(c10::kCUDA, 0)));
+    const c10::Device cuda(c10::kCUDA, 0);
+    runtime_.set_compute_stream(current_stream(cuda));
+    // Copies kept for an undo take the blocks backward frees
+    // (See Note [The undo in the framework's memory] in runtime/undo_log.cpp).
+    const c10::impl::VirtualGuardImpl guard(cuda.type());
+    check(runtime_.set_undo_memory(
+        std::make_shared<TorchUndoMemory>(runtime_.device(), guard.getStream(cuda))));
   }
 }
 

@@ -30,6 +30,7 @@ set(strata_public_headers
     allocator/block_pool.h allocator/budget.h allocator/stats.h allocator/stream_ops.h
     allocator/tier.h allocator/tiered_allocator.h allocator/upstream.h
     runtime/device.h runtime/policy.h runtime/runtime.h runtime/step_costs.h runtime/tensor.h
+    runtime/undo_memory.h
     policies/builtin.h policies/step_cost_model.h
     optim/adam.h optim/adam_kernels.h optim/adam_math.h optim/state_codec.h optim/state_decl.h
     optim/lion_kernels.h optim/lion_math.h optim/step_rates.h optim/step_rule.h optim/step_tensor.h)

@@ -73,6 +73,7 @@
 #include "runtime/device.h"
 #include "runtime/policy.h"
 #include "runtime/tensor.h"
+#include "runtime/undo_memory.h"
 
 namespace strata::rt {
 
@@ -290,6 +291,11 @@ class Runtime {
   // with nothing kept: kFailedPrecondition otherwise.
   [[nodiscard]] absl::Status set_undo_on_gpu(bool on);
   bool undo_on_gpu() const;
+  // Where copies kept on the GPU for an undo come from: `memory`, or strata's GPU pool when null
+  // (See Note [The undo in the framework's memory] in undo_log.cpp); their bytes count in the GPU
+  // budget either way. The bridge sets torch's caching allocator. Between steps, with nothing
+  // kept: kFailedPrecondition otherwise.
+  [[nodiscard]] absl::Status set_undo_memory(std::shared_ptr<UndoMemory> memory);
   std::vector<int> optimizer_layer_order() const;
   // See Note [Step placement] in policy.h. Whether the policy places steps; handing it the
   // optimizer's costs (before the optimizer registers its states: kFailedPrecondition once any

@@ -28,6 +28,21 @@
 // in its slot as well as at home), then tells the policy. While the log holds anything, a step
 // cannot begin, tensors cannot go (unregister) and offload_all waits: each would outlive or move
 // what the log refers to.
+//
+// Note [The undo in the framework's memory]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A step in backward keeps its copies on the GPU while backward runs, and backward frees
+// activations as it goes. Under a framework with a caching allocator (torch's), those freed blocks
+// stay in the framework's cache, so copies drawn from strata's own GPU pool add to the device's
+// peak as the driver sees it: the framework holds its activation peak and strata the copies beside
+// it. Drawn from the framework's allocator instead (Runtime::set_undo_memory; the bridge's
+// TorchUndoMemory), a copy takes a block backward has just freed, and goes back to the cache when
+// the step is validated, before the next forward needs it again. The copies still count in the GPU
+// budget (reserved in it before the framework is asked), so a budget bounds strata's bytes as
+// before; a framework with no room answers nullptr and the copy goes to pinned memory, as when the
+// budget is spent. The framework's blocks are ordered on its own stream: the bridge makes the
+// step's stream wait for it before the copy, and it waits for the step's stream before the block
+// is freed.
 #include <algorithm>
 
 #include "base/status.h"
@@ -52,12 +67,21 @@ absl::Status UndoLog::check_empty(std::string_view what) const {
 }
 
 // The copy on the GPU, when asked for and the GPU tier has room; nullptr when it has none (the
-// caller copies to pinned memory instead; See Note [Undo log]).
+// caller copies to pinned memory instead; See Note [Undo log]). From memory_ when one is set
+// (See Note [The undo in the framework's memory]).
 absl::StatusOr<void*> UndoLog::keep_on_gpu(const Entry& e, const void* data, StreamHandle stream,
                                            const std::string& owner) {
-  absl::StatusOr<void*> copy =
-      allocator_.allocate(Tier::kGpu, e.bytes, {.stream = nullptr, .owner = owner});
-  if (copy.status().code() == absl::StatusCode::kResourceExhausted) return nullptr;
+  alloc::Budget& budget = *allocator_.budget(Tier::kGpu);
+  absl::StatusOr<void*> copy = nullptr;
+  if (memory_ == nullptr) {
+    copy = allocator_.allocate(Tier::kGpu, e.bytes, {.stream = nullptr, .owner = owner});
+    if (copy.status().code() == absl::StatusCode::kResourceExhausted) return nullptr;
+  } else {
+    if (!budget.try_reserve(e.bytes)) return nullptr;
+    copy = memory_->allocate(e.bytes, stream);
+    if (!copy.ok() || *copy == nullptr) budget.release(e.bytes);
+    if (copy.ok() && *copy == nullptr) return nullptr;
+  }
   STRATA_RETURN_IF_ERROR(copy.status());
   // `stream` holds the tensor (acquired on it), so the copy sees every earlier write and comes
   // before the kernel that overwrites the data.
@@ -72,10 +96,21 @@ absl::StatusOr<void*> UndoLog::keep_on_gpu(const Entry& e, const void* data, Str
   }
   if (!s.ok()) {
     // The copy may have been queued: the block goes back behind it.
-    engine_.free_after(Tier::kGpu, *copy, {stream});
+    free_on_gpu(*copy, e.bytes, stream, memory_ != nullptr);
     return s;
   }
   return *copy;
+}
+
+void UndoLog::free_on_gpu(void* kept, std::size_t bytes, StreamHandle stream, bool external) {
+  if (!external) {
+    engine_.free_after(Tier::kGpu, kept, {stream});
+    return;
+  }
+  // The bytes go back to the budget now: the block is the framework's from here on.
+  allocator_.budget(Tier::kGpu)->release(bytes);
+  // A block the framework fails to take back stays with it: nothing of strata's is lost.
+  (void)memory_->free(kept, stream);
 }
 
 absl::Status UndoLog::keep(Entry* e, StreamHandle stream, bool over_link, bool undo_on_gpu) {
@@ -106,7 +141,7 @@ absl::Status UndoLog::keep(Entry* e, StreamHandle stream, bool over_link, bool u
                  undo_on_gpu ? keep_on_gpu(*e, now.ptr, stream, owner) : nullptr;
              !on_gpu.ok() || *on_gpu != nullptr) {
     if (!on_gpu.ok()) return on_gpu.status();
-    records_.push_back({e, Tier::kGpu, *on_gpu, nullptr, stream});
+    records_.push_back({e, Tier::kGpu, *on_gpu, nullptr, stream, memory_ != nullptr});
   } else if (!over_link) {
     return absl::ResourceExhaustedError(
         str_cat("keep_for_undo '", e->spec.name, "': no room to keep it on the GPU (",
@@ -165,7 +200,7 @@ void UndoLog::commit() {
       // Still staged, its write-back not queued yet: it goes home to the old block after all.
       (void)allocator_.deallocate(r.tier, r.fresh);
     } else if (r.tier == Tier::kGpu) {
-      engine_.free_after(r.tier, r.kept, {r.stream});
+      free_on_gpu(r.kept, r.entry->bytes, r.stream, r.external);
     } else {
       // A fetch queued before the step may still read an old home block.
       engine_.free_after(r.tier, r.kept, {engine_.h2d(), engine_.d2h()});
@@ -218,7 +253,11 @@ absl::Status UndoLog::rollback() {
         STRATA_RETURN_IF_ERROR(engine_.host_copy(e.rest.ptr, r.kept, e.bytes));
       }
       // A fresh block that stopped being its home was freed by the move that took it away.
-      (void)allocator_.deallocate(r.tier, r.kept);
+      if (r.external) {
+        free_on_gpu(r.kept, e.bytes, r.stream, r.external);
+      } else {
+        (void)allocator_.deallocate(r.tier, r.kept);
+      }
     }
     e.undo_kept = false;
     e.undo_fresh = nullptr;
@@ -274,6 +313,18 @@ absl::Status Runtime::set_undo_on_gpu(bool on) {
 bool Runtime::undo_on_gpu() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->undo_on_gpu;
+}
+
+absl::Status Runtime::set_undo_memory(std::shared_ptr<UndoMemory> memory) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  if (im.step.in_step || im.step.in_optimizer_step) {
+    return absl::FailedPreconditionError(
+        "set_undo_memory: a step is under way; call it between steps");
+  }
+  STRATA_RETURN_IF_ERROR(im.undo.check_empty("set_undo_memory"));
+  im.undo.set_memory(std::move(memory));
+  return absl::OkStatus();
 }
 
 }  // namespace strata::rt

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "allocator/tiered_allocator.h"
 #include "runtime/device.h"
 #include "runtime/entry.h"
+#include "runtime/undo_memory.h"
 
 namespace strata::rt::internal {
 
@@ -40,6 +42,9 @@ class UndoLog {
   // OK when nothing is kept; else kFailedPrecondition naming `what` and the first tensor kept.
   [[nodiscard]] absl::Status check_empty(std::string_view what) const;
   std::size_t size() const { return records_.size(); }
+  // Where copies kept on the GPU come from: `memory`, or strata's GPU pool when null
+  // (See Note [The undo in the framework's memory] in undo_log.cpp). With nothing kept only.
+  void set_memory(std::shared_ptr<UndoMemory> memory) { memory_ = std::move(memory); }
 
  private:
   struct Record {
@@ -48,15 +53,20 @@ class UndoLog {
     void* kept;                     // the bytes from before the step: the old home block, or a copy
     void* fresh = nullptr;          // redirect: the block the write-back fills
     StreamHandle stream = nullptr;  // a copy kept on the GPU: the stream that made it
+    bool external = false;          // a copy kept on the GPU came from memory_
   };
   // The copy on the GPU; nullptr when the GPU tier has no room (the caller copies to pinned
   // memory instead).
   absl::StatusOr<void*> keep_on_gpu(const Entry& e, const void* data, StreamHandle stream,
                                     const std::string& owner);
+  // Frees a copy kept on the GPU behind `stream` (from memory_ when `external`, its bytes back to
+  // the budget).
+  void free_on_gpu(void* kept, std::size_t bytes, StreamHandle stream, bool external);
 
   alloc::TieredAllocator& allocator_;
   MigrationEngine& engine_;
   std::vector<Record> records_;
+  std::shared_ptr<UndoMemory> memory_;
 };
 
 }  // namespace strata::rt::internal

@@ -28,7 +28,9 @@ the GPU (See Note [Undo log] in runtime/undo_log.cpp): with float32 parameters a
 4 bytes a parameter. Copied to pinned memory they cross the link beside the states' own write-backs
 and can make the step in backward slower than the step after it (See Note [When to step in
 backward] in strata/_overlap.py); kept on the GPU they cost GPU memory until step() and no link
-time. Without undo_on_gpu given (and no budget in bytes), strata.optim, when it makes the runtime,
+time, in blocks of torch's cache that backward has freed (See Note [The undo in the framework's
+memory] in runtime/undo_log.cpp), so where activations outweigh the parameters they add nothing to
+the device's peak. Without undo_on_gpu given (and no budget in bytes), strata.optim, when it makes the runtime,
 takes its first step after backward, which shows torch's peak, and then decides: the undo is the
 bytes of the parameters and states resting on the GPU in the layers stepped on the GPU
 (undo_need); it goes on the GPU when it fits in what the driver has free less torch's headroom (as

@@ -422,7 +422,9 @@ class Runtime:
         gpu_budget bounds strata's GPU pools: whatever strata binds and keeps on the GPU (parameters
         and gradients it does not stream, layers resident for good, the staging ring, undo copies
         kept on the GPU). torch's own memory (activations, its cache) is torch's and is not
-        counted."""
+        counted. The undo copies are the exception that torch holds: they are taken from torch's
+        caching allocator, so they count in the budget but show in torch's allocated bytes, not in
+        strata's pool (See Note [The undo in the framework's memory] in runtime/undo_log.cpp)."""
         gib = 2**30
         lines = ["GPU memory (GiB)            current     peak"]
         if torch.cuda.is_available() and not self.simulated:

@@ -196,3 +196,39 @@ def test_the_step_clock_times_each_labelled_iteration_and_reuses_its_events():
     assert free >= 1
     clock.mark("after")
     assert len(clock._free) == free - 1
+
+
+@pytest.mark.gpu
+def test_the_undo_kept_on_the_gpu_is_torchs_memory_and_goes_back_at_the_step():
+    # See Note [The undo in the framework's memory]: a step in backward keeps its parameters' old
+    # bytes in blocks of torch's caching allocator (the ones backward frees), not in strata's pool,
+    # and step() gives them back to torch.
+    model = DeepMlp()
+    opt = strata.optim.AdamW(
+        model.parameters(),
+        lr=1e-3,
+        policy="layer_prefetch",
+        overlap="backward",
+        undo_on_gpu=True,
+        layer_bytes="1MiB",
+    )
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for step in range(4):
+        x = torch.randn(4096, 512, device="cuda", generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.zeros(4096, 8, device="cuda")).backward()
+        if step < 3:
+            opt.step()
+            continue
+        torch.cuda.synchronize()
+        kept = opt.runtime.stats()["undo_bytes"]
+        assert kept >= sum(p.numel() * 4 for p in model.blocks.parameters())
+        strata_gpu = opt.runtime.memory_stats()["gpu.allocated_bytes.current"]
+        torch_before = torch.cuda.memory_allocated()
+        opt.step()
+        torch.cuda.synchronize()
+        assert opt.last_step_outcome == "speculation"
+        assert torch_before - torch.cuda.memory_allocated() >= kept
+        assert opt.runtime.memory_stats()["gpu.allocated_bytes.current"] <= strata_gpu
+        assert opt.runtime.stats()["undo_bytes"] == 0
+    assert opt.close() == []

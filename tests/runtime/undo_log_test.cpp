@@ -4,6 +4,7 @@
 // its old home block; a rollback puts back exactly the bytes kept, a commit keeps what was written,
 // and either leaves nothing allocated behind. Refusals change nothing.
 #include <cstring>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -193,6 +194,101 @@ TEST(UndoLogTest, SetUndoOnGpuTakesEffectBetweenStepsOnly) {
   EXPECT_TRUE(rt->undo_on_gpu());
   keep_and_roll_back();
   EXPECT_EQ(rt->stats().undo_copied_bytes, copied) << "on: kept on the GPU, with no copy off it";
+}
+
+// Copies kept on the GPU from an UndoMemory of the framework's (See Note [The undo in the
+// framework's memory] in runtime/undo_log.cpp): the block comes from it on the stream that steps,
+// goes back to it behind that stream, counts in the GPU budget meanwhile, and nothing of strata's
+// GPU pool is used. A framework with no room, or a budget spent, sends the copy to pinned memory
+// without asking it.
+class FakeUndoMemory final : public UndoMemory {
+ public:
+  explicit FakeUndoMemory(SimulatedDevice& dev) : dev_(dev) {}
+  absl::StatusOr<void*> allocate(std::size_t bytes, StreamHandle stream) override {
+    ++asked;
+    if (full) return nullptr;
+    auto block = std::make_unique<std::vector<unsigned char>>(bytes, 0xAB);
+    void* ptr = block->data();
+    blocks_.emplace(ptr, std::move(block));
+    last_stream = stream;
+    return ptr;
+  }
+  absl::Status free(void* ptr, StreamHandle stream) override {
+    if (!blocks_.contains(ptr)) return absl::InvalidArgumentError("not mine");
+    ++freed;
+    freed_stream = stream;
+    // As torch's allocator: the block is reusable in the stream's order, not before.
+    return dev_.enqueue_host(stream, [this, ptr] { blocks_.erase(ptr); });
+  }
+  std::size_t live() const { return blocks_.size(); }
+  int asked = 0, freed = 0;
+  bool full = false;
+  StreamHandle last_stream = nullptr, freed_stream = nullptr;
+
+ private:
+  SimulatedDevice& dev_;
+  std::map<void*, std::unique_ptr<std::vector<unsigned char>>> blocks_;
+};
+
+TEST(UndoLogTest, CopiesOnTheGpuComeFromTheFrameworksMemory) {
+  for (const bool commit : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "commit " << commit);
+    PolicyConfig config;
+    config.undo_on_gpu = true;
+    auto [rt, dev] = make_runtime("keep_on_gpu", config, /*deferred=*/true);
+    auto memory = std::make_shared<FakeUndoMemory>(*dev);
+    ASSERT_TRUE(rt->set_undo_memory(memory).ok());
+    const std::vector<unsigned char> before = pattern(5.0f), after = pattern(-2.0f);
+    absl::StatusOr<TensorHandle> h =
+        rt->register_tensor(spec("w", 0, Role::kOptimizerState, kN), before.data());
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE(rt->wait_all().ok());
+    const alloc::Budget& budget = *rt->allocator().budget(Tier::kGpu);
+    const std::size_t reserved = budget.reserved();
+    const std::int64_t gpu_allocated = rt->allocator().stats(Tier::kGpu).allocated_bytes.current;
+    const StreamHandle s = rt->compute_stream();
+    absl::StatusOr<void*> p = rt->acquire(*h, Tier::kGpu, s);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(rt->keep_for_undo(*h, s).ok());
+    EXPECT_EQ(memory->asked, 1);
+    EXPECT_EQ(memory->last_stream, s);
+    EXPECT_EQ(budget.reserved(), reserved + kN * 4) << "the copy is not in the budget";
+    EXPECT_EQ(rt->allocator().stats(Tier::kGpu).allocated_bytes.current, gpu_allocated)
+        << "the copy came from strata's GPU pool";
+    // Nothing kept may change where copies come from.
+    EXPECT_EQ(rt->set_undo_memory(nullptr).code(), absl::StatusCode::kFailedPrecondition);
+    write_on(*dev, s, *p, after);
+    ASSERT_TRUE(rt->release(*h, s).ok());
+    EXPECT_EQ(rt->stats().undo_copied_bytes, 0);
+    ASSERT_TRUE(commit ? rt->commit_undo().ok() : rt->rollback_undo().ok());
+    EXPECT_EQ(memory->freed, 1);
+    EXPECT_EQ(memory->freed_stream, s);
+    EXPECT_EQ(budget.reserved(), reserved);
+    ASSERT_TRUE(rt->wait_all().ok());
+    dev->run_pending();
+    EXPECT_EQ(memory->live(), 0u) << "the block never went back";
+    EXPECT_EQ(read_all(*rt, *h), commit ? after : before);
+
+    // No room in the framework: pinned memory, as with the budget spent, where it is not asked.
+    for (const bool budget_spent : {false, true}) {
+      memory->full = !budget_spent;
+      if (budget_spent) {
+        ASSERT_TRUE(rt->set_gpu_budget(budget.reserved()).ok());
+      }
+      const int asked = memory->asked;
+      const std::int64_t copied = rt->stats().undo_copied_bytes;
+      absl::StatusOr<void*> q = rt->acquire(*h, Tier::kGpu, s);
+      ASSERT_TRUE(q.ok()) << q.status();
+      ASSERT_TRUE(rt->keep_for_undo(*h, s).ok());
+      EXPECT_EQ(memory->asked, asked + (budget_spent ? 0 : 1));
+      EXPECT_EQ(rt->stats().undo_copied_bytes, copied + static_cast<std::int64_t>(kN * 4));
+      ASSERT_TRUE(rt->release(*h, s).ok());
+      ASSERT_TRUE(rt->commit_undo().ok());
+      EXPECT_EQ(budget.reserved(), reserved);
+    }
+    ASSERT_TRUE(rt->wait_all().ok());
+    dev->run_pending();
+  }
 }
 
 }  // namespace
