@@ -28,8 +28,7 @@ zero_grad() after every step. The approaches (--approaches, all by default):
   strata_int8, strata_bf16, strata_tuned_int8
                   strata and strata_tuned with state_dtype="int8" or "bfloat16": the moments
                   stored and streamed compressed (See Note [Compressed moments])
-  NAME:dK         a strata_tuned, strata_int8 or strata_bf16 approach with prefetch_depth=K
-                  given, e.g. strata_tuned_int8:d12
+  NAME:dK         a strata approach with prefetch_depth=K given, e.g. strata_tuned_int8:d12
   NAME+undo       a strata_tuned approach with undo_on_gpu=True, e.g. strata_tuned_int8:d28+undo
   torchao_8bit    torchao's AdamW8bit, every state on the GPU (its 8-bit moments are GPU
                   tensors; it does not offload)
@@ -224,6 +223,7 @@ def one_run(args):
             kw.update({"policy": "hybrid"} if "hybrid" in args.one else {})
             kw.update({"overlap": "none"} if args.one.endswith("_seq") else {})
             kw.update({"undo_on_gpu": False} if args.one.endswith("_hostundo") else {})
+            kw.update({"prefetch_depth": args.tuned_depth} if args.depth_given else {})
             opt = strata.optim.AdamW(model.parameters(), lr=1e-4, **kw)
         elif args.one in (
             "fsdp2_strata_tuned",
@@ -497,10 +497,8 @@ def main():
         args.one, _, depth = args.one.partition(":d")
         args.tuned_depth = int(depth) if depth else 3
         args.depth_given = bool(depth)
-        if depth and not args.one.startswith(("strata_tuned", "strata_int8", "strata_bf16")):
-            raise SystemExit(
-                f"--one {args.one}:d{depth}: only strata_tuned, strata_int8 and strata_bf16 take :dK"
-            )
+        if depth and "strata" not in args.one:
+            raise SystemExit(f"--one {args.one}:d{depth}: only strata's approaches take :dK")
         one_run(args)
     else:
         driver(args)

@@ -228,7 +228,10 @@ def test_the_undo_kept_on_the_gpu_is_torchs_memory_and_goes_back_at_the_step():
         opt.step()
         torch.cuda.synchronize()
         assert opt.last_step_outcome == "speculation"
-        assert torch_before - torch.cuda.memory_allocated() >= kept
+        # The parameters rest on the GPU: their copies were torch's; the states' undo is their
+        # old home blocks on the host (See Note [Undo log]).
+        resting = sum(p.numel() * 4 for p in model.parameters())
+        assert torch_before - torch.cuda.memory_allocated() >= resting
         assert opt.runtime.memory_stats()["gpu.allocated_bytes.current"] <= strata_gpu
         assert opt.runtime.stats()["undo_bytes"] == 0
     assert opt.close() == []
