@@ -1,20 +1,6 @@
 // The CUDA Device: non-blocking streams, cudaMemcpyAsync, pooled events (the allocator's, shared),
 // timing events, and host functions through cudaLaunchHostFunc. Without CUDA, make_cuda_device
 // reports kUnavailable.
-//
-// Note [Copies in pieces]
-// ~~~~~~~~~~~~~~~~~~~~~~~
-// A copy engine takes copies from the streams that use it one operation at a time: a small copy
-// another stream queues after a large one of strata's waits for the whole of it. torch queues such
-// small copies on the stream backward computes on (FSDP2's reduce-scatter copy-in sends its chunks'
-// addresses from pinned memory to the GPU for every unit, and backward's next kernels wait for
-// it), while strata's staging keeps a few layers' states queued on the H2D stream: each unit's
-// backward then waited for layers' worth of copies. So copy_async queues a copy as pieces of
-// kCopyPiece bytes: a copy of another stream waits for a piece, not for a layer. Each piece costs
-// a call's host time, so much smaller pieces cost more than they save (bench/results has the runs
-// of both sizes). A piece that fails leaves the earlier ones queued: to its caller the copy may
-// have been queued, as for any copy_async that fails.
-#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -48,9 +34,6 @@ void CUDART_CB run_host_function(void* arg) {
   delete fn;
 }
 
-// See Note [Copies in pieces].
-constexpr std::size_t kCopyPiece = std::size_t{8} << 20;
-
 class CudaDevice final : public Device {
  public:
   CudaDevice(int device, std::shared_ptr<alloc::StreamOps> events)
@@ -75,19 +58,11 @@ class CudaDevice final : public Device {
     (void)cudaStreamDestroy(static_cast<cudaStream_t>(stream));
   }
 
-  // In pieces of kCopyPiece bytes (See Note [Copies in pieces]).
   absl::Status copy_async(void* dst, const void* src, std::size_t bytes,
                           StreamHandle stream) override {
-    std::size_t off = 0;
-    do {
-      const std::size_t n = std::min(kCopyPiece, bytes - off);
-      STRATA_CUDA_OK_(
-          cudaMemcpyAsync(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, n,
-                          cudaMemcpyDefault, static_cast<cudaStream_t>(stream)),
-          "cudaMemcpyAsync");
-      off += n;
-    } while (off < bytes);
-    return absl::OkStatus();
+    return cuda_status(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)),
+        "cudaMemcpyAsync");
   }
 
   absl::Status stream_wait(StreamHandle stream, EventHandle event) override {
