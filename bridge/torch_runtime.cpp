@@ -215,20 +215,21 @@ TorchBinding::TorchBinding(rt::Runtime& runtime)
     : runtime_(runtime),
       gpu_is_simulated_(runtime.device().is_simulated()),
       state_(std::make_unique<State>()) {
+  // Torch computes on its current stream; the runtime's hooks fence copies behind it
+  // (See Note [Compute fence] in runtime/migration.cpp). The runtime is on CUDA device 0.
+  if (!gpu_is_simulated_) {
+    const c10::Device cuda(c10::kCUDA, 0);
+    const c10::impl::VirtualGuardImpl guard(cuda.type());
+    // Copies kept for an undo take the blocks backward frees (See Note [The undo in the
+    // framework's memory] in runtime/undo_log.cpp). Refused while a step is under way or an undo
+    // is kept: they then stay in strata's pool, as before.
+    (void)runtime_.set_undo_memory(
+        std::make_shared<TorchUndoMemory>(runtime_.device(), guard.getStream(cuda)));
+    runtime_.set_compute_stream(current_stream(cuda));
+  }
   callback_id_ = runtime_.add_on_moved(
       [this](rt::TensorHandle h, rt::Tier tier, void* data) { on_moved(h, tier, data); });
   before_step_id_ = runtime_.add_before_optimizer_step([this] { return check_gradients(); });
-  // Torch computes on its current stream; the runtime's hooks fence copies behind it
-  // (See Note [Compute fence] in runtime/migration.cpp).
-  if (!gpu_is_simulated_) {
-    const c10::Device cuda(c10::kCUDA, 0);
-    runtime_.set_compute_stream(current_stream(cuda));
-    // Copies kept for an undo take the blocks backward frees
-    // (See Note [The undo in the framework's memory] in runtime/undo_log.cpp).
-    const c10::impl::VirtualGuardImpl guard(cuda.type());
-    check(runtime_.set_undo_memory(
-        std::make_shared<TorchUndoMemory>(runtime_.device(), guard.getStream(cuda))));
-  }
 }
 
 TorchBinding::~TorchBinding() {

@@ -4,7 +4,7 @@
 
 #include "base/status.h"
 #include "base/strings.h"
-#include "c10/core/impl/VirtualGuardImpl.h"
+#include "c10/core/StreamGuard.h"
 #include "c10/util/Exception.h"
 
 namespace strata::bridge {
@@ -30,32 +30,31 @@ rt::StreamHandle TorchUndoMemory::home_handle() const {
 }
 
 absl::StatusOr<void*> TorchUndoMemory::allocate(std::size_t bytes, rt::StreamHandle stream) {
-  c10::DataPtr block;
-  {
-    // torch's CUDA allocator gives blocks of the current stream: `home` for the call.
-    const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-    const c10::Device before_device = impl.exchangeDevice(home_.device());
-    const c10::Stream before = impl.exchangeStream(home_);
-    auto restore = [&] {
-      impl.exchangeStream(before);
-      impl.setDevice(before_device);
-    };
+  // torch empties its whole cache before it reports out of memory: asked once a step at most.
+  if (exhausted_.load()) return nullptr;
+  void* ptr = nullptr;
+  try {
+    c10::DataPtr block;
     try {
+      // torch's CUDA allocator gives blocks of the current stream: `home` for the call.
+      const c10::StreamGuard on_home(home_);
       block = c10::GetAllocator(c10::DeviceType::CUDA)->allocate(bytes);
     } catch (const c10::OutOfMemoryError&) {
-      restore();
+      exhausted_.store(true);
       return nullptr;
-    } catch (const std::exception& e) {
-      restore();
-      return absl::InternalError(str_cat("torch's allocator, for an undo copy: ", e.what()));
     }
-    restore();
+    ptr = block.get();
+    if (ptr == nullptr) return nullptr;
+    const std::lock_guard<std::mutex> lock(mu_);
+    blocks_.emplace(ptr, std::move(block));
+  } catch (const std::exception& e) {
+    return absl::InternalError(str_cat("torch's allocator, for an undo copy: ", e.what()));
+  } catch (...) {
+    return absl::InternalError("torch's allocator, for an undo copy: an unknown exception");
   }
-  void* ptr = block.get();
-  if (ptr == nullptr) return nullptr;
-  STRATA_RETURN_IF_ERROR(wait_for(device_, stream, home_handle()));
-  const std::lock_guard<std::mutex> lock(mu_);
-  blocks_.emplace(ptr, std::move(block));
+  absl::Status waited = wait_for(device_, stream, home_handle());
+  if (!waited.ok()) (void)free(ptr, stream);
+  STRATA_RETURN_IF_ERROR(waited);
   return ptr;
 }
 
@@ -63,6 +62,7 @@ absl::Status TorchUndoMemory::free(void* ptr, rt::StreamHandle stream) {
   absl::Status ordered = wait_for(device_, home_handle(), stream);
   // Unordered on the GPU, the block goes back only once `stream` is done with it on the host.
   if (!ordered.ok()) STRATA_RETURN_IF_ERROR(device_.stream_synchronize(stream));
+  exhausted_.store(false);  // a block goes back: torch may have room again
   c10::DataPtr block;
   {
     const std::lock_guard<std::mutex> lock(mu_);

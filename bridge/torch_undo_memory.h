@@ -8,6 +8,7 @@
 //                                                                    torch_stream)));
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <mutex>
 
@@ -28,7 +29,8 @@ class TorchUndoMemory final : public rt::UndoMemory {
   TorchUndoMemory(rt::Device& device, c10::Stream home);
 
   // A block of torch's on `home`; `stream` (the step's) waits for the work queued on `home` so
-  // far, which may still read what the block held. nullptr when torch is out of memory.
+  // far, which may still read what the block held. nullptr when torch is out of memory, and from
+  // then on until a block goes back (torch empties its cache before it says so). Throws nothing.
   absl::StatusOr<void*> allocate(std::size_t bytes, rt::StreamHandle stream) override;
   // `home` waits for `stream`'s work so far, then the block goes back to torch's cache.
   absl::Status free(void* ptr, rt::StreamHandle stream) override;
@@ -38,6 +40,7 @@ class TorchUndoMemory final : public rt::UndoMemory {
 
   rt::Device& device_;
   const c10::Stream home_;
+  std::atomic<bool> exhausted_ = false;
   std::mutex mu_;
   absl::flat_hash_map<void*, c10::DataPtr> blocks_;
 };

@@ -58,6 +58,12 @@ namespace strata::rt::internal {
 UndoLog::UndoLog(alloc::TieredAllocator& allocator, MigrationEngine& engine)
     : allocator_(allocator), engine_(engine) {}
 
+UndoLog::~UndoLog() {
+  for (const Record& r : records_) {
+    if (r.external) free_on_gpu(r.kept, r.entry->bytes, r.stream, /*external=*/true);
+  }
+}
+
 absl::Status UndoLog::check_empty(std::string_view what) const {
   if (records_.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(
@@ -77,7 +83,11 @@ absl::StatusOr<void*> UndoLog::keep_on_gpu(const Entry& e, const void* data, Str
     copy = allocator_.allocate(Tier::kGpu, e.bytes, {.stream = nullptr, .owner = owner});
     if (copy.status().code() == absl::StatusCode::kResourceExhausted) return nullptr;
   } else {
-    if (!budget.try_reserve(e.bytes)) return nullptr;
+    // As the pool does under its budget: strata's free cached segments go back first.
+    if (!budget.try_reserve(e.bytes) &&
+        !(allocator_.trim(Tier::kGpu).ok() && budget.try_reserve(e.bytes))) {
+      return nullptr;
+    }
     copy = memory_->allocate(e.bytes, stream);
     if (!copy.ok() || *copy == nullptr) budget.release(e.bytes);
     if (copy.ok() && *copy == nullptr) return nullptr;
@@ -145,7 +155,9 @@ absl::Status UndoLog::keep(Entry* e, StreamHandle stream, bool over_link, bool u
   } else if (!over_link) {
     return absl::ResourceExhaustedError(
         str_cat("keep_for_undo '", e->spec.name, "': no room to keep it on the GPU (",
-                undo_on_gpu ? "the GPU budget is spent" : "undo_on_gpu is off",
+                !undo_on_gpu         ? "undo_on_gpu is off"
+                : memory_ != nullptr ? "the GPU budget is spent or the framework has no room"
+                                     : "the GPU budget is spent",
                 ") and the caller would not have it cross the link"));
   } else {
     // Resting on the GPU: a copy to pinned host memory, which `stream` waits for.

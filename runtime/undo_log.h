@@ -28,6 +28,11 @@ class MigrationEngine;
 class UndoLog {
  public:
   UndoLog(alloc::TieredAllocator& allocator, MigrationEngine& engine);
+  // Copies still kept from the framework's memory go back to it behind their streams; strata's own
+  // blocks go with its pools.
+  ~UndoLog();
+  UndoLog(const UndoLog&) = delete;
+  UndoLog& operator=(const UndoLog&) = delete;
 
   // Keeps e's bytes as they are before the work queued on `stream` after this call writes them (as
   // Runtime::keep_for_undo says); `undo_on_gpu` lets a tensor resting on the GPU be copied there

@@ -2,7 +2,8 @@
 // from, when another allocator than strata's GPU pool should give them
 // (See Note [The undo in the framework's memory] in undo_log.cpp).
 //
-// The runtime calls it under its own mutex, from the thread that steps. The bridge's
+// The runtime calls it under its own mutex, from whichever thread calls the runtime (a backward
+// hook's allocate, step()'s free), one call at a time; it must not throw. The bridge's
 // TorchUndoMemory takes the copies from torch's caching allocator:
 //   runtime->set_undo_memory(std::make_shared<MyUndoMemory>());   // between steps
 //   ... keep_for_undo of a tensor resting on the GPU, with undo_on_gpu, now calls allocate ...

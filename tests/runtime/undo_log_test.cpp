@@ -206,6 +206,7 @@ class FakeUndoMemory final : public UndoMemory {
   explicit FakeUndoMemory(SimulatedDevice& dev) : dev_(dev) {}
   absl::StatusOr<void*> allocate(std::size_t bytes, StreamHandle stream) override {
     ++asked;
+    if (fail) return absl::InternalError("the framework's allocator failed");
     if (full) return nullptr;
     auto block = std::make_unique<std::vector<unsigned char>>(bytes, 0xAB);
     void* ptr = block->data();
@@ -222,7 +223,7 @@ class FakeUndoMemory final : public UndoMemory {
   }
   std::size_t live() const { return blocks_.size(); }
   int asked = 0, freed = 0;
-  bool full = false;
+  bool full = false, fail = false;
   StreamHandle last_stream = nullptr, freed_stream = nullptr;
 
  private:
@@ -289,6 +290,35 @@ TEST(UndoLogTest, CopiesOnTheGpuComeFromTheFrameworksMemory) {
     ASSERT_TRUE(rt->wait_all().ok());
     dev->run_pending();
   }
+}
+
+// A framework's allocator that fails: keep_for_undo says so, keeps nothing and leaves the budget as
+// it was. A runtime that goes with a copy still kept gives it back to the framework.
+TEST(UndoLogTest, TheFrameworksMemoryFailingOrOutlivedKeepsNothingBehind) {
+  PolicyConfig config;
+  config.undo_on_gpu = true;
+  auto [rt, dev] = make_runtime("keep_on_gpu", config, /*deferred=*/true);
+  auto memory = std::make_shared<FakeUndoMemory>(*dev);
+  ASSERT_TRUE(rt->set_undo_memory(memory).ok());
+  const std::vector<unsigned char> before = pattern(3.0f);
+  absl::StatusOr<TensorHandle> h =
+      rt->register_tensor(spec("w", 0, Role::kOptimizerState, kN), before.data());
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE(rt->wait_all().ok());
+  const std::size_t reserved = rt->allocator().budget(Tier::kGpu)->reserved();
+  const StreamHandle s = rt->compute_stream();
+  ASSERT_TRUE(rt->acquire(*h, Tier::kGpu, s).ok());
+  memory->fail = true;
+  const absl::Status failed = rt->keep_for_undo(*h, s);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+  EXPECT_EQ(rt->undo_tensors(), 0u);
+  EXPECT_EQ(rt->allocator().budget(Tier::kGpu)->reserved(), reserved);
+  memory->fail = false;
+  ASSERT_TRUE(rt->keep_for_undo(*h, s).ok());
+  ASSERT_TRUE(rt->release(*h, s).ok());
+  EXPECT_EQ(memory->live(), 1u);
+  rt.reset();  // with the copy still kept
+  EXPECT_EQ(memory->freed, 1) << "the runtime went and the framework's block never went back";
 }
 
 }  // namespace
