@@ -38,11 +38,12 @@
 // it. Drawn from the framework's allocator instead (Runtime::set_undo_memory; the bridge's
 // TorchUndoMemory), a copy takes a block backward has just freed, and goes back to the cache when
 // the step is validated, before the next forward needs it again. The copies still count in the GPU
-// budget (reserved in it before the framework is asked), so a budget bounds strata's bytes as
-// before; a framework with no room answers nullptr and the copy goes to pinned memory, as when the
-// budget is spent. The framework's blocks are ordered on its own stream: the bridge makes the
-// step's stream wait for it before the copy, and it waits for the step's stream before the block
-// is freed.
+// budget (reserved in it before the framework is asked; a budget that blocks them first has
+// strata's free segments trimmed, as the pool would), so a budget bounds strata's bytes as before;
+// a framework with no room answers nullptr and the copy goes to pinned memory, as when the budget
+// is spent. The framework's blocks are ordered on its own stream: the bridge makes the step's
+// stream wait for it before the copy, and it waits for the step's stream before the block is
+// freed, at validation, at a failure, or when the runtime goes with copies still kept.
 #include <algorithm>
 
 #include "base/status.h"
