@@ -90,8 +90,10 @@ absl::StatusOr<void*> UndoLog::keep_on_gpu(const Entry& e, const void* data, Str
       return nullptr;
     }
     copy = memory_->allocate(e.bytes, stream);
-    if (!copy.ok() || *copy == nullptr) budget.release(e.bytes);
-    if (copy.ok() && *copy == nullptr) return nullptr;
+    if (!copy.ok() || *copy == nullptr) {
+      budget.release(e.bytes);
+      if (copy.ok()) return nullptr;  // no room: pinned memory instead
+    }
   }
   STRATA_RETURN_IF_ERROR(copy.status());
   // `stream` holds the tensor (acquired on it), so the copy sees every earlier write and comes
@@ -311,14 +313,25 @@ std::size_t Runtime::undo_tensors() const {
   return impl_->undo.size();
 }
 
+namespace {
+
+// What changes where an undo goes: only between steps, with nothing kept.
+absl::Status check_no_undo_under_way(bool stepping, const internal::UndoLog& undo,
+                                     std::string_view what) {
+  if (stepping) {
+    return absl::FailedPreconditionError(
+        str_cat(what, ": a step is under way; call it between steps"));
+  }
+  return undo.check_empty(what);
+}
+
+}  // namespace
+
 absl::Status Runtime::set_undo_on_gpu(bool on) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
-  if (im.step.in_step || im.step.in_optimizer_step) {
-    return absl::FailedPreconditionError(
-        "set_undo_on_gpu: a step is under way; call it between steps");
-  }
-  STRATA_RETURN_IF_ERROR(im.undo.check_empty("set_undo_on_gpu"));
+  STRATA_RETURN_IF_ERROR(check_no_undo_under_way(im.step.in_step || im.step.in_optimizer_step,
+                                                 im.undo, "set_undo_on_gpu"));
   im.undo_on_gpu = on;
   return absl::OkStatus();
 }
@@ -331,11 +344,8 @@ bool Runtime::undo_on_gpu() const {
 absl::Status Runtime::set_undo_memory(std::shared_ptr<UndoMemory> memory) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
-  if (im.step.in_step || im.step.in_optimizer_step) {
-    return absl::FailedPreconditionError(
-        "set_undo_memory: a step is under way; call it between steps");
-  }
-  STRATA_RETURN_IF_ERROR(im.undo.check_empty("set_undo_memory"));
+  STRATA_RETURN_IF_ERROR(check_no_undo_under_way(im.step.in_step || im.step.in_optimizer_step,
+                                                 im.undo, "set_undo_memory"));
   im.undo.set_memory(std::move(memory));
   return absl::OkStatus();
 }

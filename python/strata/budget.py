@@ -31,8 +31,9 @@ backward] in strata/_overlap.py); kept on the GPU they cost GPU memory until ste
 time, in blocks of torch's cache that backward has freed (See Note [The undo in the framework's
 memory] in runtime/undo_log.cpp), so where activations outweigh the parameters they add nothing to
 the device's peak. The decision below still asks for their bytes in what the driver has free, as if
-they could not reuse a block: it stays safe where activations are small. Without undo_on_gpu given (and no budget in bytes), strata.optim, when it makes the runtime,
-takes its first step after backward, which shows torch's peak, and then decides: the undo is the
+they could not reuse a block: it stays safe where activations are small. Without undo_on_gpu given
+(and no budget in bytes), strata.optim, when it makes the runtime, takes its first step after
+backward, which shows torch's peak, and then decides: the undo is the
 bytes of the parameters and states resting on the GPU in the layers stepped on the GPU
 (undo_need); it goes on the GPU when it fits in what the driver has free less torch's headroom (as
 for the automatic budget; under a budget set by gpu_budget="auto" the budget bounds it instead),
