@@ -162,7 +162,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // Whether anything moved.
   absl::StatusOr<bool> unsettle_residents(rt::PolicyContext& rt);
 
-  // As many slots as settle found room for (K + 1 at most), or fewer when fewer layers stream.
+  // As many slots as settle found room for (K + 1 at most), or fewer when fewer layers stream,
+  // and under overlap one more to drain (See Note [Draining slot]).
   absl::Status configure(rt::PolicyContext& rt);
 
   // Stages layers of `order` from next_ on while the ring has room: layer k with roles_of(k), its
@@ -236,7 +237,9 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   std::vector<int> backward_;                  // backward order
   std::vector<int> staged_;                    // layers this policy staged, oldest first
   std::size_t next_ = 0;                       // next layer to stage in the current phase
-  std::size_t slots_ = 1;                      // slots of the ring
+  std::size_t slots_ = 1;                      // layers the ring holds at once
+  bool draining_slot_ = false;                 // See Note [Draining slot]
+  bool no_room_to_drain_ = false;              // the budget left room for one slot only
   // The most slots the budget leaves room for (See Note [Ring under a budget]).
   std::size_t slots_cap_;
   // Where the parameters stream (See Note [Layer prefetch's phases]).

@@ -102,12 +102,16 @@ std::size_t LayerPrefetch::wanted_slots(const rt::PolicyContext& rt) const {
 
 absl::Status LayerPrefetch::fit_ring(rt::PolicyContext& rt) {
   absl::Status fit;
+  no_room_to_drain_ = false;
   for (std::size_t slots = wanted_slots(rt); slots >= 1; --slots) {
     slots_cap_ = slots;
     fit = configure(rt);
-    if (fit.code() != absl::StatusCode::kResourceExhausted) break;
+    if (fit.code() != absl::StatusCode::kResourceExhausted) return fit;
   }
-  return fit;
+  if (!draining_slot_) return fit;
+  // One slot and no room for another to drain: the fetch waits for the write-back.
+  no_room_to_drain_ = true;
+  return configure(rt);
 }
 
 absl::StatusOr<bool> LayerPrefetch::unsettle_residents(rt::PolicyContext& rt) {
@@ -126,10 +130,25 @@ absl::StatusOr<bool> LayerPrefetch::unsettle_residents(rt::PolicyContext& rt) {
   return true;
 }
 
+// Note [Draining slot]
+// ~~~~~~~~~~~~~~~~~~~~
+// Under overlap a layer leaves its slot as soon as the optimizer stepped it in backward, and its
+// write-back out of the slot waits for that step. A fetch into the same slot must wait for the
+// write-back, and a copy engine runs the host-to-device copies in the order they were queued,
+// across streams (design.md section 10): so that fetch, queued right behind the step, held up every
+// host-to-device copy queued after it, torch's own included. Under FSDP2 that is the small copy its
+// reduce-scatter queues on the compute stream for every unit, and backward waited at each unit
+// for a step, a write-back and a fetch. So under overlap, when more layers stream than the ring
+// holds, the ring has one slot more than it stages layers: the slot a release frees drains while
+// the next fetch goes into the one freed a release earlier, whose write-back was queued a layer
+// before (the ring takes free slots in turn). K layers are then fetched ahead of the one stepping,
+// as without overlap. The budget counts the extra slot; when it has room for one slot only, that
+// slot serves alone.
 absl::Status LayerPrefetch::configure(rt::PolicyContext& rt) {
   const std::size_t layers = streamed_layers(rt, config().roles).size();
   slots_ = std::max<std::size_t>(1, std::min(slots_cap_, std::max<std::size_t>(layers, 1)));
-  return rt.configure_staging(static_cast<int>(slots_), config().roles);
+  draining_slot_ = overlap() && layers > slots_ && !no_room_to_drain_;
+  return rt.configure_staging(static_cast<int>(slots_ + (draining_slot_ ? 1 : 0)), config().roles);
 }
 
 }  // namespace internal

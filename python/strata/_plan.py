@@ -3,7 +3,7 @@ are bound in, the prefetch depth from the budget, and the INFO line that says wh
 
     names, named = param_names(param_groups, model)
     plan, how = find_layers(params, names, named, layer_bytes, model, budget, moments, state_dtype)
-    depth = auto_depth(plan, budget, moments, state_dtype)
+    depth = auto_depth(plan, budget, moments, state_dtype, overlap=True)
 
 `moments` counts the states a parameter keeps besides a master copy (Adam 2, 3 with amsgrad; Lion
 1: See Note [Step rules] in optim/step_rule.h).
@@ -94,9 +94,12 @@ def layer_state_bytes(layer: list, moments: int, state_dtype: str) -> int:
 # float32 moments, so that compressed moments (a quarter or half the bytes) get more layers ahead
 # for the same GPU memory (float32 parameters: 3 with float32 moments, 7 bfloat16, 14 int8; a
 # master counts too); past 3, at most one a layer. With a budget, no more than fit beside the
-# parameters (and FSDP2's gradients) strata keeps on the GPU, less one, and at least 1. Other
-# gradients stay torch's (See Note [Gradients given at each step] in optim/adam.h).
-def auto_depth(plan: list, budget: int | None, moments: int, state_dtype: str) -> int:
+# parameters (and FSDP2's gradients) strata keeps on the GPU, less the slot in use and, under
+# overlap, the one draining (See Note [Draining slot] in policies/ring_plan.cpp), and at least 1.
+# Other gradients stay torch's (See Note [Gradients given at each step] in optim/adam.h).
+def auto_depth(
+    plan: list, budget: int | None, moments: int, state_dtype: str, overlap: bool
+) -> int:
     if not plan:
         return 3
     slot = max(max(layer_state_bytes(layer, moments, state_dtype) for layer in plan), 1)
@@ -109,7 +112,7 @@ def auto_depth(plan: list, budget: int | None, moments: int, state_dtype: str) -
         for layer in plan
         for _, p in layer
     )
-    return max(1, min(depth, (budget - resident) // slot - 1))
+    return max(1, min(depth, (budget - resident) // slot - (2 if overlap else 1)))
 
 
 # The overlap and, under it, where a step in backward keeps its undo

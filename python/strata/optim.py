@@ -209,7 +209,9 @@ class Adam(torch.optim.Optimizer):
         if runtime is None:
             depth_from = "argument"
             if prefetch_depth is None:
-                prefetch_depth = _plan.auto_depth(plan, budget, moments, state_dtype)
+                prefetch_depth = _plan.auto_depth(
+                    plan, budget, moments, state_dtype, overlap=overlap == "backward"
+                )
                 depth_from = "the budget"
             runtime = Runtime(
                 policy=policy,

@@ -190,6 +190,57 @@ TEST(TimelineTest, LayerPrefetchInFlightStatesWithADelayedDevice) {
   EXPECT_EQ(where(*rt), "G P P G P P G P P");
 }
 
+// See Note [Draining slot] in policies/ring_plan.cpp: under overlap the ring has a slot more than
+// it stages layers, so the fetch a release queues does not wait for that release's write-back,
+// which waits for the step. Here the compute and host-to-device streams run while the
+// device-to-host stream does not: layer 0 comes in while layer 2's write-back has not run.
+TEST(TimelineTest, UnderOverlapAFetchDoesNotWaitForTheWriteBackJustQueued) {
+  for (const Overlap overlap : {Overlap::kNone, Overlap::kBackward}) {
+    SCOPED_TRACE(overlap_name(overlap));
+    auto [rt, dev] = make_runtime("layer_prefetch", {.prefetch_depth = 1, .overlap = overlap},
+                                  /*deferred=*/true);
+    register_model(*rt);
+    StreamHandle s = rt->compute_stream();
+    ASSERT_TRUE(rt->prepare().ok());
+    // Two float32 moments of 1000: 4000 bytes each, 4096 in the slot.
+    const std::int64_t layer_bytes = 2 * 4096;
+    const int slots = overlap == Overlap::kBackward ? 3 : 2;
+    EXPECT_EQ(rt->stats().staging_bytes, slots * layer_bytes);
+    ASSERT_TRUE(rt->begin_step().ok());
+    dev->run_pending();
+    if (overlap == Overlap::kNone) {
+      // The optimizer step's first layers, staged ahead (See Note [States staged ahead]).
+      EXPECT_EQ(where(*rt), "G S S G S S G P P");
+      ASSERT_TRUE(rt->end_step().ok());
+      continue;
+    }
+    // Backward's first layers (See Note [Overlapped backward]).
+    EXPECT_EQ(where(*rt), "G P P G S S G S S");
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(rt->before_forward(l).ok());
+    ASSERT_TRUE(rt->after_backward(2).ok());
+    ASSERT_TRUE(rt->acquire_layer(2, RoleSet::optimizer_states(), Tier::kGpu, s).ok());
+    ASSERT_TRUE(rt->release_layer(2, RoleSet::optimizer_states(), s).ok());
+    EXPECT_EQ(where(*rt), "G S* S* G S S G P* P*");
+    while (dev->run_one(s) || dev->run_one(rt->h2d_stream())) {
+    }
+    EXPECT_EQ(where(*rt), "G S S G S S G P* P*");
+    dev->run_pending();
+    EXPECT_EQ(where(*rt), "G S S G S S G P P");
+    for (int l : {1, 0}) {
+      ASSERT_TRUE(rt->after_backward(l).ok());
+      ASSERT_TRUE(rt->acquire_layer(l, RoleSet::optimizer_states(), Tier::kGpu, s).ok());
+      ASSERT_TRUE(rt->release_layer(l, RoleSet::optimizer_states(), s).ok());
+    }
+    dev->run_pending();
+    EXPECT_EQ(where(*rt), "G P P G P P G P P");
+    ASSERT_TRUE(rt->begin_optimizer_step().ok());
+    ASSERT_TRUE(rt->end_optimizer_step().ok());
+    ASSERT_TRUE(rt->end_step().ok());
+    dev->run_pending();
+    EXPECT_EQ(where(*rt), "G P P G P P G P P");
+  }
+}
+
 // D1 of RELIABILITY.md: 10^4 offload/reload cycles per tier pair, payloads with NaN, +-Inf, -0 and
 // denormals that change every cycle (so a stale copy, one that missed a cycle, is caught), sizes
 // 1 B, 255 B and 2^k +- 1, every tensor read back every cycle: zero bitwise mismatches.
