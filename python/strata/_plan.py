@@ -90,21 +90,27 @@ def layer_state_bytes(layer: list, moments: int, state_dtype: str) -> int:
     return sum(state_bytes(p, state_dtype=state_dtype, moments=moments) for _, p in layer)
 
 
-# Prefetch depth: as many slots of the largest layer's states as the ring of depth 3 would take with
-# float32 moments, so that compressed moments (a quarter or half the bytes) get more layers ahead
-# for the same GPU memory (float32 parameters: 3 with float32 moments, 7 bfloat16, 14 int8; a
-# master counts too); past 3, at most one a layer. With a budget, no more than fit beside the
-# parameters (and FSDP2's gradients) strata keeps on the GPU, less the slot in use and, under
-# overlap, the one draining (See Note [Draining slot] in policies/ring_plan.cpp), and at least 1.
-# Other gradients stay torch's (See Note [Gradients given at each step] in optim/adam.h).
+# Prefetch depth: the ring takes as many slots of the largest layer's states as a ring of depth 3
+# would with float32 moments (four slots), so that compressed moments (a quarter or half the bytes)
+# get more layers ahead for the same GPU memory (float32 parameters: depth 3 with float32 moments, 7
+# bfloat16, 14 int8; a master counts too); past four slots, at most one a layer. Under overlap one
+# of the slots drains (See Note [Draining slot] in policies/ring_plan.cpp), so the depth is one less
+# for the same memory (2 with float32 moments), which the users' script measured as fast as depth 3
+# with a slot draining (bench/results/2026-11-27-H200-f7e51cb-draining-slot/). With a budget, no
+# more than fit beside the
+# parameters (and FSDP2's gradients) strata keeps on the GPU, less the slot in use and the one
+# draining, and at least 1. Other gradients stay torch's (See Note [Gradients given at each step]
+# in optim/adam.h).
 def auto_depth(
     plan: list, budget: int | None, moments: int, state_dtype: str, overlap: bool
 ) -> int:
+    drain = 1 if overlap else 0
     if not plan:
-        return 3
+        return 3 - drain
     slot = max(max(layer_state_bytes(layer, moments, state_dtype) for layer in plan), 1)
     float32 = max(layer_state_bytes(layer, moments, "float32") for layer in plan)
-    depth = max(3, min(len(plan), (3 + 1) * float32 // slot - 1))
+    slots = max(4, min(len(plan) + 1, 4 * float32 // slot))
+    depth = slots - 1 - drain
     if budget is None:
         return depth
     resident = sum(
@@ -112,7 +118,7 @@ def auto_depth(
         for layer in plan
         for _, p in layer
     )
-    return max(1, min(depth, (budget - resident) // slot - (2 if overlap else 1)))
+    return max(1, min(depth, (budget - resident) // slot - 1 - drain))
 
 
 # The overlap and, under it, where a step in backward keeps its undo

@@ -621,7 +621,8 @@ class AdamW(Adam):
             strata/budget.py); None (default): no budget, every layer's states stream.
         prefetch_depth: layers layer_prefetch brings ahead of use; None: as many as the bytes of
             a ring of depth 3 with float32 moments hold (3 for float32 moments, more for
-            compressed ones), fewer where a budget leaves less room.
+            compressed ones; one less under overlap, where a slot of the ring drains), fewer where
+            a budget leaves less room.
         layer_bytes: None (default): strata finds its layers (See Note [Layers without being told]
             in strata/layers.py): FSDP2's units, the blocks of `model` when given, the blocks in the
             parameters' names when named_parameters() is passed, else runs of parameters sized from
