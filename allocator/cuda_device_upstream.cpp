@@ -30,25 +30,6 @@ namespace strata::alloc {
 #ifdef STRATA_HAS_CUDA
 namespace {
 
-// Makes `device` current for the scope; CUDA calls that allocate act on the current device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      if (cudaSetDevice(device) == cudaSuccess) restore_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (restore_) (void)cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
-
 // Each segment is an NVTX sub-allocator heap, so memcheck treats it as inaccessible except for the
 // regions registered as live blocks (See Note [Pool visibility for memory checkers] in upstream.h).
 // NVTX calls are no-ops unless a tool is attached.

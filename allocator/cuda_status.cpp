@@ -1,6 +1,7 @@
 #include "allocator/cuda_status.h"
 
 #include "allocator/upstream.h"
+#include "base/status.h"
 #include "base/strings.h"
 
 namespace strata::alloc {
@@ -43,9 +44,17 @@ absl::Status require_cuda_device(int device) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int> current_cuda_device() {
+  if (cuda_device_count() == 0) return absl::UnavailableError("no CUDA device is visible");
+  int device = 0;
+  STRATA_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  return device;
+}
+
 #else  // !STRATA_HAS_CUDA
 
 int cuda_device_count() { return 0; }
+absl::StatusOr<int> current_cuda_device() { return no_cuda(); }
 std::string cuda_device_name(int /*device*/) { return "none"; }
 
 #endif  // STRATA_HAS_CUDA

@@ -1,9 +1,11 @@
 // allocator/cuda_status.h: the CUDA runtime as every layer that calls it sees it: its errors as an
 // absl::Status, written once (the allocator's upstreams and events, the runtime's device, the
-// optimizer's kernels, the benchmarks), and whether a device is there to use.
+// optimizer's kernels, the benchmarks), whether a device is there to use, which one is current,
+// and a guard that makes one current for a scope.
 //
 // Example:
 //   STRATA_RETURN_IF_ERROR(alloc::require_cuda_device(0));
+//   alloc::DeviceGuard on(device);  // CUDA calls below act on `device`; the old one comes back
 //   STRATA_RETURN_IF_ERROR(alloc::cuda_status(cudaStreamSynchronize(s), "cudaStreamSynchronize"));
 //   // on failure: "cudaStreamSynchronize failed: cudaErrorIllegalAddress: an illegal memory ..."
 #pragma once
@@ -12,6 +14,7 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -31,7 +34,33 @@ absl::Status cuda_status(cudaError_t err, std::string_view what);
 // Ok when CUDA device `device` is visible; kUnavailable when none is, kInvalidArgument when that
 // one does not exist.
 absl::Status require_cuda_device(int device);
+
+// Makes `device` current for the scope, and the one current before it again after. CUDA calls
+// that create streams, events or memory, record events or launch work act on the current device,
+// and a thread starts on device 0 (See Note [One CUDA device a runtime] in runtime/runtime.h).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      if (cudaSetDevice(device) == cudaSuccess) restore_ = true;
+    }
+    (void)cudaGetLastError();
+  }
+  ~DeviceGuard() {
+    if (restore_) (void)cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
 #endif
+
+// The calling thread's current CUDA device (what torch.cuda.set_device set); kUnavailable when
+// no device is visible or strata was built without CUDA.
+absl::StatusOr<int> current_cuda_device();
 
 // kUnavailable: strata was built without CUDA (what the CUDA factories return then).
 absl::Status no_cuda();

@@ -3,7 +3,7 @@
 // kUnavailable.
 //
 // Example:
-//   STRATA_ASSIGN_OR_RETURN(std::shared_ptr<StreamOps> ops, make_cuda_stream_ops());
+//   STRATA_ASSIGN_OR_RETURN(std::shared_ptr<StreamOps> ops, make_cuda_stream_ops(/*device=*/0));
 //   STRATA_ASSIGN_OR_RETURN(EventHandle done, ops->record(stream));
 #include <mutex>
 #include <vector>
@@ -27,6 +27,7 @@ namespace {
 // state makes no cudaEventCreate calls.
 class CudaStreamOps final : public StreamOps {
  public:
+  explicit CudaStreamOps(int device) : device_(device) {}
   ~CudaStreamOps() override {
     // See Note [Stream ordering], rule 5: tolerate a runtime that is unloading at exit.
     for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);
@@ -41,6 +42,8 @@ class CudaStreamOps final : public StreamOps {
         free_.pop_back();
       }
     }
+    // An event belongs to the device current when it is made, and is recorded on a stream of it.
+    const DeviceGuard on(device_);
     if (event == nullptr) {
       STRATA_RETURN_IF_ERROR(
           cuda_status(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate"));
@@ -74,20 +77,23 @@ class CudaStreamOps final : public StreamOps {
   }
 
  private:
+  const int device_;
   std::mutex mu_;
   std::vector<cudaEvent_t> free_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<StreamOps>> make_cuda_stream_ops() {
-  if (absl::Status s = require_cuda_device(0); !s.ok()) return s;
-  return std::shared_ptr<StreamOps>(new CudaStreamOps());
+absl::StatusOr<std::shared_ptr<StreamOps>> make_cuda_stream_ops(int device) {
+  if (absl::Status s = require_cuda_device(device); !s.ok()) return s;
+  return std::shared_ptr<StreamOps>(new CudaStreamOps(device));
 }
 
 #else  // !STRATA_HAS_CUDA
 
-absl::StatusOr<std::shared_ptr<StreamOps>> make_cuda_stream_ops() { return no_cuda(); }
+absl::StatusOr<std::shared_ptr<StreamOps>> make_cuda_stream_ops(int /*device*/) {
+  return no_cuda();
+}
 
 #endif  // STRATA_HAS_CUDA
 

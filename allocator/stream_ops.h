@@ -46,9 +46,10 @@ class StreamOps {
   virtual void release(EventHandle event) = 0;
 };
 
-// Events on real CUDA streams, pooled (created once with cudaEventDisableTiming, reused forever).
-// kUnavailable when strata was built without CUDA.
-absl::StatusOr<std::shared_ptr<StreamOps>> make_cuda_stream_ops();
+// Events on real CUDA streams of `device`, pooled (created once with cudaEventDisableTiming, reused
+// forever). kUnavailable when strata was built without CUDA, kInvalidArgument when `device` does
+// not exist.
+absl::StatusOr<std::shared_ptr<StreamOps>> make_cuda_stream_ops(int device);
 
 // Host-only stand-in. By default every event is complete when recorded (simulated streams run
 // synchronously). After hold(), new events stay pending until complete_all() or complete(event).

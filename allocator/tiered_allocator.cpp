@@ -156,7 +156,7 @@ absl::StatusOr<std::unique_ptr<TieredAllocator>> TieredAllocator::create(Allocat
   if (options.stream_ops != nullptr) {
     self->stream_ops_ = options.stream_ops;
   } else if (use_cuda) {
-    STRATA_ASSIGN_OR_RETURN(self->stream_ops_, make_cuda_stream_ops());
+    STRATA_ASSIGN_OR_RETURN(self->stream_ops_, make_cuda_stream_ops(options.cuda_device));
   } else {
     self->stream_ops_ = std::make_shared<SimulatedStreamOps>();
   }

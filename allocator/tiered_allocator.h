@@ -66,6 +66,7 @@ absl::StatusOr<GpuSegments> parse_gpu_segments(std::string_view name);
 
 struct AllocatorOptions {
   DeviceBackend device = DeviceBackend::kAuto;
+  // The CUDA device the GPU tier's memory and events are on (the runtime sets the one it runs on).
   int cuda_device = 0;
   // Used when the GPU tier is simulated.
   SimulatedDeviceOptions simulated_device = {};

@@ -64,8 +64,9 @@ absl::Status wait_for_torch(c10::Device device) {
 }
 
 // Everything register_tensor refuses that can be told from the tensor alone.
-absl::StatusOr<rt::DType> validate(const at::Tensor& t, const std::string& name,
-                                   bool gpu_is_simulated) {
+// `cuda_device`: the runtime's (-1 when its GPU is simulated).
+absl::StatusOr<rt::DType> validate(const at::Tensor& t, const std::string& name, int cuda_device) {
+  const bool gpu_is_simulated = cuda_device < 0;
   const std::string prefix = str_cat("cannot register '", name, "': ");
   if (!t.defined()) return absl::InvalidArgumentError(str_cat(prefix, "the tensor is undefined"));
   if (t.layout() != c10::kStrided) {
@@ -85,6 +86,12 @@ absl::StatusOr<rt::DType> validate(const at::Tensor& t, const std::string& name,
     return absl::InvalidArgumentError(
         str_cat(prefix, "a CUDA tensor needs a runtime on a CUDA device; this runtime's GPU is ",
                 "simulated"));
+  }
+  if (device.is_cuda() && device.index() != cuda_device) {
+    // See Note [One CUDA device a runtime] in runtime/runtime.h.
+    return absl::InvalidArgumentError(str_cat(
+        prefix, "the tensor is on ", device.str(), " but this runtime runs on cuda:", cuda_device,
+        "; make the runtime with device='", device.str(), "' (with that device current)"));
   }
   absl::StatusOr<rt::DType> dtype = dtype_from_torch(t.scalar_type());
   if (!dtype.ok()) return absl::InvalidArgumentError(str_cat(prefix, dtype.status().message()));
@@ -216,9 +223,10 @@ TorchBinding::TorchBinding(rt::Runtime& runtime)
       gpu_is_simulated_(runtime.device().is_simulated()),
       state_(std::make_unique<State>()) {
   // Torch computes on its current stream; the runtime's hooks fence copies behind it
-  // (See Note [Compute fence] in runtime/migration.cpp). The runtime is on CUDA device 0.
+  // (See Note [Compute fence] in runtime/migration.cpp), on the runtime's device (See Note [One
+  // CUDA device a runtime] in runtime/runtime.h).
   if (!gpu_is_simulated_) {
-    const c10::Device cuda(c10::kCUDA, 0);
+    const c10::Device cuda(c10::kCUDA, static_cast<c10::DeviceIndex>(runtime_.cuda_device()));
     const c10::impl::VirtualGuardImpl guard(cuda.type());
     // Copies kept for an undo take the blocks backward frees (See Note [The undo in the
     // framework's memory] in runtime/undo_log.cpp). Refused while a step is under way or an undo
@@ -263,7 +271,7 @@ absl::StatusOr<rt::TensorHandle> TorchBinding::register_one(const torch::Tensor&
                                               state_->bound.at(it->second).name, "'"));
     }
   }
-  STRATA_ASSIGN_OR_RETURN(const rt::DType dtype, validate(t, name, gpu_is_simulated_));
+  STRATA_ASSIGN_OR_RETURN(const rt::DType dtype, validate(t, name, runtime_.cuda_device()));
   const c10::Device device = t.device();
   STRATA_RETURN_IF_ERROR(wait_for_torch(device));
 
@@ -335,7 +343,7 @@ std::vector<rt::TensorHandle> TorchBinding::register_all(const std::vector<Plann
                     state_->bound.at(it->second).name, "' with this TorchBinding")));
       }
     }
-    check(validate(p.tensor, p.name, gpu_is_simulated_).status());
+    check(validate(p.tensor, p.name, runtime_.cuda_device()).status());
   }
   std::vector<rt::TensorHandle> done;
   done.reserve(plan.size());

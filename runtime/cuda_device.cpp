@@ -8,6 +8,7 @@
 #include "absl/base/thread_annotations.h"
 #include "allocator/cuda_status.h"
 #include "allocator/upstream.h"
+#include "base/status.h"
 #include "base/strings.h"
 #include "runtime/device.h"
 
@@ -46,10 +47,14 @@ class CudaDevice final : public Device {
 
   std::string name() const override { return name_; }
   bool is_simulated() const override { return false; }
+  int cuda_device() const override { return device_; }
 
+  // Streams and events are made on the runtime's device, whichever is current on the calling
+  // thread, and that one is current again after (See Note [One CUDA device a runtime] in
+  // runtime.h).
   absl::StatusOr<StreamHandle> create_stream() override {
+    const alloc::DeviceGuard on(device_);
     cudaStream_t s = nullptr;
-    STRATA_CUDA_OK_(cudaSetDevice(device_), "cudaSetDevice");
     STRATA_CUDA_OK_(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     return static_cast<StreamHandle>(s);
   }
@@ -60,6 +65,7 @@ class CudaDevice final : public Device {
 
   absl::Status copy_async(void* dst, const void* src, std::size_t bytes,
                           StreamHandle stream) override {
+    const alloc::DeviceGuard on(device_);
     return cuda_status(
         cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)),
         "cudaMemcpyAsync");
@@ -72,6 +78,7 @@ class CudaDevice final : public Device {
   }
 
   absl::Status enqueue_host(StreamHandle stream, std::function<void()> fn) override {
+    const alloc::DeviceGuard on(device_);
     auto* heap_fn = new std::function<void()>(std::move(fn));
     cudaError_t err =
         cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), run_host_function, heap_fn);
@@ -104,6 +111,7 @@ class CudaDevice final : public Device {
         timed_free_.pop_back();
       }
     }
+    const alloc::DeviceGuard on(device_);
     if (e == nullptr) STRATA_CUDA_OK_(cudaEventCreate(&e), "cudaEventCreate");
     absl::Status s =
         cuda_status(cudaEventRecord(e, static_cast<cudaStream_t>(stream)), "cudaEventRecord");
@@ -145,13 +153,12 @@ class CudaDevice final : public Device {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Device>> make_cuda_device(int cuda_device) {
-  const int count = alloc::cuda_device_count();
-  if (count == 0) return absl::UnavailableError("no CUDA device is visible");
-  if (cuda_device < 0 || cuda_device >= count) {
-    return absl::InvalidArgumentError(
-        str_cat("CUDA device ", cuda_device, " does not exist; ", count, " visible"));
+  if (cuda_device == kCurrentCudaDevice) {
+    STRATA_ASSIGN_OR_RETURN(cuda_device, alloc::current_cuda_device());
   }
-  absl::StatusOr<std::shared_ptr<alloc::StreamOps>> events = alloc::make_cuda_stream_ops();
+  STRATA_RETURN_IF_ERROR(alloc::require_cuda_device(cuda_device));
+  absl::StatusOr<std::shared_ptr<alloc::StreamOps>> events =
+      alloc::make_cuda_stream_ops(cuda_device);
   if (!events.ok()) return events.status();
   return std::unique_ptr<Device>(new CudaDevice(cuda_device, std::move(*events)));
 }

@@ -1,5 +1,6 @@
 #include "runtime/device.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <deque>
@@ -13,12 +14,24 @@
 
 namespace strata::rt {
 
-absl::StatusOr<DeviceKind> parse_device_kind(std::string_view name) {
-  if (name == "auto") return DeviceKind::kAuto;
-  if (name == "cuda") return DeviceKind::kCuda;
-  if (name == "simulated") return DeviceKind::kSimulated;
-  return absl::InvalidArgumentError(str_cat(
-      "unknown device '", name, "'; use auto (the GPU if there is one), cuda or simulated"));
+absl::StatusOr<DeviceChoice> parse_device(std::string_view name) {
+  if (name == "auto") return DeviceChoice{DeviceKind::kAuto};
+  if (name == "cuda") return DeviceChoice{DeviceKind::kCuda};
+  if (name == "simulated") return DeviceChoice{DeviceKind::kSimulated};
+  constexpr std::string_view kCudaColon = "cuda:";
+  if (name.size() > kCudaColon.size() && name.size() <= kCudaColon.size() + 4 &&
+      name.substr(0, kCudaColon.size()) == kCudaColon) {
+    const std::string_view digits = name.substr(kCudaColon.size());
+    if (std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      int index = 0;
+      for (char c : digits) index = index * 10 + (c - '0');
+      return DeviceChoice{DeviceKind::kCuda, index};
+    }
+  }
+  return absl::InvalidArgumentError(
+      str_cat("unknown device '", name,
+              "'; use auto (the GPU if there is one), cuda (the current CUDA device), cuda:N "
+              "(CUDA device N) or simulated"));
 }
 
 absl::StatusOr<std::unique_ptr<Device>> make_device(DeviceKind kind, int cuda_device) {

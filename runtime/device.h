@@ -45,6 +45,8 @@ class Device : public alloc::StreamOps {
   // "NVIDIA H200" or "simulated".
   virtual std::string name() const = 0;
   virtual bool is_simulated() const = 0;
+  // The CUDA device's index; -1 for the simulated device.
+  virtual int cuda_device() const { return -1; }
 
   // A stream that does not synchronize with the legacy default stream.
   [[nodiscard]] virtual absl::StatusOr<StreamHandle> create_stream() = 0;
@@ -76,13 +78,24 @@ enum class DeviceKind {
   kSimulated,  // also on a machine with a GPU
 };
 
-// "auto", "cuda" or "simulated" (a program's --device flag, strata.Runtime's device argument);
-// anything else is kInvalidArgument naming the three.
-[[nodiscard]] absl::StatusOr<DeviceKind> parse_device_kind(std::string_view name);
+// A CUDA device index meaning the calling thread's current device when the runtime is made
+// (See Note [One CUDA device a runtime] in runtime.h).
+inline constexpr int kCurrentCudaDevice = -1;
 
-[[nodiscard]] absl::StatusOr<std::unique_ptr<Device>> make_device(DeviceKind kind,
-                                                                  int cuda_device = 0);
-[[nodiscard]] absl::StatusOr<std::unique_ptr<Device>> make_cuda_device(int cuda_device = 0);
+struct DeviceChoice {
+  DeviceKind kind = DeviceKind::kAuto;
+  int cuda_device = kCurrentCudaDevice;
+};
+
+// "auto", "cuda", "cuda:N" or "simulated" (a program's --device flag, strata.Runtime's device
+// argument); anything else is kInvalidArgument naming the forms.
+[[nodiscard]] absl::StatusOr<DeviceChoice> parse_device(std::string_view name);
+
+// `cuda_device` kCurrentCudaDevice: the calling thread's current device.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Device>> make_device(
+    DeviceKind kind, int cuda_device = kCurrentCudaDevice);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Device>> make_cuda_device(
+    int cuda_device = kCurrentCudaDevice);
 
 class SimulatedDevice final : public Device {
  public:

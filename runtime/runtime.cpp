@@ -93,12 +93,14 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
   if (options.device_override != nullptr) {
     device = std::move(options.device_override);
   } else {
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> made, make_device(options.device));
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> made,
+                            make_device(options.device, options.cuda_device));
     device = std::move(made);
   }
   alloc::AllocatorOptions& a = options.allocator;
   a.device =
       device->is_simulated() ? alloc::DeviceBackend::kSimulated : alloc::DeviceBackend::kCuda;
+  if (!device->is_simulated()) a.cuda_device = device->cuda_device();
   a.stream_ops = device;
   std::unique_ptr<alloc::Upstream> staging_upstream;
   std::unique_ptr<alloc::Upstream> bounce_upstream;
@@ -249,6 +251,7 @@ absl::Status Runtime::set_gpu_budget(std::size_t budget) {
 
 alloc::TieredAllocator& Runtime::allocator() { return *impl_->allocator; }
 Device& Runtime::device() { return impl_->engine.device(); }
+int Runtime::cuda_device() const { return impl_->engine.device().cuda_device(); }
 const ResidencyPolicy& Runtime::policy() const { return *impl_->policy; }
 const PolicyChoice& Runtime::policy_choice() const { return impl_->choice; }
 StreamHandle Runtime::h2d_stream() const { return impl_->engine.h2d(); }

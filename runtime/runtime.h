@@ -80,6 +80,15 @@ namespace strata::rt {
 inline constexpr std::size_t kBounceChunkBytes = std::size_t{16} << 20;
 inline constexpr int kBounceSlots = 2;
 
+// Note [One CUDA device a runtime]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A runtime runs on one CUDA device: the one RuntimeOptions::cuda_device names, else the calling
+// thread's current device when the runtime is made, which is the one a distributed script chose
+// with torch.cuda.set_device(local_rank) (every CUDA thread starts on device 0, so a fixed 0 put
+// every rank's strata memory on the first GPU). Its streams, events and memory are made on that
+// device whichever is current on the calling thread, and the current device is left as it was.
+// The kernels a client launches on the runtime's streams run where the client launches them, so
+// strata.optim asks for the parameters' device and refuses one that is not current.
 struct RuntimeOptions {
   // See choose_policy_name: this, else STRATA_POLICY, else the default. `policy_source` names
   // where a program took it from (its flag or argument), for the errors that name the choice.
@@ -87,7 +96,10 @@ struct RuntimeOptions {
   std::string policy_source = "RuntimeOptions::policy";
   PolicyConfig policy_config;
   DeviceKind device = DeviceKind::kAuto;
-  // Allocator settings (budgets, tracking, pinned method). Its device backend follows `device`.
+  // Which CUDA device, when `device` gives CUDA (See Note [One CUDA device a runtime]).
+  int cuda_device = kCurrentCudaDevice;
+  // Allocator settings (budgets, tracking, pinned method). Its device backend and CUDA device
+  // follow `device` and `cuda_device`.
   alloc::AllocatorOptions allocator;
   // Tests: use this device (e.g. a deferred SimulatedDevice) instead of making one.
   std::unique_ptr<Device> device_override;
@@ -347,6 +359,8 @@ class Runtime {
   [[nodiscard]] absl::Status set_gpu_budget(std::size_t budget);
   alloc::TieredAllocator& allocator();
   Device& device();
+  // The CUDA device the runtime runs on; -1 on the simulated device.
+  int cuda_device() const;
   const ResidencyPolicy& policy() const;
   // Where the policy name came from (see choose_policy_name).
   const PolicyChoice& policy_choice() const;

@@ -9,6 +9,7 @@ RuntimeOptions runtime_options(const ProgramSetup& setup) {
   o.policy = setup.policy;
   o.policy_source = setup.policy_source;
   o.device = setup.device;
+  o.cuda_device = setup.cuda_device;
   o.policy_config.prefetch_depth = setup.prefetch_depth;
   o.policy_config.roles = setup.roles;
   o.policy_config.offload_after_step = true;

@@ -33,6 +33,7 @@ struct ProgramSetup {
   std::optional<std::string> policy;
   std::string policy_source = "RuntimeOptions::policy";
   DeviceKind device = DeviceKind::kAuto;
+  int cuda_device = kCurrentCudaDevice;  // See Note [One CUDA device a runtime] in runtime.h
   // The policy's knobs (See PolicyConfig).
   int prefetch_depth = PolicyConfig{}.prefetch_depth;
   RoleSet roles = PolicyConfig{}.roles;

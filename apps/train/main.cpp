@@ -291,13 +291,21 @@ absl::StatusOr<TrainOptions> options_from_flags() {
   o.grad_accum = absl::GetFlag(FLAGS_grad_accum);
   if (o.grad_accum < 1) return absl::InvalidArgumentError("--grad_accum must be 1 or more");
 
-  absl::StatusOr<rt::DeviceKind> device = rt::parse_device_kind(absl::GetFlag(FLAGS_device));
+  absl::StatusOr<rt::DeviceChoice> device = rt::parse_device(absl::GetFlag(FLAGS_device));
   if (!device.ok())
     return absl::InvalidArgumentError(str_cat("--device: ", device.status().message()));
-  if (*device == rt::DeviceKind::kCuda && !gpu_present()) {
+  if (device->cuda_device != rt::kCurrentCudaDevice) {
+    // Its model and its runtime both take the current device (See Note [One CUDA device a
+    // runtime] in runtime/runtime.h).
+    return absl::InvalidArgumentError(
+        "--device: strata-train runs on the current CUDA device; choose it with "
+        "CUDA_VISIBLE_DEVICES and pass --device=cuda");
+  }
+  if (device->kind == rt::DeviceKind::kCuda && !gpu_present()) {
     return absl::InvalidArgumentError("--device=cuda, but no GPU is visible");
   }
-  o.cuda = *device == rt::DeviceKind::kCuda || (*device == rt::DeviceKind::kAuto && gpu_present());
+  o.cuda = device->kind == rt::DeviceKind::kCuda ||
+           (device->kind == rt::DeviceKind::kAuto && gpu_present());
 
   absl::StatusOr<rt::RoleSet> roles = rt::RoleSet::parse(absl::GetFlag(FLAGS_strata_roles));
   if (!roles.ok())

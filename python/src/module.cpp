@@ -126,6 +126,7 @@ PYBIND11_MODULE(_strata, m) {
            })
       .def("policy", [](Runtime& r) { return std::string(r.rt().policy().name()); })
       .def("simulated", [](Runtime& r) { return r.rt().device().is_simulated(); })
+      .def("cuda_device", [](Runtime& r) { return r.rt().cuda_device(); })
       .def("register",
            [](Runtime& r, torch::Tensor& t, const std::string& name, int layer,
               const std::string& role, const std::optional<std::string>& home) {

@@ -48,7 +48,9 @@ class Runtime {
     // policy given, else STRATA_POLICY, else the default.
     rt::ProgramSetup setup;
     setup.policy = policy;
-    setup.device = bridge::unwrap(rt::parse_device_kind(device));
+    const rt::DeviceChoice choice = bridge::unwrap(rt::parse_device(device));
+    setup.device = choice.kind;
+    setup.cuda_device = choice.cuda_device;
     setup.prefetch_depth = prefetch_depth;
     setup.roles = bridge::unwrap(rt::RoleSet::parse(roles));
     setup.overlap = bridge::unwrap(rt::parse_overlap(overlap));

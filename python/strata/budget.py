@@ -69,7 +69,7 @@ def device_memory(runtime) -> DeviceMemory:
             "gpu_budget='auto' measures the GPU's free memory, and the simulated device has "
             "none; give a budget in bytes"
         )
-    dev = torch.cuda.current_device()
+    dev = runtime.cuda_device
     free, total = torch.cuda.mem_get_info(dev)
     return DeviceMemory(
         free, total, torch.cuda.memory_reserved(dev), torch.cuda.max_memory_reserved(dev)

@@ -305,7 +305,17 @@ class Adam(torch.optim.Optimizer):
         if device is not None:
             return device
         if first.device.type == "cuda":
-            return "cuda"
+            # See Note [One CUDA device a runtime] in runtime/runtime.h.
+            index = first.device.index
+            current = torch.cuda.current_device()
+            if index is not None and index != current:
+                raise ValueError(
+                    f"strata.optim.{self._name}: the parameters are on cuda:{index} but the "
+                    f"current CUDA device is cuda:{current}; strata steps where torch computes: "
+                    f"call torch.cuda.set_device({index}) first (in a distributed script, "
+                    "torch.cuda.set_device(local_rank) before the model is made)"
+                )
+            return f"cuda:{current}"
         if torch.cuda.is_available() and os.environ.get("STRATA_DEVICE") != "simulated":
             raise ValueError(
                 f"strata.optim.{self._name}: the parameters are on the CPU, but this machine has "

@@ -85,8 +85,11 @@ class Runtime:
         roles: what the policy moves: "optimizer_states" (Adam's moments and master weights),
             "all" (parameters and gradients too, streamed through forward and backward once the
             model is attached), or a list of roles such as "parameter,optimizer_state".
-        device: "auto" (the GPU when there is one), "cuda", or "simulated" (host memory stands in
-            for GPU memory, for CPU tensors and machines without a GPU).
+        device: "auto" (the GPU when there is one), "cuda" (the current CUDA device), "cuda:N",
+            or "simulated" (host memory stands in for GPU memory, for CPU tensors and machines
+            without a GPU). strata runs where torch computes: the device must be the current one
+            when the model trains (torch.cuda.set_device(local_rank) in a distributed script;
+            See Note [One CUDA device a runtime] in runtime/runtime.h).
         pinned_budget: the most pinned host memory strata may take; None: no limit.
         overlap: "none", or "backward": the optimizer steps each layer during backward, as soon as
             its gradients are final, speculatively and validated after backward (results equal
@@ -176,6 +179,11 @@ class Runtime:
     def simulated(self) -> bool:
         """Whether host memory stands in for GPU memory (CPU tensors)."""
         return self._rt.simulated()
+
+    @property
+    def cuda_device(self) -> int:
+        """The CUDA device's index the runtime runs on; -1 when the GPU is simulated."""
+        return self._rt.cuda_device()
 
     @property
     def num_layers(self) -> int:
@@ -428,7 +436,7 @@ class Runtime:
         gib = 2**30
         lines = ["GPU memory (GiB)            current     peak"]
         if torch.cuda.is_available() and not self.simulated:
-            dev = torch.cuda.current_device()
+            dev = self.cuda_device
             free, total = torch.cuda.mem_get_info(dev)
             lines.append(f"  driver: used of {total / gib:.1f}   {(total - free) / gib:8.2f}")
             lines.append(

@@ -136,6 +136,8 @@ def gpu_overlap_run(policy, attach, overlap, max_grad_norm, steps=10):
     opt = strata.optim.AdamW(
         model.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm, **kw
     )
+    # See Note [One CUDA device a runtime] in runtime/runtime.h.
+    assert opt.runtime.cuda_device == torch.cuda.current_device()
     g = torch.Generator(device="cuda").manual_seed(1)
     losses, norms = [], []
     for step in range(steps):
@@ -235,3 +237,43 @@ def test_the_undo_kept_on_the_gpu_is_torchs_memory_and_goes_back_at_the_step():
         assert opt.runtime.memory_stats()["gpu.allocated_bytes.current"] <= strata_gpu
         assert opt.runtime.stats()["undo_bytes"] == 0
     assert opt.close() == []
+
+
+@pytest.mark.gpu
+def test_the_runtime_runs_on_the_current_or_the_named_cuda_device():
+    # See Note [One CUDA device a runtime] in runtime/runtime.h: "cuda" is the current device,
+    # "cuda:N" device N (the current device stays as it was), and a device that is not there is
+    # refused, naming how many are.
+    current = torch.cuda.current_device()
+    last = torch.cuda.device_count() - 1
+    assert strata.Runtime(device="cuda").cuda_device == current
+    assert strata.Runtime(device=f"cuda:{last}").cuda_device == last
+    assert torch.cuda.current_device() == current
+    with pytest.raises(ValueError, match=f"CUDA device {last + 1} does not exist; {last + 1} vis"):
+        strata.Runtime(device=f"cuda:{last + 1}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_model_on_the_second_gpu_trains_there_as_on_the_first():
+    # A distributed script's rank 1 (torch.cuda.set_device(local_rank)): strata's streams, events
+    # and memory on cuda:1, the results bitwise those of cuda:0. A model on cuda:1 while cuda:0 is
+    # current is refused, naming the fix.
+    want_losses, want_norms, want_params, _ = gpu_overlap_run(
+        "layer_prefetch", False, "backward", 1.0
+    )
+    with torch.cuda.device(1):
+        model = DeepMlp()
+    with pytest.raises(ValueError, match=r"call torch.cuda.set_device\(1\) first"):
+        strata.optim.AdamW(model.parameters())
+    del model
+    torch.cuda.set_device(1)
+    try:
+        free_first = torch.cuda.mem_get_info(0)[0]
+        losses, norms, params, _ = gpu_overlap_run("layer_prefetch", False, "backward", 1.0)
+        assert torch.cuda.mem_get_info(0)[0] >= free_first  # nothing of it on cuda:0
+    finally:
+        torch.cuda.set_device(0)
+    assert losses == want_losses and norms == want_norms
+    for a, b in zip(params, want_params):
+        assert torch.equal(a, b)

@@ -363,3 +363,13 @@ def test_phase_switch_keeps_training_identical():
     train(model, opt, 6, start=6)
     assert_close(params_of(model), want)
     assert opt.close() == []
+
+
+def test_the_device_is_named_as_torch_names_it():
+    # "cuda:N" as torch writes it (See Note [One CUDA device a runtime] in runtime/runtime.h);
+    # anything else is refused naming the forms; a CUDA device where there is none, naming why.
+    with pytest.raises(ValueError, match=r"unknown device 'cuda:x'; .* cuda:N \(CUDA device N\)"):
+        strata.Runtime(device="cuda:x")
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(RuntimeError, match="no CUDA device is visible"):
+            strata.Runtime(device="cuda:1")

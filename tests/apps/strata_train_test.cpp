@@ -444,7 +444,12 @@ TEST(StrataTrainTest, ErrorsSayWhatIsWrongWithTheirExitCodes) {
       {"--heads=3", 2, {"--heads (3) must divide --d_model (128)"}},
       {"--device=tpu",
        2,
-       {"--device: unknown device 'tpu'; use auto (the GPU if there is one), cuda or simulated"}},
+       {"--device: unknown device 'tpu'; use auto (the GPU if there is one), cuda (the current "
+        "CUDA device), cuda:N (CUDA device N) or simulated"}},
+      {"--device=cuda:1",
+       2,
+       {"--device: strata-train runs on the current CUDA device; choose it with "
+        "CUDA_VISIBLE_DEVICES and pass --device=cuda"}},
   };
   for (const Case& c : cases) {
     Outcome o = run_train(c.args);

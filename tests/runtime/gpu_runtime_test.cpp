@@ -7,6 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "base/strings.h"
 #include "base/units.h"
 #include "tests/runtime/kernels.h"
 #include "tests/runtime/runtime_test_util.h"
@@ -36,6 +37,45 @@ class GpuRuntimeTest : public ::testing::Test {
     if (alloc::cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   }
 };
+
+// See Note [One CUDA device a runtime] in runtime/runtime.h: a runtime made without a device
+// index runs on the current one, one given runs there and leaves the current device as it was,
+// and one that does not exist is refused, naming how many there are.
+TEST_F(GpuRuntimeTest, GpuRuntimeRunsOnTheCurrentOrTheNamedDevice) {
+  const int count = alloc::cuda_device_count();
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  for (int index : {kCurrentCudaDevice, count - 1}) {
+    RuntimeOptions options;
+    options.device = DeviceKind::kCuda;
+    options.cuda_device = index;
+    absl::StatusOr<std::unique_ptr<Runtime>> rt =
+        Runtime::create(std::move(options), policy::builtin_policies());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    EXPECT_EQ((*rt)->cuda_device(), index == kCurrentCudaDevice ? current : index);
+    // Streams, events and memory made on it; the thread's device is untouched.
+    const TensorHandle h =
+        *(*rt)->register_tensor(testing::spec("w", 0, Role::kParameter, 1 << 20));
+    ASSERT_TRUE((*rt)->migrate(h, Tier::kPinnedHost).ok());
+    ASSERT_TRUE((*rt)->migrate(h, Tier::kGpu).ok());
+    ASSERT_TRUE((*rt)->wait_all().ok());
+    cudaPointerAttributes attributes{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attributes, (*rt)->info(h)->data), cudaSuccess);
+    EXPECT_EQ(attributes.device, (*rt)->cuda_device());
+    int after = -1;
+    ASSERT_EQ(cudaGetDevice(&after), cudaSuccess);
+    EXPECT_EQ(after, current);
+  }
+  RuntimeOptions options;
+  options.device = DeviceKind::kCuda;
+  options.cuda_device = count;
+  absl::StatusOr<std::unique_ptr<Runtime>> rt =
+      Runtime::create(std::move(options), policy::builtin_policies());
+  ASSERT_FALSE(rt.ok());
+  EXPECT_EQ(rt.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(rt.status().message(),
+            str_cat("CUDA device ", count, " does not exist; ", count, " visible"));
+}
 
 // D1 on the GPU: payloads that change every cycle (a variant of special values, the last 4 bytes
 // the cycle number), written on the first tier, moved to the second and back, read back every

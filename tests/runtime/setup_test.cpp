@@ -6,6 +6,8 @@
 #include <string>
 #include <variant>
 
+#include "allocator/upstream.h"
+#include "base/strings.h"
 #include "runtime/setup.h"
 #include "tests/runtime/runtime_test_util.h"
 
@@ -38,15 +40,38 @@ TEST(PolicyChoiceTest, GivenThenEnvironmentThenDefault) {
   unsetenv("STRATA_POLICY");
 }
 
-TEST(DeviceKindTest, ParsedByName) {
-  EXPECT_EQ(*parse_device_kind("auto"), DeviceKind::kAuto);
-  EXPECT_EQ(*parse_device_kind("cuda"), DeviceKind::kCuda);
-  EXPECT_EQ(*parse_device_kind("simulated"), DeviceKind::kSimulated);
-  absl::StatusOr<DeviceKind> bad = parse_device_kind("gpu");
-  ASSERT_FALSE(bad.ok());
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(bad.status().message(),
-            "unknown device 'gpu'; use auto (the GPU if there is one), cuda or simulated");
+// See Note [One CUDA device a runtime] in runtime/runtime.h.
+TEST(DeviceTest, ParsedByNameWithTheCudaDeviceOptional) {
+  auto kind_of = [](std::string_view name) { return parse_device(name)->kind; };
+  auto index_of = [](std::string_view name) { return parse_device(name)->cuda_device; };
+  EXPECT_EQ(kind_of("auto"), DeviceKind::kAuto);
+  EXPECT_EQ(kind_of("cuda"), DeviceKind::kCuda);
+  EXPECT_EQ(index_of("cuda"), kCurrentCudaDevice);
+  EXPECT_EQ(kind_of("cuda:0"), DeviceKind::kCuda);
+  EXPECT_EQ(index_of("cuda:0"), 0);
+  EXPECT_EQ(index_of("cuda:7"), 7);
+  EXPECT_EQ(kind_of("simulated"), DeviceKind::kSimulated);
+  for (std::string_view bad : {"gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda 1", "CUDA"}) {
+    absl::StatusOr<DeviceChoice> got = parse_device(bad);
+    ASSERT_FALSE(got.ok()) << bad;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(got.status().message(),
+              str_cat("unknown device '", bad,
+                      "'; use auto (the GPU if there is one), cuda (the current CUDA device), "
+                      "cuda:N (CUDA device N) or simulated"));
+  }
+}
+
+// A CUDA device asked for on a machine without one is refused at creation, naming why.
+TEST(DeviceTest, ACudaDeviceWhereThereIsNoneIsRefused) {
+  if (alloc::cuda_device_count() > 0) GTEST_SKIP() << "this machine has a GPU";
+  RuntimeOptions options;
+  options.device = DeviceKind::kCuda;
+  options.cuda_device = 1;
+  absl::StatusOr<std::unique_ptr<Runtime>> made =
+      Runtime::create(std::move(options), policy::builtin_policies());
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kUnavailable) << made.status();
 }
 
 TEST(PolicyChoiceTest, UnknownAndEmptyNamesListTheValidOnes) {
