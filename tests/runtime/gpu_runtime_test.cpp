@@ -56,9 +56,10 @@ TEST_F(GpuRuntimeTest, GpuRuntimeRunsOnTheCurrentOrTheNamedDevice) {
     // Streams, events and memory made on it; the thread's device is untouched.
     const TensorHandle h =
         *(*rt)->register_tensor(testing::spec("w", 0, Role::kParameter, 1 << 20));
-    ASSERT_TRUE((*rt)->migrate(h, Tier::kPinnedHost).ok());
-    ASSERT_TRUE((*rt)->migrate(h, Tier::kGpu).ok());
-    ASSERT_TRUE((*rt)->wait_all().ok());
+    for (Tier tier : {Tier::kPinnedHost, Tier::kGpu}) {
+      ASSERT_TRUE((*rt)->migrate(h, tier).ok());
+      ASSERT_TRUE((*rt)->wait_all().ok());
+    }
     cudaPointerAttributes attributes{};
     ASSERT_EQ(cudaPointerGetAttributes(&attributes, (*rt)->info(h)->data), cudaSuccess);
     EXPECT_EQ(attributes.device, (*rt)->cuda_device());
