@@ -1,5 +1,10 @@
 #include "allocator/cuda_status.h"
 
+#ifdef STRATA_HAS_CUDA
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#endif
+
 #include "allocator/upstream.h"
 #include "base/status.h"
 #include "base/strings.h"
@@ -42,6 +47,69 @@ absl::Status require_cuda_device(int device) {
         str_cat("CUDA device ", device, " does not exist; ", count, " visible"));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// The driver's calls for the thread's current context, through the runtime (no link to libcuda).
+struct ContextApi {
+  PFN_cuCtxGetCurrent_v4000 get = nullptr;
+  PFN_cuCtxSetCurrent_v4000 set = nullptr;
+
+  // Never destroyed: a guard may run during static destruction.
+  static const ContextApi& instance() {
+    static const ContextApi* api = new ContextApi(load());
+    return *api;
+  }
+
+ private:
+  template <typename Fn>
+  static void entry(const char* symbol, Fn* fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion(symbol, &p, 4000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    *fn = reinterpret_cast<Fn>(p);
+  }
+  static ContextApi load() {
+    ContextApi a;
+    entry("cuCtxGetCurrent", &a.get);
+    entry("cuCtxSetCurrent", &a.set);
+    if (a.get == nullptr || a.set == nullptr) return ContextApi{};
+    return a;
+  }
+};
+
+}  // namespace
+
+DeviceGuard::DeviceGuard(int device) {
+  if (cudaGetDevice(&saved_device_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  if (saved_device_ == device) return;
+  const ContextApi& api = ContextApi::instance();
+  CUcontext current = nullptr;
+  context_saved_ = api.get != nullptr && api.get(&current) == CUDA_SUCCESS;
+  saved_context_ = current;
+  if (cudaSetDevice(device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  restore_ = true;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (!restore_) return;
+  if (context_saved_) {
+    (void)ContextApi::instance().set(static_cast<CUcontext>(saved_context_));
+  } else if (cudaSetDevice(saved_device_) != cudaSuccess) {
+    (void)cudaGetLastError();
+  }
 }
 
 absl::StatusOr<int> current_cuda_device() {

@@ -35,25 +35,22 @@ absl::Status cuda_status(cudaError_t err, std::string_view what);
 // one does not exist.
 absl::Status require_cuda_device(int device);
 
-// Makes `device` current for the scope, and the one current before it again after. CUDA calls
-// that create streams, events or memory, record events or launch work act on the current device,
-// and a thread starts on device 0 (See Note [One CUDA device a runtime] in runtime/runtime.h).
+// Makes `device` current for the scope, and puts back after it exactly what was current before:
+// the context the thread had, or none (a thread starts with none, which cudaGetDevice reports as
+// device 0, and setting device 0 again would create a context there). CUDA calls that create
+// streams, events or memory, record events, or use the legacy default stream (handle 0) act on
+// the current device (See Note [One CUDA device a runtime] in runtime/runtime.h).
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      if (cudaSetDevice(device) == cudaSuccess) restore_ = true;
-    }
-    (void)cudaGetLastError();
-  }
-  ~DeviceGuard() {
-    if (restore_) (void)cudaSetDevice(previous_);
-  }
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int previous_ = 0;
+  void* saved_context_ = nullptr;  // a CUcontext, null for none
+  bool context_saved_ = false;     // else the device is put back (no driver context calls)
+  int saved_device_ = 0;
   bool restore_ = false;
 };
 #endif

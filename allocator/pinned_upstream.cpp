@@ -34,12 +34,16 @@ namespace {
 // (BM_PinnedUpstream) and the default in AllocatorOptions follows the numbers.
 class PinnedHostUpstream final : public Upstream {
  public:
-  explicit PinnedHostUpstream(PinnedMethod method) : method_(method) {
+  PinnedHostUpstream(PinnedMethod method, int device) : method_(method), device_(device) {
     name_ = str_cat("pinned_host(", pinned_method_name(method), ")");
   }
   std::string_view name() const override { return name_; }
 
+  // Pinned in the runtime's device's context, whichever device is current (the memory is
+  // portable, so every device copies at full speed; See Note [One CUDA device a runtime] in
+  // runtime/runtime.h).
   absl::StatusOr<void*> allocate(std::size_t bytes) override {
+    const DeviceGuard on(device_);
     if (method_ == PinnedMethod::kCudaHostAlloc) {
       void* p = nullptr;
       const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
@@ -67,6 +71,7 @@ class PinnedHostUpstream final : public Upstream {
   }
 
   absl::Status deallocate(void* ptr, std::size_t bytes) override {
+    const DeviceGuard on(device_);
     if (method_ == PinnedMethod::kCudaHostAlloc) {
       const cudaError_t err = cudaFreeHost(ptr);
       if (err != cudaSuccess && err != cudaErrorCudartUnloading) {
@@ -89,19 +94,22 @@ class PinnedHostUpstream final : public Upstream {
 
  private:
   const PinnedMethod method_;
+  const int device_;
   std::string name_;
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod method) {
-  if (absl::Status s = require_cuda_device(0); !s.ok()) return s;
-  return std::unique_ptr<Upstream>(new PinnedHostUpstream(method));
+absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod method,
+                                                                    int device) {
+  if (absl::Status s = require_cuda_device(device); !s.ok()) return s;
+  return std::unique_ptr<Upstream>(new PinnedHostUpstream(method, device));
 }
 
 #else  // !STRATA_HAS_CUDA
 
-absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod /*method*/) {
+absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod /*method*/,
+                                                                    int /*device*/) {
   return no_cuda();
 }
 

@@ -177,7 +177,8 @@ absl::StatusOr<std::unique_ptr<TieredAllocator>> TieredAllocator::create(Allocat
           break;
         case Tier::kPinnedHost:
           if (use_cuda) {
-            STRATA_ASSIGN_OR_RETURN(upstream, make_pinned_host_upstream(options.pinned_method));
+            STRATA_ASSIGN_OR_RETURN(
+                upstream, make_pinned_host_upstream(options.pinned_method, options.cuda_device));
           } else {
             upstream = make_simulated_pinned_upstream();
           }

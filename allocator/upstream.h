@@ -121,7 +121,9 @@ absl::StatusOr<DeviceMethod> parse_device_method(std::string_view name);
 // kVirtualMemory, when the device does not support it).
 absl::StatusOr<std::unique_ptr<Upstream>> make_cuda_device_upstream(
     int device = 0, DeviceMethod method = DeviceMethod::kAuto);
-absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod method);
+// Pinned host memory, pinned in CUDA device `device`'s context (portable to every device).
+absl::StatusOr<std::unique_ptr<Upstream>> make_pinned_host_upstream(PinnedMethod method,
+                                                                    int device = 0);
 
 // Number of CUDA devices visible; 0 when built without CUDA or when the driver reports none.
 int cuda_device_count();

@@ -480,7 +480,7 @@ class Adam {
   // puts back (at host_undo_at_[slot]; refused once: no host memory for it), and this step's
   // host layers stepped in backward.
   std::unique_ptr<SerialWorker> host_worker_;
-  int host_gpu_ = -1;  // the device host_worker_ makes current (-1: none found)
+  int host_gpu_ = -1;  // the device host_worker_ makes current (-1: simulated)
   void* host_undo_ = nullptr;
   std::vector<std::size_t> host_undo_at_;
   bool host_undo_refused_ = false;

@@ -152,18 +152,10 @@ absl::Status Adam::speculate_host_layer(int layer) {
   Speculated* out = &spec;
   if (host_worker_ == nullptr && !dev.is_simulated()) {
     host_worker_ = std::make_unique<SerialWorker>();
-#ifdef STRATA_HAS_CUDA
-    // The GPU the worker's CUDA calls go to: a new thread's current device is device 0, where its
-    // first call would make a context (on every rank of a multi-GPU run).
-    for (std::size_t i = 0; i < slots_.size() && host_gpu_ < 0; ++i) {
-      if (!steps_on_host(slots_[i].layer)) continue;
-      absl::StatusOr<void*> p = resting_address(slots_[i].param, rt::Tier::kGpu);
-      cudaPointerAttributes attributes{};
-      if (p.ok() && cudaPointerGetAttributes(&attributes, *p) == cudaSuccess) {
-        host_gpu_ = attributes.device;
-      }
-    }
-#endif
+    // The worker's CUDA calls go to the runtime's device: a new thread's current device is device
+    // 0, where its first call would make a context (on every rank of a multi-GPU run; See Note
+    // [One CUDA device a runtime] in runtime/runtime.h).
+    host_gpu_ = dev.cuda_device();
   }
   const int gpu = host_gpu_;
   auto job = [&dev, threads, out, per_group = std::move(per_group), kept = std::move(kept),

@@ -38,8 +38,9 @@ std::vector<int> LayerPrefetch::streamed_layers(const rt::PolicyContext& rt, Rol
 // Note [Ring under a budget]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Once per change in the registry, the ring takes as many slots as fit the GPU budget beside what
-// the main pool holds, K + 1 at most and one at least (fewer slots prefetch less but stream the
-// same bytes); a budget in which not even one slot fits is an error here, at setup. Then whole
+// the main pool holds, K + 1 at most (and one more to drain under overlap: See Note [Draining
+// slot]) and one at least (fewer slots prefetch less but stream the same bytes); a budget in which
+// not even one slot fits is an error here, at setup. Then whole
 // layers move into what is left (See Note [Resident layers]), in ascending order, as many as fit
 // (the allocator refuses what would pass the budget). Nothing may be staged meanwhile. The ring
 // comes first: when layers made resident by an earlier settle leave it fewer than K + 1 slots,
@@ -101,17 +102,18 @@ std::size_t LayerPrefetch::wanted_slots(const rt::PolicyContext& rt) const {
 }
 
 absl::Status LayerPrefetch::fit_ring(rt::PolicyContext& rt) {
+  // With a slot draining while at least two are staged (one ahead of the one in use), else
+  // without one (See Note [Draining slot]).
   absl::Status fit;
-  no_room_to_drain_ = false;
-  for (std::size_t slots = wanted_slots(rt); slots >= 1; --slots) {
-    slots_cap_ = slots;
-    fit = configure(rt);
-    if (fit.code() != absl::StatusCode::kResourceExhausted) return fit;
+  for (const bool drain : {true, false}) {
+    no_room_to_drain_ = !drain;
+    for (std::size_t slots = wanted_slots(rt); slots >= (drain ? 2 : 1); --slots) {
+      slots_cap_ = slots;
+      fit = configure(rt);
+      if (fit.code() != absl::StatusCode::kResourceExhausted) return fit;
+    }
   }
-  if (!draining_slot_) return fit;
-  // One slot and no room for another to drain: the fetch waits for the write-back.
-  no_room_to_drain_ = true;
-  return configure(rt);
+  return fit;
 }
 
 absl::StatusOr<bool> LayerPrefetch::unsettle_residents(rt::PolicyContext& rt) {
@@ -141,13 +143,17 @@ absl::StatusOr<bool> LayerPrefetch::unsettle_residents(rt::PolicyContext& rt) {
 // for a step, a write-back and a fetch. So under overlap, when more layers stream than the ring
 // holds, the ring has one slot more than it stages layers: the slot a release frees drains while
 // the next fetch goes into the one freed a release earlier, whose write-back was queued a layer
-// before (the ring takes free slots in turn). K layers are then fetched ahead of the one stepping,
-// as without overlap. The budget counts the extra slot; when it has room for one slot only, that
-// slot serves alone.
+// before (the ring gives a fetch the free slot freed longest ago, whatever order layers leave
+// in: backward releases the layers whose parameters stream in the reverse of their staging).
+// K layers are then fetched ahead of the one stepping, as without overlap. The budget counts the
+// extra slot. Under a budget, two staged slots and one draining come before more staged and none
+// draining; with room for fewer than three, the slots stage layers and none drains (one ahead is
+// worth more than none waiting). The measurements:
+// bench/results/2026-11-27-H200-f7e51cb-draining-slot/.
 absl::Status LayerPrefetch::configure(rt::PolicyContext& rt) {
   const std::size_t layers = streamed_layers(rt, config().roles).size();
   slots_ = std::max<std::size_t>(1, std::min(slots_cap_, std::max<std::size_t>(layers, 1)));
-  draining_slot_ = overlap() && layers > slots_ && !no_room_to_drain_;
+  draining_slot_ = overlap() && layers > slots_ && slots_ >= 2 && !no_room_to_drain_;
   return rt.configure_staging(static_cast<int>(slots_ + (draining_slot_ ? 1 : 0)), config().roles);
 }
 

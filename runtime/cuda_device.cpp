@@ -49,9 +49,9 @@ class CudaDevice final : public Device {
   bool is_simulated() const override { return false; }
   int cuda_device() const override { return device_; }
 
-  // Streams and events are made on the runtime's device, whichever is current on the calling
-  // thread, and that one is current again after (See Note [One CUDA device a runtime] in
-  // runtime.h).
+  // Streams, events, copies and waits go to the runtime's device, whichever is current on the
+  // calling thread (the legacy default stream, handle 0, is the current device's), and what was
+  // current is again after (See Note [One CUDA device a runtime] in runtime.h).
   absl::StatusOr<StreamHandle> create_stream() override {
     const alloc::DeviceGuard on(device_);
     cudaStream_t s = nullptr;
@@ -72,6 +72,7 @@ class CudaDevice final : public Device {
   }
 
   absl::Status stream_wait(StreamHandle stream, EventHandle event) override {
+    const alloc::DeviceGuard on(device_);  // the legacy default stream (0) is the device's
     return cuda_status(
         cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),
         "cudaStreamWaitEvent");
@@ -87,6 +88,7 @@ class CudaDevice final : public Device {
   }
 
   absl::Status stream_synchronize(StreamHandle stream) override {
+    const alloc::DeviceGuard on(device_);
     ++host_syncs_;
     return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
                        "cudaStreamSynchronize");

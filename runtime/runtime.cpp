@@ -110,7 +110,8 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::create(RuntimeOptions options,
   } else {
     STRATA_ASSIGN_OR_RETURN(staging_upstream,
                             alloc::make_cuda_device_upstream(a.cuda_device, a.device_method));
-    STRATA_ASSIGN_OR_RETURN(bounce_upstream, alloc::make_pinned_host_upstream(a.pinned_method));
+    STRATA_ASSIGN_OR_RETURN(bounce_upstream,
+                            alloc::make_pinned_host_upstream(a.pinned_method, a.cuda_device));
   }
   if (options.wrap_internal_upstream) {
     staging_upstream = options.wrap_internal_upstream(std::move(staging_upstream));

@@ -85,10 +85,13 @@ inline constexpr int kBounceSlots = 2;
 // A runtime runs on one CUDA device: the one RuntimeOptions::cuda_device names, else the calling
 // thread's current device when the runtime is made, which is the one a distributed script chose
 // with torch.cuda.set_device(local_rank) (every CUDA thread starts on device 0, so a fixed 0 put
-// every rank's strata memory on the first GPU). Its streams, events and memory are made on that
-// device whichever is current on the calling thread, and the current device is left as it was.
-// The kernels a client launches on the runtime's streams run where the client launches them, so
-// strata.optim asks for the parameters' device and refuses one that is not current.
+// every rank's strata memory on the first GPU). Its streams, events, device and pinned memory,
+// copies and stream waits go to that device whichever is current on the calling thread (a host
+// step's worker thread too), through alloc::DeviceGuard, which puts back exactly the context the
+// thread had, or none, so that no context is made on a device the process does not use. The
+// kernels a client launches on the runtime's streams run where the client launches them, so
+// strata.optim asks for the parameters' device and refuses one that is not current, and
+// strata.Runtime reads "cuda" as torch's current device.
 struct RuntimeOptions {
   // See choose_policy_name: this, else STRATA_POLICY, else the default. `policy_source` names
   // where a program took it from (its flag or argument), for the errors that name the choice.

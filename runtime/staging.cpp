@@ -161,11 +161,14 @@ absl::Status StagingRing::stage(int layer, std::optional<RoleSet> roles, StageOr
   if (!new_slot) {
     index = staged->second;  // more roles into the layer's slot
   } else {
-    // The ring position first (the policy's order keeps it free); any free slot otherwise.
+    // The free slot freed longest ago, whose last write-backs are the likeliest done, so that the
+    // fetch queued now waits for the least (See Note [Draining slot] in policies/ring_plan.cpp);
+    // among slots never used, the ring position first.
     const int n = static_cast<int>(slots_.size());
-    for (int i = 0; i < n && index < 0; ++i) {
+    for (int i = 0; i < n; ++i) {
       const int candidate = (next_slot_ + i) % n;
-      if (slots_[candidate].layer < 0) index = candidate;
+      if (slots_[candidate].layer >= 0) continue;
+      if (index < 0 || slots_[candidate].freed < slots_[index].freed) index = candidate;
     }
     if (index < 0) {
       std::string held;
@@ -286,6 +289,7 @@ absl::Status StagingRing::unstage(int layer, std::optional<RoleSet> write_back) 
   if (!status.ok()) return status;  // still staged with the occupants not yet handled
   slot.layer = -1;
   slot.layout.clear();
+  slot.freed = ++releases_;
   staged_layers_.erase(it);
   return absl::OkStatus();
 }

@@ -70,6 +70,9 @@ class StagingRing {
     // Write-backs out of the slot were queued but the event that marks them read out could not be
     // recorded yet: the slot stays taken until a retried unstage records it.
     bool read_out_pending = false;
+    // When the slot was last freed, in releases of the ring (0: never); a fetch takes the free
+    // slot freed longest ago.
+    std::uint64_t freed = 0;
   };
 
   absl::Status wait_free_events();
@@ -87,6 +90,7 @@ class StagingRing {
   void* memory_ = nullptr;
   std::vector<Slot> slots_;
   int next_slot_ = 0;
+  std::uint64_t releases_ = 0;        // slots freed so far
   std::map<int, int> staged_layers_;  // layer -> slot
   std::int64_t staged_now_ = 0;
 };

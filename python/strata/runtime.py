@@ -118,6 +118,10 @@ class Runtime:
             raise ValueError(
                 f"prefetch_depth: expected an int >= 0 (0: no prefetch), got {prefetch_depth!r}"
             )
+        if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+            # torch's current device: torch may leave CUDA's own setting elsewhere after a `with
+            # torch.cuda.device(...)` block (See Note [One CUDA device a runtime]).
+            device = f"cuda:{torch.cuda.current_device()}"
         self._rt = _strata.Runtime(
             policy=policy,
             gpu_budget=parse_bytes(gpu_budget, "gpu_budget"),

@@ -94,14 +94,20 @@ TEST(StagingTest, StatesSurviveRandomInterleavingsOfCopiesAndCompute) {
   }
 }
 
-TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
-  auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::optimizer_states()});
-  for (int l = 0; l < 4; ++l) {
-    ASSERT_TRUE(rt->register_tensor(spec(str_cat("m", l), l, Role::kOptimizerState, 100,
-                                         DType::kFloat32, Tier::kPinnedHost))
+// Layers 0 to n - 1, each one moment "m<layer>" of 100 floats in pinned memory, and a ring of
+// `slots` for them.
+void register_moments_and_ring(Runtime& rt, int n, int slots) {
+  for (int l = 0; l < n; ++l) {
+    ASSERT_TRUE(rt.register_tensor(spec(str_cat("m", l), l, Role::kOptimizerState, 100,
+                                        DType::kFloat32, Tier::kPinnedHost))
                     .ok());
   }
-  ASSERT_TRUE(rt->configure_staging(2, RoleSet::optimizer_states()).ok());
+  ASSERT_TRUE(rt.configure_staging(slots, RoleSet::optimizer_states()).ok());
+}
+
+TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
+  auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::optimizer_states()});
+  register_moments_and_ring(*rt, 4, 2);
   ASSERT_TRUE(rt->stage_layer(0).ok());
   ASSERT_TRUE(rt->stage_layer(1).ok());
   absl::Status full = rt->stage_layer(2);
@@ -119,6 +125,31 @@ TEST(StagingTest, SlotsFreedOutOfOrderAreReusedAndAFullRingSaysSo) {
   for (int l = 0; l < 4; ++l) {
     EXPECT_EQ(rt->info(*rt->find(str_cat("m", l)))->tier, Tier::kPinnedHost);
   }
+}
+
+// See Note [Draining slot] in policies/ring_plan.cpp: a fetch takes the free slot freed longest
+// ago, whose write-back was queued first, whatever order layers leave in (backward releases the
+// layers whose parameters stream in the reverse of their staging).
+TEST(StagingTest, AFetchTakesTheFreeSlotFreedLongestAgo) {
+  auto [rt, dev] = make_runtime("bulk", {.roles = RoleSet::optimizer_states()});
+  register_moments_and_ring(*rt, 5, 3);
+  auto address = [&](int layer) {  // where its fetch went, once done
+    EXPECT_TRUE(rt->wait_all().ok());
+    return rt->info(*rt->find(str_cat("m", layer)))->data;
+  };
+  std::vector<void*> slot;
+  for (int l = 0; l < 3; ++l) {
+    ASSERT_TRUE(rt->stage_layer(l).ok());
+    slot.push_back(address(l));
+  }
+  ASSERT_TRUE(rt->unstage_layer(2).ok());  // freed first
+  ASSERT_TRUE(rt->unstage_layer(1).ok());  // then this one, the ring's next position after 0
+  ASSERT_TRUE(rt->stage_layer(3).ok());
+  EXPECT_EQ(address(3), slot[2]);
+  ASSERT_TRUE(rt->stage_layer(4).ok());
+  EXPECT_EQ(address(4), slot[1]);
+  for (int l : {0, 3, 4}) ASSERT_TRUE(rt->unstage_layer(l).ok());
+  ASSERT_TRUE(rt->wait_all().ok());
 }
 
 // stage_layer queues a layer's copies in the order asked for, equal sizes in registration order,
