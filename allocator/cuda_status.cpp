@@ -3,6 +3,9 @@
 #ifdef STRATA_HAS_CUDA
 #include <cuda.h>
 #include <cudaTypedefs.h>
+
+#include <map>
+#include <mutex>
 #endif
 
 #include "allocator/upstream.h"
@@ -51,10 +54,13 @@ absl::Status require_cuda_device(int device) {
 
 namespace {
 
-// The driver's calls for the thread's current context, through the runtime (no link to libcuda).
+// The driver's calls for the thread's current context and the devices' primary contexts, through
+// the runtime (no link to libcuda).
 struct ContextApi {
   PFN_cuCtxGetCurrent_v4000 get = nullptr;
   PFN_cuCtxSetCurrent_v4000 set = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDevicePrimaryCtxRetain_v7000 retain = nullptr;
 
   // Never destroyed: a guard may run during static destruction.
   static const ContextApi& instance() {
@@ -62,30 +68,52 @@ struct ContextApi {
     return *api;
   }
 
+  // `device`'s primary context, retained once and kept for the process (what the runtime API
+  // uses for that device); null if the driver cannot give it.
+  CUcontext primary(int device) const {
+    static std::mutex mu;
+    static auto* retained = new std::map<int, CUcontext>();
+    const std::lock_guard<std::mutex> lock(mu);
+    auto [it, added] = retained->try_emplace(device, nullptr);
+    if (added) {
+      CUdevice dev = 0;
+      if (device_get(&dev, device) != CUDA_SUCCESS || retain(&it->second, dev) != CUDA_SUCCESS) {
+        it->second = nullptr;
+      }
+    }
+    return it->second;
+  }
+
  private:
   template <typename Fn>
-  static void entry(const char* symbol, Fn* fn) {
+  static bool entry(const char* symbol, int version, Fn* fn) {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion(symbol, &p, 4000, cudaEnableDefault, &found) !=
+    if (cudaGetDriverEntryPointByVersion(symbol, &p, version, cudaEnableDefault, &found) !=
             cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
+        found != cudaDriverEntryPointSuccess || p == nullptr) {
       (void)cudaGetLastError();
-      p = nullptr;
+      return false;
     }
     *fn = reinterpret_cast<Fn>(p);
+    return true;
   }
   static ContextApi load() {
     ContextApi a;
-    entry("cuCtxGetCurrent", &a.get);
-    entry("cuCtxSetCurrent", &a.set);
-    if (a.get == nullptr || a.set == nullptr) return ContextApi{};
-    return a;
+    if (entry("cuCtxGetCurrent", 4000, &a.get) && entry("cuCtxSetCurrent", 4000, &a.set) &&
+        entry("cuDeviceGet", 2000, &a.device_get) &&
+        entry("cuDevicePrimaryCtxRetain", 7000, &a.retain)) {
+      return a;
+    }
+    return ContextApi{};
   }
 };
 
 }  // namespace
 
+// The switch goes through the driver's current context only: cudaSetDevice would also change the
+// runtime's per-thread device, which stays after the context is put back (a thread with no
+// context would then make its next one on `device`).
 DeviceGuard::DeviceGuard(int device) {
   if (cudaGetDevice(&saved_device_) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -94,9 +122,16 @@ DeviceGuard::DeviceGuard(int device) {
   if (saved_device_ == device) return;
   const ContextApi& api = ContextApi::instance();
   CUcontext current = nullptr;
-  context_saved_ = api.get != nullptr && api.get(&current) == CUDA_SUCCESS;
-  saved_context_ = current;
-  if (cudaSetDevice(device) != cudaSuccess) {
+  CUcontext target = nullptr;
+  if (api.get != nullptr && api.get(&current) == CUDA_SUCCESS &&
+      (target = api.primary(device)) != nullptr) {
+    if (target == current || api.set(target) != CUDA_SUCCESS) return;
+    saved_context_ = current;
+    context_saved_ = true;
+    restore_ = true;
+    return;
+  }
+  if (cudaSetDevice(device) != cudaSuccess) {  // no driver entry points: the runtime's way
     (void)cudaGetLastError();
     return;
   }

@@ -35,9 +35,11 @@ absl::Status cuda_status(cudaError_t err, std::string_view what);
 // one does not exist.
 absl::Status require_cuda_device(int device);
 
-// Makes `device` current for the scope, and puts back after it exactly what was current before:
-// the context the thread had, or none (a thread starts with none, which cudaGetDevice reports as
-// device 0, and setting device 0 again would create a context there). CUDA calls that create
+// Makes `device` current for the scope (its primary context, through the driver), and puts back
+// after it exactly what was current before: the context the thread had, or none, and the runtime's
+// per-thread device untouched (a thread starts with no context, which cudaGetDevice reports as
+// device 0; setting device 0 back would make a context there, and leaving `device` set would make
+// the thread's next one there). CUDA calls that create
 // streams, events or memory, record events, or use the legacy default stream (handle 0) act on
 // the current device (See Note [One CUDA device a runtime] in runtime/runtime.h).
 class DeviceGuard {
@@ -49,7 +51,7 @@ class DeviceGuard {
 
  private:
   void* saved_context_ = nullptr;  // a CUcontext, null for none
-  bool context_saved_ = false;     // else the device is put back (no driver context calls)
+  bool context_saved_ = false;     // else cudaSetDevice switched (no driver entry points)
   int saved_device_ = 0;
   bool restore_ = false;
 };

@@ -106,6 +106,7 @@ absl::Status LayerPrefetch::fit_ring(rt::PolicyContext& rt) {
   // without one (See Note [Draining slot]).
   absl::Status fit;
   for (const bool drain : {true, false}) {
+    if (drain && !overlap()) continue;  // nothing drains: the same sizes come next
     no_room_to_drain_ = !drain;
     for (std::size_t slots = wanted_slots(rt); slots >= (drain ? 2 : 1); --slots) {
       slots_cap_ = slots;

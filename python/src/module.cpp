@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "allocator/tier.h"
+#include "allocator/upstream.h"
 #include "bridge/fingerprints.h"
 #include "bridge/grad_stats.h"
 #include "bridge/model_hooks.h"
@@ -102,6 +103,9 @@ PYBIND11_MODULE(_strata, m) {
 
   // See Note [Gradient fingerprints] in optim/fingerprint.h.
   m.def("fingerprints", &strata::bridge::fingerprints, py::arg("tensors"));
+
+  // CUDA devices strata sees: 0 when it was built without CUDA, whatever torch sees.
+  m.def("cuda_device_count", [] { return strata::alloc::cuda_device_count(); });
 
   // The policy a runtime made with `policy` would run, and where the name came from ("argument",
   // "STRATA_POLICY", "default"): strata.optim chooses its overlap from it before it makes one.

@@ -118,9 +118,13 @@ class Runtime:
             raise ValueError(
                 f"prefetch_depth: expected an int >= 0 (0: no prefetch), got {prefetch_depth!r}"
             )
-        if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        cuda = torch.cuda.is_available() and (
+            device == "cuda" or (device == "auto" and _strata.cuda_device_count() > 0)
+        )
+        if cuda:
             # torch's current device: torch may leave CUDA's own setting elsewhere after a `with
-            # torch.cuda.device(...)` block (See Note [One CUDA device a runtime]).
+            # torch.cuda.device(...)` block (See Note [One CUDA device a runtime]). A strata built
+            # without CUDA sees no device, and "auto" stays the simulated one there.
             device = f"cuda:{torch.cuda.current_device()}"
         self._rt = _strata.Runtime(
             policy=policy,
