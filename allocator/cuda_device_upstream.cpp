@@ -157,16 +157,7 @@ struct VmmApi {
  private:
   template <typename Fn>
   static absl::Status entry(const char* symbol, Fn* fn) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t err =
-        cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
-      (void)cudaGetLastError();
-      return absl::UnavailableError(str_cat("the CUDA driver has no ", symbol));
-    }
-    *fn = reinterpret_cast<Fn>(p);
-    return absl::OkStatus();
+    return cuda_driver_entry(symbol, 12000, fn);
   }
   static VmmApi load() {
     VmmApi a;

@@ -52,6 +52,19 @@ absl::Status require_cuda_device(int device) {
   return absl::OkStatus();
 }
 
+absl::Status cuda_driver_entry(const char* symbol, int version, void** fn) {
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  *fn = nullptr;
+  if (cudaGetDriverEntryPointByVersion(symbol, fn, version, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || *fn == nullptr) {
+    (void)cudaGetLastError();
+    *fn = nullptr;
+    return absl::UnavailableError(str_cat("the CUDA driver has no ", symbol));
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 // The driver's calls for the thread's current context and the devices' primary contexts, through
@@ -85,24 +98,12 @@ struct ContextApi {
   }
 
  private:
-  template <typename Fn>
-  static bool entry(const char* symbol, int version, Fn* fn) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion(symbol, &p, version, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess || p == nullptr) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    *fn = reinterpret_cast<Fn>(p);
-    return true;
-  }
   static ContextApi load() {
     ContextApi a;
-    if (entry("cuCtxGetCurrent", 4000, &a.get) && entry("cuCtxSetCurrent", 4000, &a.set) &&
-        entry("cuDeviceGet", 2000, &a.device_get) &&
-        entry("cuDevicePrimaryCtxRetain", 7000, &a.retain)) {
+    if (cuda_driver_entry("cuCtxGetCurrent", 4000, &a.get).ok() &&
+        cuda_driver_entry("cuCtxSetCurrent", 4000, &a.set).ok() &&
+        cuda_driver_entry("cuDeviceGet", 2000, &a.device_get).ok() &&
+        cuda_driver_entry("cuDevicePrimaryCtxRetain", 7000, &a.retain).ok()) {
       return a;
     }
     return ContextApi{};

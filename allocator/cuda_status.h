@@ -35,13 +35,26 @@ absl::Status cuda_status(cudaError_t err, std::string_view what);
 // one does not exist.
 absl::Status require_cuda_device(int device);
 
+// The driver's function `symbol` as of CUDA `version` (e.g. 12000), through the runtime, so that
+// nothing links libcuda; kUnavailable when the driver has none.
+//   PFN_cuMemCreate_v10020 create = nullptr;
+//   STRATA_RETURN_IF_ERROR(cuda_driver_entry("cuMemCreate", 12000, &create));
+absl::Status cuda_driver_entry(const char* symbol, int version, void** fn);
+template <typename Fn>
+absl::Status cuda_driver_entry(const char* symbol, int version, Fn* fn) {
+  void* p = nullptr;
+  absl::Status s = cuda_driver_entry(symbol, version, &p);
+  if (s.ok()) *fn = reinterpret_cast<Fn>(p);
+  return s;
+}
+
 // Makes `device` current for the scope (its primary context, through the driver), and puts back
 // after it exactly what was current before: the context the thread had, or none, and the runtime's
 // per-thread device untouched (a thread starts with no context, which cudaGetDevice reports as
 // device 0; setting device 0 back would make a context there, and leaving `device` set would make
-// the thread's next one there). CUDA calls that create
-// streams, events or memory, record events, or use the legacy default stream (handle 0) act on
-// the current device (See Note [One CUDA device a runtime] in runtime/runtime.h).
+// the thread's next one there). CUDA calls that create streams, events or memory, record events,
+// or use the legacy default stream (handle 0) act on the current device (See Note [One CUDA device
+// a runtime] in runtime/runtime.h).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device);

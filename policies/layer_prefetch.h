@@ -239,7 +239,7 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   std::size_t next_ = 0;                       // next layer to stage in the current phase
   std::size_t slots_ = 1;                      // layers the ring holds at once
   bool draining_slot_ = false;                 // See Note [Draining slot]
-  bool no_room_to_drain_ = false;              // the budget left room for one slot only
+  bool no_room_to_drain_ = false;              // fit_ring found no room for a draining slot
   // The most slots the budget leaves room for (See Note [Ring under a budget]).
   std::size_t slots_cap_;
   // Where the parameters stream (See Note [Layer prefetch's phases]).

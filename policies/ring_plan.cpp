@@ -40,9 +40,9 @@ std::vector<int> LayerPrefetch::streamed_layers(const rt::PolicyContext& rt, Rol
 // Once per change in the registry, the ring takes as many slots as fit the GPU budget beside what
 // the main pool holds, K + 1 at most (and one more to drain under overlap: See Note [Draining
 // slot]) and one at least (fewer slots prefetch less but stream the same bytes); a budget in which
-// not even one slot fits is an error here, at setup. Then whole
-// layers move into what is left (See Note [Resident layers]), in ascending order, as many as fit
-// (the allocator refuses what would pass the budget). Nothing may be staged meanwhile. The ring
+// not even one slot fits is an error here, at setup. Then whole layers move into what is left
+// (See Note [Resident layers]), in ascending order, as many as fit (the allocator refuses what
+// would pass the budget). Nothing may be staged meanwhile. The ring
 // comes first: when layers made resident by an earlier settle leave it fewer than K + 1 slots,
 // they go home and the slots are counted again. Otherwise a role registered after a first step
 // (gradients, in a loop that registers them once backward made them) would find the main pool

@@ -158,7 +158,6 @@ absl::StatusOr<std::unique_ptr<Device>> make_cuda_device(int cuda_device) {
   if (cuda_device == kCurrentCudaDevice) {
     STRATA_ASSIGN_OR_RETURN(cuda_device, alloc::current_cuda_device());
   }
-  STRATA_RETURN_IF_ERROR(alloc::require_cuda_device(cuda_device));
   absl::StatusOr<std::shared_ptr<alloc::StreamOps>> events =
       alloc::make_cuda_stream_ops(cuda_device);
   if (!events.ok()) return events.status();

@@ -97,10 +97,9 @@ def layer_state_bytes(layer: list, moments: int, state_dtype: str) -> int:
 # of the slots drains (See Note [Draining slot] in policies/ring_plan.cpp), so the depth is one less
 # for the same memory (2 with float32 moments), which the users' script measured as fast as depth 3
 # with a slot draining (bench/results/2026-11-27-H200-f7e51cb-draining-slot/). With a budget, no
-# more than fit beside the
-# parameters (and FSDP2's gradients) strata keeps on the GPU, less the slot in use and the one
-# draining, and at least 1. Other gradients stay torch's (See Note [Gradients given at each step]
-# in optim/adam.h).
+# more than fit beside the parameters (and FSDP2's gradients) strata keeps on the GPU, less the
+# slot in use and the one draining, and at least 1. Other gradients stay torch's (See Note
+# [Gradients given at each step] in optim/adam.h).
 def auto_depth(
     plan: list, budget: int | None, moments: int, state_dtype: str, overlap: bool
 ) -> int:
