@@ -322,7 +322,10 @@ def main():
             torch.backends.cuda.enable_flash_sdp(False)
             torch.backends.cuda.enable_mem_efficient_sdp(False)
             torch.backends.cuda.enable_cudnn_sdp(False)
-    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    # CPUOffloadPolicy's gradients are CPU DTensors, and clip_grad_norm_ reduces their norms across
+    # ranks there: the peer needs a CPU backend beside NCCL, as its users set up.
+    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, device_id=device if use_cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     if args.batch % world:
