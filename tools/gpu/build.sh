@@ -59,3 +59,11 @@ python_setup() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
   nproc >"$logs/cpus.txt"
 }
+
+# Packs everything in LOG_DIR but gpu.txt and summary.txt into LOG_DIR/all.tgz, since a device call
+# returns 8 files at most: a script that writes more calls it last (`tar xzf all.tgz` here).
+pack_out() {
+  local logs=$1
+  (cd "$logs" && tar czf ../all.tgz --exclude=gpu.txt --exclude=summary.txt . &&
+    find . -mindepth 1 ! -name gpu.txt ! -name summary.txt -delete && mv ../all.tgz .)
+}

@@ -8,7 +8,7 @@
 # with deterministic kernels, for the losses. With more than one rank, also a checkpoint saved by
 # every rank after 4 steps, loaded by one rank and trained 4 more, beside one rank's 8-step run
 # (compare steps 5-8). Then the 2-process CPU suite (gloo). NVLink multicast stays off
-# (NCCL_NVLS_ENABLE=0). JSON and logs go to OUT.
+# (NCCL_NVLS_ENABLE=0). JSON and logs go to OUT/all.tgz, what it printed to OUT/summary.txt.
 #   tools/gpu/run_fsdp.sh OUT_DIR [BATCHES]
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_fsdp.sh OUT_DIR [BATCHES]}
@@ -26,11 +26,11 @@ run() {  # NAME FLAGS... (RANKS=n: another number of ranks than NPROC; NOREF=1: 
   shift
   local ref=--reference
   [ -n "${NOREF:-}" ] && ref=
-  echo "== $name"
+  echo "== $name" | tee -a "$OUT/summary.txt"
   torchrun --standalone --nproc_per_node="${RANKS:-$NPROC}" examples/train_fsdp.py --device cuda \
     --dtype bfloat16 $MODEL --steps 8 --policy layer_prefetch $ref "$@" --json "$OUT/$name.json" \
     >"$OUT/$name.log" 2>&1 || status=1
-  grep -vE "it/s|s/it" "$OUT/$name.log" | tail -6
+  grep -vE "it/s|s/it" "$OUT/$name.log" | tail -6 | tee -a "$OUT/summary.txt"
 }
 # Losses against the reference with deterministic kernels (the fast attention's backward adds in
 # a varying order, so two runs of anything differ), then the step times with the fast kernels.
@@ -46,5 +46,6 @@ if ((NPROC > 1)); then
 fi
 echo "== the 2-process suite (gloo, CPU)"
 python3 -m pytest -q python/tests/test_distributed.py >"$OUT/pytest_distributed.log" 2>&1 || status=1
-tail -3 "$OUT/pytest_distributed.log"
+tail -3 "$OUT/pytest_distributed.log" | tee -a "$OUT/summary.txt"
+pack_out "$OUT"
 exit $status
