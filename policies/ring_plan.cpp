@@ -42,12 +42,12 @@ std::vector<int> LayerPrefetch::streamed_layers(const rt::PolicyContext& rt, Rol
 // slot]) and one at least (fewer slots prefetch less but stream the same bytes); a budget in which
 // not even one slot fits is an error here, at setup. Then whole layers move into what is left
 // (See Note [Resident layers]), in ascending order, as many as fit (the allocator refuses what
-// would pass the budget). Nothing may be staged meanwhile. The ring
-// comes first: when layers made resident by an earlier settle leave it fewer than K + 1 slots,
-// they go home and the slots are counted again. Otherwise a role registered after a first step
-// (gradients, in a loop that registers them once backward made them) would find the main pool
-// full of the layers that settled without it, and the ring cut down to what is left: fewer layers
-// prefetched, and in an overlapped step each fetch waiting for a write-back to free its slot.
+// would pass the budget). Nothing may be staged meanwhile. The ring comes first: when layers made
+// resident by an earlier settle leave it fewer than K + 1 slots, they go home and the slots are
+// counted again. Otherwise a role registered after a first step (gradients, in a loop that
+// registers them once backward made them) would find the main pool full of the layers that
+// settled without it, and the ring cut down to what is left: fewer layers prefetched, and in an
+// overlapped step each fetch waiting for a write-back to free its slot.
 absl::Status LayerPrefetch::settle(rt::PolicyContext& rt) {
   // A tensor unregistered since (a float32 master the hybrid's split moved off the host) may have
   // had room in the layout.

@@ -7,7 +7,8 @@ Note [Layers without being told]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A layer must be small beside the whole (the staging ring holds prefetch_depth + 1 of them on the
 GPU, one more under overlap, so one layer of the whole model keeps every moment on the GPU, and
-more) and should follow the model's blocks (a block's parameters are used, and their gradients are final, together).
+more) and should follow the model's blocks (a block's parameters are used, and their gradients are
+final, together).
 strata.optim.AdamW(model.parameters()) finds them, in this order:
   1. FSDP2: one layer per fully_shard unit (strata/distributed.py);
   2. a module given (model=): the blocks of its module tree (discover_layers);

@@ -44,7 +44,7 @@ if ((NPROC > 1)); then
   NOREF=1 RANKS=1 run ckpt_load_1gpu --batch 8 --deterministic --steps 4 --load /tmp/fsdp-ckpt
   RANKS=1 run fsdp_1gpu_b8_deterministic --batch 8 --deterministic
 fi
-echo "== the 2-process suite (gloo, CPU)"
+echo "== the 2-process suite (gloo, CPU)" | tee -a "$OUT/summary.txt"
 python3 -m pytest -q python/tests/test_distributed.py >"$OUT/pytest_distributed.log" 2>&1 || status=1
 tail -3 "$OUT/pytest_distributed.log" | tee -a "$OUT/summary.txt"
 pack_out "$OUT"
