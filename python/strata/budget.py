@@ -22,26 +22,35 @@ simulated device there is no driver to ask: the memory comes from device_memory,
 replace.
 
 Note [The undo on the GPU when there is room]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A step taken in backward keeps, for its redo, the bytes its kernels overwrite of tensors resting on
 the GPU (See Note [Undo log] in runtime/undo_log.cpp): with float32 parameters and streamed states,
 4 bytes a parameter. Copied to pinned memory they cross the link beside the states' own write-backs
 and can make the step in backward slower than the step after it (See Note [When to step in
-backward] in strata/_overlap.py); kept on the GPU they cost GPU memory until step() and no link
-time, in blocks of torch's cache that backward has freed (See Note [The undo in the framework's
-memory] in runtime/undo_log.cpp), so where activations outweigh the parameters they add nothing to
-the device's peak. The decision below still asks for their bytes in what the driver has free, as if
-they could not reuse a block: it stays safe where activations are small. Without undo_on_gpu given
-(and no budget in bytes), strata.optim, when it makes the runtime, takes its first step after
-backward, which shows torch's peak, and then decides: the undo is the
-bytes of the parameters and states resting on the GPU in the layers stepped on the GPU
-(undo_need); it goes on the GPU when it fits in what the driver has free less torch's headroom (as
-for the automatic budget; under a budget set by gpu_budget="auto" the budget bounds it instead),
-and stays in pinned memory otherwise.
-Stepping the first step in backward would have copied that much off the GPU, and held as much
-pinned memory, only to learn it. Decided once and logged in one line; Runtime.stats() reports
-undo_on_gpu and undo_on_gpu_from "auto". On the simulated device there is no driver to ask: the
-undo stays in (simulated) pinned memory, as with undo_on_gpu=False.
+backward] in strata/_overlap.py); kept on the GPU they cost no link time, and GPU memory until
+step(), in blocks of torch's cache (See Note [The undo in the framework's memory] in
+runtime/undo_log.cpp). Without undo_on_gpu given (and no budget in bytes), strata.optim, when it
+makes the runtime, takes its first step after backward, which shows torch's peak, and then
+decides. The undo is the bytes of the parameters and states resting on the GPU in the layers
+stepped on the GPU (undo_need). It goes on the GPU when two things hold, and stays in pinned memory
+otherwise:
+- it fits in what the driver has free less torch's headroom (as for the automatic budget), so
+  that it can never take memory torch will ask for;
+- it adds nothing to torch's peak: the tensors torch holds at step() (the gradients, backward's
+  activations gone) plus the undo are at most the most torch held during the first step. The
+  undo is kept layer by layer as backward frees activations and makes gradients, so the end of
+  backward, where all of it is kept beside every gradient, is where it would raise the peak. Where
+  activations outweigh gradients and undo together (long sequences, large batches) it rides in
+  memory backward has freed; where they do not (a small batch), it would add its bytes to the
+  device's peak, and offloading is about that peak, so the steps copy it off instead and the
+  optimizer measures whether they are still faster in backward.
+The peak is torch's since the process began (resetting it would change what the user's own
+max_memory_allocated reads); the first training step is the largest in the loops strata serves.
+Under a budget (gpu_budget="auto" or bytes) the budget bounds the undo instead: the user gave the
+GPU memory strata may use. Stepping the first step in backward would have copied the undo off the
+GPU, and held as much pinned memory, only to learn it. Decided once and logged in one line;
+Runtime.stats() reports undo_on_gpu and undo_on_gpu_from "auto". On the simulated device there is
+no driver to ask: the undo stays in (simulated) pinned memory, as with undo_on_gpu=False.
 """
 
 from __future__ import annotations
@@ -60,6 +69,8 @@ class DeviceMemory(NamedTuple):
     total: int  # the device's bytes
     torch_reserved: int  # what torch's caching allocator holds now
     torch_peak: int  # the most it held since the process began (or its peaks were reset)
+    torch_allocated: int  # the bytes of torch's tensors now
+    torch_peak_allocated: int  # the most they were since the process began (or a reset)
 
 
 def device_memory(runtime) -> DeviceMemory:
@@ -72,7 +83,12 @@ def device_memory(runtime) -> DeviceMemory:
     dev = runtime.cuda_device
     free, total = torch.cuda.mem_get_info(dev)
     return DeviceMemory(
-        free, total, torch.cuda.memory_reserved(dev), torch.cuda.max_memory_reserved(dev)
+        free,
+        total,
+        torch.cuda.memory_reserved(dev),
+        torch.cuda.max_memory_reserved(dev),
+        torch.cuda.memory_allocated(dev),
+        torch.cuda.max_memory_allocated(dev),
     )
 
 
@@ -139,10 +155,15 @@ def set_auto_undo(runtime, name: str, need: int) -> None:
         on, why = True, "the GPU budget bounds it"
     else:
         torch_more = headroom(mem)
-        on = need <= mem.free - torch_more
+        fits = need <= mem.free - torch_more
+        at_peak = mem.torch_allocated + need
+        on = fits and at_peak <= mem.torch_peak_allocated
         why = (
             f"the GPU had {mem.free / _GIB:.2f} GiB free and torch may need "
-            f"{torch_more / _GIB:.2f} GiB more"
+            f"{torch_more / _GIB:.2f} GiB more; torch holds {mem.torch_allocated / _GIB:.2f} GiB "
+            f"of tensors at step() and held at most {mem.torch_peak_allocated / _GIB:.2f}, so "
+            f"the undo would {'not ' if at_peak <= mem.torch_peak_allocated else ''}raise "
+            "torch's peak"
         )
     runtime._rt.set_undo_on_gpu(on)
     runtime.undo_from = "auto"

@@ -658,8 +658,9 @@ class AdamW(Adam):
             (parameters, FSDP2's float32 shards, the states of layers resident on the GPU) on the
             GPU while the budget has room, instead of copying them to pinned host memory over the
             link. None (default): on under a gpu_budget (in bytes, or "auto" once set); without
-            one, the first step runs after backward and then it is decided from what the driver
-            has free (See Note [The undo on the GPU when there is room] in strata/budget.py).
+            one, the first step runs after backward, and then it goes on the GPU if the driver
+            has room for it and it adds nothing to torch's peak (See Note [The undo on the GPU
+            when there is room] in strata/budget.py).
             With runtime= given, the runtime's setting.
         state_dtype: how the moments (exp_avg, exp_avg_sq) are stored: "float32" (default),
             "bfloat16" (stochastically rounded) or "int8" (a float32 scale per block of 256), on

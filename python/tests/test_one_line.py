@@ -188,6 +188,8 @@ def test_an_automatic_budget_keeps_what_fits_on_the_gpu_after_the_first_step(
         total=20 << 30,
         torch_reserved=10 << 20,
         torch_peak=(10 << 20) + torch_growth,
+        torch_allocated=10 << 20,
+        torch_peak_allocated=(10 << 20) + torch_growth,
     )
     asked = []
 

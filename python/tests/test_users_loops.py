@@ -455,14 +455,22 @@ def test_steps_run_where_iterations_were_measured_faster(faster):
 
 # See Note [The undo on the GPU when there is room] in strata/budget.py. The simulated device has no
 # driver to ask, so the memory after the first step comes from a stand-in for device_memory.
-@pytest.mark.parametrize("room", [True, False])
-def test_the_undo_goes_on_the_gpu_when_the_first_step_shows_room(room, monkeypatch, caplog):
+@pytest.mark.parametrize("memory", ["room", "no_room", "raises_torchs_peak"])
+def test_the_undo_goes_on_the_gpu_when_the_first_step_shows_room(memory, monkeypatch, caplog):
     from strata import budget as strata_budget
 
     margin = 1 << 30  # a twentieth of 20 GiB, and the 1 GiB floor
-    free = margin + (64 << 20 if room else 64)  # 64 MiB beyond torch's headroom, or 64 bytes
+    # 64 MiB beyond torch's headroom, or 64 bytes; torch's tensors at step() (2 MiB) plus the undo
+    # (the parameters, under 1 MiB) under the first step's peak of 4 MiB, or over one of 2 MiB.
+    free = margin + (64 if memory == "no_room" else 64 << 20)
+    peak = (2 if memory == "raises_torchs_peak" else 4) << 20
     mem = strata_budget.DeviceMemory(
-        free=free, total=20 << 30, torch_reserved=8 << 20, torch_peak=8 << 20
+        free=free,
+        total=20 << 30,
+        torch_reserved=8 << 20,
+        torch_peak=8 << 20,
+        torch_allocated=2 << 20,
+        torch_peak_allocated=peak,
     )
     monkeypatch.setattr(strata_budget, "device_memory", lambda rt: mem)
     seq = run(Mlp, strata_opt("layer_prefetch", layer_bytes="1KiB"), plain_loop, steps=5)
@@ -477,6 +485,7 @@ def test_the_undo_goes_on_the_gpu_when_the_first_step_shows_room(room, monkeypat
             opt.step()
             outcomes.append(opt.last_step_outcome)
             copied.append(opt.runtime.stats()["undo_copied_bytes"])
+    room = memory == "room"
     stats = opt.runtime.stats()
     assert (stats["undo_on_gpu"], stats["undo_on_gpu_from"]) == (room, "auto")
     # The first step after backward; then in backward, the undo of the parameters on the GPU, or
@@ -489,6 +498,7 @@ def test_the_undo_goes_on_the_gpu_when_the_first_step_shows_room(room, monkeypat
     line = [r.getMessage() for r in caplog.records if "undo_on_gpu auto" in r.getMessage()]
     assert len(line) == 1, caplog.text
     assert ("kept on the GPU" if room else "kept in pinned host memory") in line[0]
+    assert ("would raise" in line[0]) == (memory == "raises_torchs_peak"), line[0]
     assert_bitwise(params_of(model), seq[1])
     assert opt.close() == []
 
@@ -501,7 +511,12 @@ def test_where_the_undo_goes_under_an_automatic_budget_a_given_runtime_and_hybri
     from strata import budget as strata_budget
 
     mem = strata_budget.DeviceMemory(
-        free=(1 << 30) + (64 << 20), total=20 << 30, torch_reserved=8 << 20, torch_peak=8 << 20
+        free=(1 << 30) + (64 << 20),
+        total=20 << 30,
+        torch_reserved=8 << 20,
+        torch_peak=8 << 20,
+        torch_allocated=8 << 20,
+        torch_peak_allocated=8 << 20,
     )
     monkeypatch.setattr(strata_budget, "device_memory", lambda rt: mem)
 

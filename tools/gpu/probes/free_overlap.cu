@@ -16,14 +16,7 @@
 #include <cstdlib>
 #include <functional>
 
-#define CHECK(x)                                                                             \
-  do {                                                                                       \
-    cudaError_t e = (x);                                                                     \
-    if (e != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+#include "check.h"
 #define CHECK_CU(x)                                                      \
   do {                                                                   \
     CUresult r = (x);                                                    \

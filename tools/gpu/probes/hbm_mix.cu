@@ -21,14 +21,7 @@
 #include <functional>
 #include <vector>
 
-#define CHECK(x)                                                                                \
-  do {                                                                                          \
-    cudaError_t err_ = (x);                                                                     \
-    if (err_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "check.h"
 
 constexpr size_t kBytes = 1536ull << 20;  // per array
 constexpr size_t kVec = kBytes / sizeof(float4);
