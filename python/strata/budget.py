@@ -157,13 +157,13 @@ def set_auto_undo(runtime, name: str, need: int) -> None:
         torch_more = headroom(mem)
         fits = need <= mem.free - torch_more
         at_peak = mem.torch_allocated + need
-        on = fits and at_peak <= mem.torch_peak_allocated
+        within = at_peak <= mem.torch_peak_allocated
+        on = fits and within
         why = (
             f"the GPU had {mem.free / _GIB:.2f} GiB free and torch may need "
             f"{torch_more / _GIB:.2f} GiB more; torch holds {mem.torch_allocated / _GIB:.2f} GiB "
-            f"of tensors at step() and held at most {mem.torch_peak_allocated / _GIB:.2f}, so "
-            f"the undo would {'not ' if at_peak <= mem.torch_peak_allocated else ''}raise "
-            "torch's peak"
+            f"of tensors at step() and held at most {mem.torch_peak_allocated / _GIB:.2f} GiB, "
+            f"which the undo would {'stay within' if within else 'pass'}"
         )
     runtime._rt.set_undo_on_gpu(on)
     runtime.undo_from = "auto"
