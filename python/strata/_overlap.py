@@ -13,7 +13,6 @@ the model's forward or the first gradient, so that the states come in while they
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import statistics
@@ -21,6 +20,7 @@ import statistics
 import torch
 
 from . import _strata
+from ._readback import ClipRecord, StepClock
 from .distributed import all_reduce_norm, clip_coef, fsdp_modules, grad_norm, local
 from .scalars import read_scalars
 
@@ -625,69 +625,3 @@ class Overlap:
         coef = clip_coef(total, self._max_grad_norm)
         self._note_clip(coef)
         return (torch.ones_like(coef, dtype=torch.float32) / coef).contiguous(), False, total
-
-
-class ClipRecord:
-    """Whether clipping fired at the newest step whose clip coefficient has reached the host:
-    note(coef) copies each step's coefficient to pinned memory behind an event, without a wait;
-    fired() reads the copies that are done, oldest first (queried, never waited on), and answers
-    from the newest of them, None before any is done (See Note [When to step in backward]). A
-    coefficient already on the host is known at once. `make_event` makes the events (CUDA's)."""
-
-    def __init__(self, make_event=None) -> None:
-        self._make_event = make_event
-        self._fired: bool | None = None
-        self._pending: collections.deque = collections.deque()  # (host tensor, event), oldest first
-        self._free: list = []  # read and done with, used again rather than made anew
-
-    def note(self, coef: torch.Tensor) -> None:
-        if coef.device.type != "cuda" and self._make_event is None:
-            self._fired = float(coef) < 1.0
-            return
-        self.fired()  # the copies done since, read and free: at most a few stay pending
-        if self._free:
-            host, event = self._free.pop()
-        else:
-            host = torch.empty((), dtype=torch.float32, pin_memory=coef.device.type == "cuda")
-            event = (self._make_event or torch.cuda.Event)()
-        host.copy_(coef.reshape(()).to(torch.float32), non_blocking=True)
-        event.record()
-        self._pending.append((host, event))
-
-    def fired(self) -> bool | None:
-        while self._pending and self._pending[0][1].query():
-            host, event = self._pending.popleft()
-            self._fired = float(host) < 1.0
-            self._free.append((host, event))
-        return self._fired
-
-    def pending(self) -> int:
-        """Copies not yet known to be done."""
-        return len(self._pending)
-
-
-class StepClock:
-    """Iteration times on the GPU: mark(label) records an event on the current stream at a step's
-    end; done() returns (label, ms) for each iteration, from the mark before to that step's mark,
-    whose events are complete (queried, never waited on), oldest first. A label of None is not
-    returned (See Note [When to step in backward])."""
-
-    def __init__(self) -> None:
-        self._last = None
-        self._pending: list = []  # (label, start event, end event)
-        self._free: list = []  # events read and done with, recorded again rather than made anew
-
-    def mark(self, label: str | None) -> None:
-        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record()
-        if self._last is not None and label is not None:
-            self._pending.append((label, self._last, event))
-        self._last = event
-
-    def done(self) -> list:
-        out = []
-        while self._pending and self._pending[0][2].query():
-            label, start, end = self._pending.pop(0)
-            out.append((label, start.elapsed_time(end)))
-            self._free.append(start)  # no later iteration starts or ends with it
-        return out

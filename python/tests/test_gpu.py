@@ -176,9 +176,9 @@ def test_stepping_in_backward_on_the_gpu_is_bitwise_the_step_after_it(policy, at
 
 @pytest.mark.gpu
 def test_the_step_clock_times_each_labelled_iteration_and_reuses_its_events():
-    # strata._overlap.StepClock (See Note [When to step in backward]): an iteration is timed from
+    # strata._readback.StepClock (See Note [When to step in backward]): an iteration is timed from
     # the mark before it to its own, a None label is not returned, and events are recorded again.
-    from strata._overlap import StepClock
+    from strata._readback import StepClock
 
     clock = StepClock()
     x = torch.randn(2048, 2048, device="cuda")

@@ -367,7 +367,7 @@ class LateEvents:
 def test_a_host_ahead_of_the_gpu_still_learns_that_clipping_stopped():
     # ClipRecord (See Note [When to step in backward] in strata/_overlap.py) answers from the newest
     # coefficient that reached the host, not only from the step just queued.
-    from strata._overlap import ClipRecord
+    from strata._readback import ClipRecord
 
     events = LateEvents()
     clips = ClipRecord(make_event=events.make)
@@ -413,7 +413,7 @@ def test_a_host_ahead_of_the_gpu_still_learns_that_clipping_stopped():
 
 
 class FakeClock:
-    """Iteration times by where the step ran, as strata._overlap.StepClock gives them, but fixed
+    """Iteration times by where the step ran, as strata._readback.StepClock gives them, but fixed
     (or taken in turn from a list, the last one repeated) and done at once."""
 
     def __init__(self, ms: dict) -> None:
