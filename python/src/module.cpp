@@ -34,6 +34,7 @@
 
 #include "allocator/tier.h"
 #include "allocator/upstream.h"
+#include "base/units.h"
 #include "bridge/fingerprints.h"
 #include "bridge/grad_stats.h"
 #include "bridge/model_hooks.h"
@@ -103,6 +104,15 @@ PYBIND11_MODULE(_strata, m) {
 
   // See Note [Gradient fingerprints] in optim/fingerprint.h.
   m.def("fingerprints", &strata::bridge::fingerprints, py::arg("tensors"));
+
+  // Bytes from a size such as "8GiB" or "1.5GB", as strata-train's flags read them (one parser for
+  // both); a size it cannot read raises ValueError.
+  m.def(
+      "parse_bytes",
+      [](const std::string& text) {
+        return static_cast<std::uint64_t>(strata::bridge::unwrap(strata::parse_bytes(text)));
+      },
+      py::arg("text"));
 
   // CUDA devices strata sees: 0 when it was built without CUDA, whatever torch sees.
   m.def("cuda_device_count", [] { return strata::alloc::cuda_device_count(); });

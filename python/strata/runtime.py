@@ -22,7 +22,6 @@ is away raises RuntimeError saying where it is.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
@@ -33,44 +32,24 @@ from .layers import discover_layers
 
 _log = logging.getLogger("strata")
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
 
 def parse_bytes(value: Union[int, str, None], what: str = "gpu_budget") -> Optional[int]:
-    """Bytes from an int or a size such as ``"8GiB"``, ``"512 MB"`` or ``"1.5g"``; None stays None."""
+    """Bytes from an int or a size such as ``"8GiB"``, ``"512 MB"`` or ``"1.5GB"`` (KiB, MiB, GiB,
+    TiB and K, M, G, T are powers of two; KB, MB, GB, TB of ten), read by the parser
+    strata-train's flags use (base/units.h); None stays None."""
     if value is None:
         return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"{what}: expected bytes or a size such as '8GiB', got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"{what}: expected a positive number of bytes, got {value}")
-        return value
+    n = value
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-            if n > 0:
-                return n
-    raise ValueError(
-        f"{what}: expected bytes or a size such as '8GiB' (units B, KB, KiB, MB, MiB, GB, GiB, "
-        f"TB, TiB), got {value!r}"
-    )
+        try:
+            n = _strata.parse_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+    if n <= 0:
+        raise ValueError(f"{what}: expected a positive number of bytes, got {value!r}")
+    return n
 
 
 class Runtime:

@@ -281,8 +281,8 @@ def test_errors_carry_the_runtimes_message():
         strata.optim.AdamW(model.parameters(), policy="fastest")
     with raises_exactly(
         ValueError,
-        "gpu_budget: expected bytes or a size such as '8GiB' (units B, KB, KiB, MB, MiB, GB, "
-        "GiB, TB, TiB), got 'lots'",
+        "gpu_budget: INVALID_ARGUMENT: cannot parse a byte size from 'lots': expected e.g. "
+        "4096, 64KiB, 8GiB",
     ):
         strata.Runtime(gpu_budget="lots")
     with raises_exactly(ValueError, "gpu_budget: expected a positive number of bytes, got -5"):
@@ -347,6 +347,15 @@ def test_gpu_budget_strings():
     assert strata.parse_bytes("512 MB") == 512 * 10**6
     assert strata.parse_bytes(1234) == 1234
     assert strata.parse_bytes(None) is None
+    # One parser with strata-train's flags: K, M, G and T are powers of two there and here.
+    assert strata.parse_bytes("1.5g") == 3 * 2**29
+    assert strata.parse_bytes(" 64 KiB ") == 64 * 1024
+    with pytest.raises(ValueError, match="layer_bytes: INVALID_ARGUMENT: unknown byte unit 'ps'"):
+        strata.parse_bytes("8ps", "layer_bytes")
+    with pytest.raises(ValueError, match="expected a positive number of bytes, got '0'"):
+        strata.parse_bytes("0")
+    with pytest.raises(ValueError, match="expected bytes or a size such as '8GiB', got 1.5"):
+        strata.parse_bytes(1.5)
 
 
 def test_phase_switch_keeps_training_identical():
