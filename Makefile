@@ -102,6 +102,8 @@ fault-sweep: build
 test: build
 	tools/check_layering.sh --self-test
 	tools/check_layering.sh
+	python3 tools/check_notes.py --self-test
+	python3 tools/check_notes.py
 	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
 	@grep -h -E "^(fault sweep seed|fault sites:|Adam step faults:|overlapped step faults:|bad inputs tried:)" $(BUILD)/Testing/Temporary/LastTest.log
 	$(MAKE) --no-print-directory pytest

@@ -146,7 +146,7 @@ absl::Status Adam::time_step() {
 }
 
 // Note [Float32 masters follow the split]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A float32 parameter keeps a master copy only while its layer steps on the host (See Note
 // [Host-stepped layers] in adam_host_step.cpp), and the master is the parameter's value: the host
 // step writes the one from the other, bit for bit. So a float32 layer may move with the measured

@@ -81,7 +81,7 @@ inline constexpr std::size_t kBounceChunkBytes = std::size_t{16} << 20;
 inline constexpr int kBounceSlots = 2;
 
 // Note [One CUDA device a runtime]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A runtime runs on one CUDA device: the one RuntimeOptions::cuda_device names, else the calling
 // thread's current device when the runtime is made, which is the one a distributed script chose
 // with torch.cuda.set_device(local_rank) (every CUDA thread starts on device 0, so a fixed 0 put

@@ -22,7 +22,7 @@ simulated device there is no driver to ask: the memory comes from device_memory,
 replace.
 
 Note [The undo on the GPU when there is room]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A step taken in backward keeps, for its redo, the bytes its kernels overwrite of tensors resting on
 the GPU (See Note [Undo log] in runtime/undo_log.cpp): with float32 parameters and streamed states,
 4 bytes a parameter. Copied to pinned memory they cross the link beside the states' own write-backs
