@@ -37,9 +37,10 @@ otherwise:
 - it fits in what the driver has free less torch's headroom (as for the automatic budget), so
   that it can never take memory torch will ask for;
 - it adds nothing to torch's peak: the tensors torch holds at step() (the gradients, backward's
-  activations gone) plus the undo are at most the most torch held during the first step. The
-  undo is kept layer by layer as backward frees activations and makes gradients, so the end of
-  backward, where all of it is kept beside every gradient, is where it would raise the peak. Where
+  activations gone) plus the undo are at most the most torch has held, read after the first
+  step. The undo is kept layer by layer as backward frees activations and makes gradients, so
+  the end of backward, where all of it is kept beside every gradient, is where it would raise the
+  peak. Where
   activations outweigh gradients and undo together (long sequences, large batches) it rides in
   memory backward has freed; where they do not (a small batch), it would add its bytes to the
   device's peak, and offloading is about that peak, so the steps copy it off instead and the
