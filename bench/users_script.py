@@ -30,6 +30,8 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   stored and streamed compressed (See Note [Compressed moments])
   NAME:dK         a strata approach with prefetch_depth=K given, e.g. strata_tuned_int8:d12
   NAME+undo       a strata_tuned approach with undo_on_gpu=True, e.g. strata_tuned_int8:d28+undo
+  NAME@SIZE       a strata approach with layer_bytes=SIZE given, e.g. fsdp2_strata@1GiB (one layer
+                  a unit, none cut)
   torchao_8bit    torchao's AdamW8bit, every state on the GPU (its 8-bit moments are GPU
                   tensors; it does not offload)
   deepspeed       DeepSpeed ZeRO-Offload as its users configure it: ZeRO stage 2 with
@@ -187,6 +189,7 @@ def one_run(args):
         clip_in_loop = True
         autocast = not fsdp and args.one != "deepspeed"
         engine = None
+        sized = {"layer_bytes": args.layer_bytes} if args.layer_bytes else {}
         if fsdp:
             from torch.distributed.fsdp import (
                 CPUOffloadPolicy,
@@ -224,7 +227,7 @@ def one_run(args):
             kw.update({"overlap": "none"} if args.one.endswith("_seq") else {})
             kw.update({"undo_on_gpu": False} if args.one.endswith("_hostundo") else {})
             kw.update({"prefetch_depth": args.tuned_depth} if args.depth_given else {})
-            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, **kw)
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, **kw, **sized)
         elif args.one in (
             "fsdp2_strata_tuned",
             "fsdp2_strata_tuned_int8",
@@ -235,23 +238,25 @@ def one_run(args):
             kw = {"state_dtype": "int8"} if args.one.endswith("_int8") else {}
             kw.update({"policy": "hybrid"} if "hybrid" in args.one else {})
             opt = strata.optim.AdamW(
-                model.parameters(), lr=1e-4, overlap="backward", max_grad_norm=1.0, **kw
+                model.parameters(), lr=1e-4, overlap="backward", max_grad_norm=1.0, **kw, **sized
             )
             clip_in_loop = False
         elif args.one == "strata_auto":
             import strata
 
-            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, gpu_budget="auto")
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, gpu_budget="auto", **sized)
         elif args.one == "strata_hybrid":
             import strata
 
-            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, policy="hybrid")
+            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, policy="hybrid", **sized)
         elif args.one in ("strata_int8", "strata_bf16"):
             import strata
 
             moments = "int8" if args.one == "strata_int8" else "bfloat16"
             depth = {"prefetch_depth": args.tuned_depth} if args.depth_given else {}
-            opt = strata.optim.AdamW(model.parameters(), lr=1e-4, state_dtype=moments, **depth)
+            opt = strata.optim.AdamW(
+                model.parameters(), lr=1e-4, state_dtype=moments, **depth, **sized
+            )
         elif args.one == "torchao_8bit":
             try:
                 from torchao.optim import AdamW8bit
@@ -293,6 +298,7 @@ def one_run(args):
                 max_grad_norm=1.0,
                 state_dtype="int8" if args.one == "strata_tuned_int8" else "float32",
                 undo_on_gpu=True if args.undo_on_gpu else None,
+                **sized,
             )
             clip_in_loop = False
         else:
@@ -488,6 +494,11 @@ def main():
     )
     args = ap.parse_args()
     if args.one:
+        args.one, _, args.layer_bytes = args.one.partition("@")
+        if args.layer_bytes and "strata" not in args.one:
+            raise SystemExit(
+                f"--one {args.one}@{args.layer_bytes}: only strata's approaches take @SIZE"
+            )
         args.one, _, extra = args.one.partition("+")
         if extra not in ("", "undo"):
             raise SystemExit(f"--one ...+{extra}: the only suffix is +undo")

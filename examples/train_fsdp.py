@@ -112,6 +112,7 @@ def make_optimizer(args, kind, model, rank, device):
             undo_on_gpu=True if args.undo_on_gpu else None,
             hybrid_fraction=args.hybrid_fraction,
             state_dtype=args.state_dtype,
+            layer_bytes=args.layer_bytes,
             **opt_kw,
         )
     if kind == "peer":  # the CPU step FSDP2's offload users run: torch's fused CPU AdamW
@@ -202,6 +203,7 @@ def run(args, kind, rank, world, device, mesh):
     if kind == "strata":
         redone = opt.steps_redone
         runtime_stats = opt.runtime.stats()
+        runtime_stats["layers"] = opt.runtime.num_layers
         s = opt.runtime.memory_stats()
         fields["strata_gpu_peak_bytes"] = s.get("gpu.reserved_bytes.peak", 0)
         fields["strata_pinned_bytes"] = s.get("pinned_host.reserved_bytes.current", 0)
@@ -292,6 +294,12 @@ def main():
         default="float32",
         choices=["float32", "bfloat16", "int8"],
         help="strata: how the moments are stored (on every tier and on the link)",
+    )
+    p.add_argument(
+        "--layer_bytes",
+        default=None,
+        help="strata: each fully_shard unit cut in layers of at most this many parameter bytes "
+        "(default: one layer a unit, cut where it holds over a 32nd of the states)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", action="store_true", help="also FSDP2 + torch.optim.AdamW")

@@ -19,7 +19,7 @@ import os
 import warnings
 
 from .distributed import fsdp_units, is_dtensor, local
-from .layers import plan_layers, state_bytes
+from .layers import plan_layers, split_runs, state_bytes, state_chunk_bytes
 
 _log = logging.getLogger("strata")
 
@@ -43,10 +43,11 @@ def param_names(param_groups: list, model) -> tuple:
 
 
 # The layers of the parameters not bound yet (not attached; See Note [Layers without being told]
-# in strata/layers.py). FSDP2 parameters (DTensors): one layer per fully_shard unit; layer_bytes
-# given: runs of about that many parameter bytes in order; else plan_layers. `names` maps id(p) to
-# each parameter's name, `named` says whether they are the user's. Returns (layers, how they were
-# found).
+# in strata/layers.py). FSDP2 parameters (DTensors): one layer per fully_shard unit, cut in runs
+# where a unit holds more states than a layer should, or more parameter bytes than layer_bytes;
+# other parameters with layer_bytes given: runs of at most that many parameter bytes in order; else
+# plan_layers. `names` maps id(p) to each parameter's name, `named` says whether they are the
+# user's. Returns (layers, how they were found).
 def find_layers(
     params: list,
     names: dict,
@@ -57,7 +58,13 @@ def find_layers(
     moments: int,
     state_dtype: str,
 ) -> tuple:
-    units = fsdp_units() if layer_bytes is None else {}
+    def states(p):
+        return state_bytes(p, state_dtype=state_dtype, moments=moments)
+
+    def param_bytes(p):
+        return local(p).numel() * local(p).element_size()
+
+    units = fsdp_units()
     by_unit, rest = {}, []
     for p in params:
         pair = (names[id(p)], p)
@@ -65,21 +72,21 @@ def find_layers(
             by_unit.setdefault(units[id(p)], []).append(pair)
         else:
             rest.append(pair)
-    plan, how = list(by_unit.values()), ["FSDP2's fully_shard units"] if by_unit else []
+    chunk = state_chunk_bytes(sum(states(p) for p in params), budget, 3)
+    plan, how = [], []
+    if by_unit:
+        limit, size_of = (chunk, states) if layer_bytes is None else (layer_bytes, param_bytes)
+        plan = [run for unit in by_unit.values() for run in split_runs(unit, limit, size_of)]
+        how.append("FSDP2's fully_shard units")
+        if len(plan) > len(by_unit):
+            what = "layer_bytes" if layer_bytes else f"{chunk / 2**20:.0f} MiB of states"
+            how[-1] += f", those past {what} cut in runs of parameters"
     if rest and layer_bytes is not None:
-        pending, size = [], 0
-        for pair in rest:
-            pending.append(pair)
-            size += pair[1].numel() * pair[1].element_size()
-            if size >= layer_bytes:
-                plan.append(pending)
-                pending, size = [], 0
-        if pending:
-            plan.append(pending)
+        plan += split_runs(rest, layer_bytes, param_bytes)
         how.append("layer_bytes")
     elif rest:
         more, found = plan_layers(
-            rest, named, model, budget, 3, state_dtype=state_dtype, moments=moments
+            rest, named, model, budget, 3, state_dtype=state_dtype, moments=moments, chunk=chunk
         )
         plan += more
         how.append(found)

@@ -14,8 +14,11 @@ strata.optim.AdamW(model.parameters()) finds them, in this order:
   2. a module given (model=): the blocks of its module tree (discover_layers);
   3. named parameters (model.named_parameters(), as torch.optim takes them): the names' block
      prefixes, up to the first index (model.layers.3.mlp.up.weight is in model.layers.3);
-  4. parameters alone: runs of consecutive parameters, cut once their optimizer states reach a
-     size taken from the budget and the depth (state_chunk_bytes).
+  4. parameters alone: runs of consecutive parameters.
+Then no layer holds more than a size taken from the whole and the budget (state_chunk_bytes: a
+32nd of the states, so that the ring of four slots holds at most an eighth of them): a unit or a
+block past it is cut into runs of its parameters in order (split_runs), never merged with the next
+(its gradients are final together, the next one's later). A parameter past it is a layer alone.
 A layer holding more than a quarter of the states is warned about: its ring slot keeps that much
 of the moments on the GPU.
 """
@@ -94,13 +97,27 @@ def state_bytes(
 
 
 def state_chunk_bytes(total: int, budget: int | None, prefetch_depth: int) -> int:
-    """How many bytes of states a layer of consecutive parameters should hold: a 32nd of the
-    whole (the ring then keeps at most an eighth of the states at depth 3), at least 16 MiB (the
-    link's pieces stay large), and at most half the budget over the ring's slots."""
+    """The most bytes of states a layer should hold: a 32nd of the whole (the ring then keeps at
+    most an eighth of the states at depth 3), at least 16 MiB (the link's pieces stay large), and
+    at most half the budget over the ring's slots."""
     chunk = max(total // 32, 16 << 20)
     if budget is not None:
         chunk = min(chunk, max(budget // (2 * (prefetch_depth + 1)), 1))
     return chunk
+
+
+def split_runs(pairs: list, limit: int, size_of) -> list:
+    """(name, parameter) pairs cut, in order, into runs whose size_of(parameter) adds up to at
+    most `limit`; a parameter larger than `limit` is a run alone."""
+    runs, size = [], 0
+    for pair in pairs:
+        n = size_of(pair[1])
+        if not runs or (size and size + n > limit):
+            runs.append([])
+            size = 0
+        runs[-1].append(pair)
+        size += n
+    return runs
 
 
 def plan_layers(
@@ -112,13 +129,22 @@ def plan_layers(
     amsgrad: bool = False,
     state_dtype: str = "float32",
     moments: int = 2,
+    chunk: int | None = None,
 ) -> tuple:
     """Groups (name, parameter) pairs into layers (See Note [Layers without being told], steps 2-4;
-    FSDP2 units are the caller's); has_names: the names are the user's (step 3 applies). Returns
+    FSDP2 units are the caller's); has_names: the names are the user's (step 3 applies); chunk:
+    the most bytes of states a layer holds (None: state_chunk_bytes of these parameters'). Returns
     (layers, how): layers a list of lists of pairs in the parameters' order, how a few words
     saying where they came from."""
     if not named:
         return [], "no parameters"
+
+    def size_of(p):
+        return state_bytes(p, amsgrad, state_dtype, moments)
+
+    if chunk is None:
+        total = sum(size_of(p) for _, p in named)
+        chunk = state_chunk_bytes(total, budget, prefetch_depth)
     key = {}
     if model is not None:
         for i, (_, module) in enumerate(discover_layers(model, prefetch_depth)):
@@ -132,20 +158,17 @@ def plan_layers(
         for name, p in named:
             key[id(p)] = block_of(name)
     else:
-        total = sum(state_bytes(p, amsgrad, state_dtype, moments) for _, p in named)
-        chunk = state_chunk_bytes(total, budget, prefetch_depth)
-        how = f"runs of parameters with about {chunk / 2**20:.0f} MiB of states each"
-        run, size = 0, 0
-        for _, p in named:
-            if size >= chunk:
-                run, size = run + 1, 0
-            key[id(p)] = f"run {run}"
-            size += state_bytes(p, amsgrad, state_dtype, moments)
-    layers, index = [], {}
+        how = f"runs of parameters with at most {chunk / 2**20:.0f} MiB of states each"
+        for name, p in named:
+            key[id(p)] = "all"
+    blocks, index = [], {}
     for name, p in named:
         k = key[id(p)]
         if k not in index:
-            index[k] = len(layers)
-            layers.append([])
-        layers[index[k]].append((name, p))
+            index[k] = len(blocks)
+            blocks.append([])
+        blocks[index[k]].append((name, p))
+    layers = [run for block in blocks for run in split_runs(block, chunk, size_of)]
+    if len(layers) > len(blocks) and len(blocks) > 1:
+        how += f", blocks past {chunk / 2**20:.0f} MiB of states cut in runs of parameters"
     return layers, how

@@ -635,8 +635,10 @@ class AdamW(Adam):
             a budget leaves less room.
         layer_bytes: None (default): strata finds its layers (See Note [Layers without being told]
             in strata/layers.py): FSDP2's units, the blocks of `model` when given, the blocks in the
-            parameters' names when named_parameters() is passed, else runs of parameters sized from
-            the budget; else layers of about this many parameter bytes, in order.
+            parameters' names when named_parameters() is passed, else runs of parameters; none
+            with more than a 32nd of the states (a larger unit or block is cut in runs of its
+            parameters); else layers of at most this many parameter bytes, in order (under
+            FSDP2, each unit cut in such runs).
         model: the module the parameters come from, so that layers follow its blocks.
         runtime: a strata.Runtime to use (e.g. with the model attached) instead of one of the
             optimizer's own; policy, gpu_budget, prefetch_depth, overlap and undo_on_gpu then come

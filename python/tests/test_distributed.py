@@ -147,6 +147,15 @@ def test_stepping_in_backward_is_bitwise_the_step_after_it(tmp_path, policy, ext
     assert during["strata"]["losses"] == after["strata"]["losses"]
     assert during["strata"]["grad_norms"] == norms
     assert 0 < during["strata"]["steps_redone"] < 8
+    if policy == "layer_prefetch":
+        # Each unit cut in layers of a few parameters (See Note [Layers without being told]):
+        # each layer steps once its unit's reduce-scatter is done, as the whole unit did.
+        cut, _ = launch(tmp_path, "cut", 2, *clip, "--overlap=backward", "--layer_bytes=4KiB")
+        assert (
+            cut["strata"]["runtime_stats"]["layers"] > during["strata"]["runtime_stats"]["layers"]
+        )
+        assert cut["strata"]["losses"] == after["strata"]["losses"]
+        assert cut["strata"]["grad_norms"] == norms
 
 
 def test_a_rank_out_of_memory_ends_every_rank(tmp_path):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import strata
 from models import assert_close, params_of
-from strata.layers import block_of, plan_layers, state_bytes
+from strata.layers import block_of, plan_layers, split_runs, state_bytes
 
 
 class Blocks(torch.nn.Module):
@@ -160,6 +160,33 @@ def test_runs_of_parameters_are_sized_from_the_budget_and_never_split_a_paramete
     assert [p for layer in layers for _, p in layer] == [p for _, p in params]
     assert max(sum(state_bytes(p) for _, p in layer) for layer in layers) <= total / 4
     assert len(layers) >= 8
+
+
+def test_blocks_past_the_chunk_are_cut_in_runs_never_merged():
+    # A block holding more states than a layer should is cut into runs of its parameters in order,
+    # each within the chunk; no run takes parameters of two blocks (See Note [Layers without being
+    # told]).
+    model = Blocks(n=4)
+    named = list(model.named_parameters())
+    block = 2 * 4 * (512 * 512 + 3 * 512)  # a block's Adam states
+    weight = 2 * 4 * 512 * 512
+    vector = 2 * 4 * 512  # a LayerNorm weight's or a bias's
+    layers, how = plan_layers(named, True, chunk=weight + 2 * vector)
+    assert "cut in runs of parameters" in how
+    assert [p for layer in layers for _, p in layer] == [p for _, p in named]
+    for layer in layers:
+        assert len({block_of(n) for n, _ in layer}) == 1, [n for n, _ in layer]
+        assert sum(state_bytes(p) for _, p in layer) <= weight + 2 * vector
+    assert [sorted(n for n, _ in layer) for layer in layers[1:3]] == [
+        ["blocks.0.0.bias", "blocks.0.0.weight", "blocks.0.1.weight"],
+        ["blocks.0.1.bias"],
+    ]
+    whole, _ = plan_layers(named, True, chunk=block)
+    assert len(whole) == 6 and len(layers) == 10
+    # A parameter past the limit is a run alone; the rest fill runs up to it.
+    sizes = [3, 1, 1, 9, 2, 2, 1]
+    runs = split_runs([(str(i), n) for i, n in enumerate(sizes)], 4, lambda n: n)
+    assert [[n for _, n in run] for run in runs] == [[3, 1], [1], [9], [2, 2], [1]]
 
 
 def test_a_layer_with_most_of_the_states_is_warned_about():
