@@ -59,6 +59,8 @@ def test_two_ranks_match_fsdp2_with_torch_adamw(two_ranks):
     assert rel(s["grad_norms"][:1], ref["grad_norms"][:1]) <= 1e-6
     assert rel(s["grad_norms"], ref["grad_norms"]) <= 1e-5
     assert all(n > 0.5 for n in ref["grad_norms"]), "clipping never engaged"
+    # The layers are found without being told: one a fully_shard unit (the 2 blocks and the root).
+    assert s["runtime_stats"]["layers"] == 3
 
 
 @pytest.mark.parametrize("policy", ["bulk", "keep_on_gpu"])
