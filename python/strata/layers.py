@@ -160,7 +160,7 @@ def plan_layers(
     else:
         how = f"runs of parameters with at most {chunk / 2**20:.0f} MiB of states each"
         for name, p in named:
-            key[id(p)] = "all"
+            key[id(p)] = "all"  # one run, cut below
     blocks, index = [], {}
     for name, p in named:
         k = key[id(p)]
@@ -169,6 +169,7 @@ def plan_layers(
             blocks.append([])
         blocks[index[k]].append((name, p))
     layers = [run for block in blocks for run in split_runs(block, chunk, size_of)]
-    if len(layers) > len(blocks) and len(blocks) > 1:
+    flat = model is None and not has_names
+    if len(layers) > len(blocks) and not flat:
         how += f", blocks past {chunk / 2**20:.0f} MiB of states cut in runs of parameters"
     return layers, how
