@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Experiment: bench/users_script.py approaches, each a process of its own, under environment
+# bench/users_script.py approaches, each a process of its own, under environment
 # settings given as "NAME=VALUE" words ("-" for none), interleaved in rounds; a line a run with ms,
 # peak and the md5 of its losses.
-#   tools/gpu/run_env_ab.sh OUT BATCH ROUNDS "APPROACH[,ENV=V]..." ...
+#   tools/gpu/run_env_ab.sh OUT BATCH ROUNDS APPROACH[,NAME=VALUE[;NAME=VALUE]] ...
+# e.g. tools/gpu/run_env_ab.sh OUT 32 2 strata strata,CUDA_DEVICE_MAX_CONNECTIONS=32
 set -uo pipefail
 OUT=${1:?}; BATCH=${2:?}; ROUNDS=${3:?}; shift 3
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
 python_setup "$OUT" || exit 1
+python3 -c "import torchao" 2>/dev/null ||
+  python3 -m pip install -q --no-deps --no-index --find-links .deps/wheels torchao 2>/dev/null ||
+  python3 -m pip install -q --break-system-packages --no-deps --no-index --find-links .deps/wheels \
+    torchao
 for ((r = 0; r < ROUNDS; r++)); do
   for spec in "$@"; do
     IFS=, read -r approach envs <<<"$spec"
