@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/users_script.py approaches, each a process of its own, under environment
-# settings given as "NAME=VALUE" words ("-" for none), interleaved in rounds; a line a run with ms,
+# settings given after a comma, interleaved in rounds; a line a run with ms,
 # peak and the md5 of its losses.
 #   tools/gpu/run_env_ab.sh OUT BATCH ROUNDS APPROACH[,NAME=VALUE[;NAME=VALUE]] ...
 # e.g. tools/gpu/run_env_ab.sh OUT 32 2 strata strata,CUDA_DEVICE_MAX_CONNECTIONS=32
@@ -17,7 +17,7 @@ python3 -c "import torchao" 2>/dev/null ||
 for ((r = 0; r < ROUNDS; r++)); do
   for spec in "$@"; do
     IFS=, read -r approach envs <<<"$spec"
-    log="$OUT/r$r-${spec//[^A-Za-z0-9_=.@:-]/_}.log"
+    log="$OUT/r$r-${spec//[^A-Za-z0-9_.-]/_}.log"
     env ${envs//;/ } timeout 200 python3 bench/users_script.py --one "$approach" --batch "$BATCH" \
       --warmup 20 --steps 8 >"$log" 2>&1
     python3 - "$log" "$spec" "$r" <<'PY' | tee -a "$OUT/summary.txt"
