@@ -3,8 +3,8 @@
 Each strata.optim optimizer owns one Overlap. Under overlap="backward" it hooks the gradients so
 that each layer is stepped once they are final (See Note [Stepping in backward under FSDP2] in
 strata/optim.py), chooses when to step in backward at all (See Note [When to step in backward]),
-keeps the gradients each layer's step read (See Note [Gradients changed after their layer
-stepped]), and takes the step of a backward back when one cannot go on. Clipping lives here too,
+keeps what each layer's step read of its gradients (a ReadGradients: See Note [Gradients changed
+after their layer stepped] in strata/_read_gradients.py), and takes the step of a backward back when one cannot go on. Clipping lives here too,
 under either overlap: its coefficient decides whether the step taken in backward stands
 (See Note [Clipping in the step]). Without overlap it begins the runtime's step before step(), at
 the model's forward or the first gradient, so that the states come in while they run (See Note
@@ -20,6 +20,7 @@ import statistics
 import torch
 
 from . import _strata
+from ._read_gradients import ReadGradients
 from ._readback import ClipRecord, StepClock
 from .distributed import all_reduce_norm, clip_coef, fsdp_modules, grad_norm, local
 from .scalars import read_scalars
@@ -67,12 +68,6 @@ def choose_overlap(
     return "backward", "auto"
 
 
-def fingerprintable(g: torch.Tensor) -> bool:
-    """Whether strata can take g's fingerprint (See Note [Gradient fingerprints] in
-    optim/fingerprint.h): contiguous, 2- or 4-byte elements, fewer than 2^32 of them."""
-    return g.is_contiguous() and g.element_size() in (2, 4) and g.numel() < 2**32
-
-
 class Overlap:
     """The optimizer's part in stepping during backward: gradient hooks, the choice to speculate,
     the gradients a step read, clipping. `name` is the optimizer's ("AdamW"), `adam` its
@@ -95,13 +90,7 @@ class Overlap:
         self._trainable = trainable
         self._max_grad_norm = max_grad_norm
         self.accumulating = False  # inside accumulate(): backward only accumulates
-        # See Note [Gradients changed after their layer stepped]: the versions of the gradients
-        # read in backward; once the loop was seen to write gradients (_fingerprint), their
-        # fingerprints, a (parameters, fingerprints) pair a layer, and the parameters they cover.
-        self._versions: dict = {}
-        self._fingerprint = False
-        self._prints: list = []
-        self._printed: set = set()
+        self._read = ReadGradients(trainable, runtime)  # what the steps in backward read
         self._spec_scale: torch.Tensor | None = None
         self._hooks: list = []
         self._layer_params: dict = {}  # layer -> its parameters this optimizer hooks
@@ -186,81 +175,15 @@ class Overlap:
         self._speculating = on
         self._adam.set_step_in_backward(on)
 
-    # The version of each gradient of `params` that their layer's step reads, and once the loop has
-    # written gradients, their fingerprints, kept until step() (See Note [Gradients changed after
-    # their layer stepped]).
     def keep_versions(self, params: list, absent: list = ()) -> None:
-        """`absent`: the layer's parameters that sit its step out, having no gradient."""
-        for p in params:
-            self._versions[id(p)] = (p.grad, local(p.grad)._version)
-        for p in absent:
-            self._versions[id(p)] = (None, 0)
-        if self._fingerprint and params and not self._runtime._streams_gradients:
-            grads = [local(p.grad) for p in params]
-            if all(fingerprintable(g) for g in grads):
-                self._prints.append((params, _strata.fingerprints(grads)))
-                self._printed.update(id(p) for p in params)
+        """What a layer's step in backward read of `params`' gradients (`absent`: the layer's
+        parameters that sit its step out, having no gradient)."""
+        self._read.keep(params, absent)
 
-    # Note [Gradients changed after their layer stepped]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # A layer stepped in backward read its gradients then; a loop that changes them afterwards (its
-    # own clip_grad_norm_, unscale_, manual scaling: all in place, each a new version of the tensor,
-    # or a new tensor) makes that step stale, and step() takes it back and steps again with the
-    # gradients as they are. GradScaler.step (when the loop did not unscale_) checks the gradients
-    # for inf by multiplying them by 1.0 in place first: one version each, no value changed,
-    # allowed. A new version need not be a new value, though: clip_grad_norm_ multiplies every
-    # gradient in place by its coefficient even when that is exactly 1.0 (the norm below
-    # max_norm, as it is for most of a run), and Hugging Face's Trainer and nanoGPT clip so at
-    # every step. So once a step has seen the loop write a gradient its layer's step read, each
-    # layer stepped in backward keeps its gradients' fingerprints too, taken where the step reads
-    # them (See Note [Gradient fingerprints] in optim/fingerprint.h); when versions changed,
-    # step() takes them again and compares them on the GPU (a few bytes read on the host, as
-    # validating clipping reads), and only a changed value takes the step back. A fingerprint
-    # tells a scaling of finite values by any other factor (a clip that clipped) every time, and
-    # another change but by a rare accident of the sums. The price is two more reads of the
-    # gradients a step (one in backward, one in step()), against a redo of the whole step. A
-    # gradient that comes after its layer stepped without one, or one the loop set to None,
-    # changed too. Streamed gradients (roles="all") are gone from the GPU by step(): no
-    # fingerprints, and any version change redoes the step.
     def gradients_changed(self, scaler_checked: bool) -> bool:
-        allowed = 1 if scaler_checked else 0
-        written = []
-        for p in self._trainable:
-            seen = self._versions.get(id(p))
-            if seen is None:
-                continue
-            grad, version = seen
-            if grad is None and p.grad is None:
-                continue  # sat the step out, and still has no gradient
-            if grad is None or p.grad is None:
-                return True  # a gradient came after its layer stepped, or the loop dropped one
-            if p.grad is not grad or local(p.grad)._version - version > allowed:
-                written.append(p)
-        if not written:
-            return False
-        self._fingerprint = True  # the loop writes gradients: fingerprint them from now on
-        if not all(id(p) in self._printed for p in written):
-            return True
-        return not self._same_values()
-
-    # Whether every gradient fingerprinted in backward holds the values it held then (See Note
-    # [Gradients changed after their layer stepped]).
-    def _same_values(self) -> bool:
-        before, after = [], []
-        for params, prints in self._prints:
-            grads = [None if p.grad is None else local(p.grad) for p in params]
-            if not all(g is not None and fingerprintable(g) for g in grads):
-                return False
-            before.append(prints)
-            after.append(_strata.fingerprints(grads))
-        if before[0].is_cuda:  # made on the hooks' stream (FSDP2's post-reduce), read on this one
-            for prints in before:
-                prints.record_stream(torch.cuda.current_stream())
-        before, after = torch.cat(before), torch.cat(after)
-        if before.device != after.device or before.shape != after.shape:
-            return False
-        differ = (before != after).any().to(torch.float32)
-        return read_scalars(differ)[0] == 0.0
+        """Whether the loop changed a gradient a step in backward read (See Note [Gradients
+        changed after their layer stepped] in strata/_read_gradients.py)."""
+        return self._read.changed(scaler_checked)
 
     # After step(): what the next step's backward starts from. `outcome` is the step's
     # last_step_outcome, `grad_scale` GradScaler's scale (None without one).
@@ -488,8 +411,7 @@ class Overlap:
     # fingerprints.
     def _forget_backward(self) -> None:
         self._reset_counts()
-        self._versions = {}
-        self._prints, self._printed = [], set()
+        self._read.forget()
 
     # A module's forward while layers stepped in backward wait for step(): one that holds their
     # parameters takes the step back first (See Note [Backward passes before a step]).
@@ -498,17 +420,10 @@ class Overlap:
             return
         layer_of = self._runtime._layer_of
         if any(layer_of.get(id(p)) in self._stepped for p in module.parameters()):
-            if self._gradients_dropped():  # model.zero_grad(): a step begins anew
+            if self._read.dropped():  # model.zero_grad(): a step begins anew
                 self.gradients_dropped("a forward after the gradients were dropped ran")
             else:  # another backward pass of this step comes
                 self.take_back("a forward ran")
-
-    # Whether the loop dropped a gradient a step in backward read (set it to None).
-    def _gradients_dropped(self) -> bool:
-        return any(
-            self._versions.get(id(p), (None, 0))[0] is not None and p.grad is None
-            for p in self._trainable
-        )
 
     def _remove_guard(self) -> None:
         if self._guard is not None:

@@ -68,14 +68,13 @@ followed by the step.
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Union
 
 import torch
 
-from . import _args, _checkpoint, _plan
+from . import _args, _checkpoint, _plan, _setup
 from . import budget as _budget
-from ._overlap import Overlap, choose_overlap
+from ._overlap import Overlap
 from .distributed import is_dtensor, local
 from .runtime import Runtime
 
@@ -151,7 +150,6 @@ class Adam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._constructed = True
         from . import _strata
-        from .runtime import parse_bytes
 
         # A frozen parameter gets no state and is never touched (See Note [Per-parameter steps] in
         # optim/adam.h); it keeps its place in param_groups (and in the state dict's numbering).
@@ -170,83 +168,29 @@ class Adam(torch.optim.Optimizer):
                     f"strata.optim.{self._name}: every parameter must be on one device; "
                     f"found {first.device} and {p.device}"
                 )
-        self._owns_runtime = runtime is None
-        if runtime is None:  # See Note [Overlap by default] in strata/_overlap.py
-            replicated = (
-                torch.distributed.is_available()
-                and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size() > 1
-                and not any(is_dtensor(p) for p in self._trainable)
-            )
-            overlap, overlap_from = choose_overlap(
-                overlap, policy, local(first).is_cuda and device != "simulated", replicated
-            )
-        # None until the first step has run (See Note [The automatic budget] in strata/budget.py).
-        self._auto_budget = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
-        budget = None if self._auto_budget else parse_bytes(gpu_budget, "gpu_budget")
-        # Without a budget in bytes, where a step in backward keeps its undo is decided after the
-        # first one (See Note [The undo on the GPU when there is room] in strata/budget.py).
-        self._auto_undo = (
-            undo_on_gpu is None and budget is None and runtime is None and overlap == "backward"
-        )
-        undo_on_gpu_given = undo_on_gpu
-        if undo_on_gpu is None:
-            undo_on_gpu = budget is not None
-        unbound = [p for p in self._trainable if runtime is None or not runtime.is_bound(p)]
         amsgrad = any(g["amsgrad"] for g in self.param_groups)
-        # States a parameter keeps besides a master, for the layout (Lion 1, Adam 2, amsgrad 3).
-        moments = len(self._states) + (1 if amsgrad else 0)
-        plan, how = _plan.find_layers(
-            unbound,
+        setup = _setup.make_runtime(
+            self._name,
+            self._trainable,
             self._param_name,
             self._named,
-            parse_bytes(layer_bytes, "layer_bytes"),
-            model,
-            budget,
-            moments,
-            state_dtype,
+            moments=len(self._states) + (1 if amsgrad else 0),
+            state_dtype=state_dtype,
+            model=model,
+            policy=policy,
+            gpu_budget=gpu_budget,
+            prefetch_depth=prefetch_depth,
+            layer_bytes=layer_bytes,
+            runtime=runtime,
+            overlap=overlap,
+            undo_on_gpu=undo_on_gpu,
+            hybrid_fraction=hybrid_fraction,
+            device=device,
         )
-        if runtime is None:
-            depth_from = "argument"
-            if prefetch_depth is None:
-                prefetch_depth = _plan.auto_depth(
-                    plan, budget, moments, state_dtype, overlap=overlap == "backward"
-                )
-                depth_from = "the budget"
-            runtime = Runtime(
-                policy=policy,
-                gpu_budget=budget,
-                prefetch_depth=prefetch_depth,
-                device=self._device_for(first, device),
-                overlap=overlap or "none",
-                undo_on_gpu=undo_on_gpu,
-                hybrid_fraction=hybrid_fraction,
-            )
-        elif prefetch_depth is not None:
-            raise ValueError(
-                f"strata.optim.{self._name}: prefetch_depth comes from the runtime given; make "
-                "the runtime with the depth wanted"
-            )
-        self._runtime = runtime
-        if self._owns_runtime:
-            runtime.undo_from = "default" if undo_on_gpu_given is None else "argument"
-            runtime.overlap_from = overlap_from
-        no_driver = None  # why the GPU's memory cannot be asked for, if it cannot
-        if self._auto_undo or self._auto_budget:
-            try:
-                _budget.device_memory(runtime)
-            except RuntimeError as e:
-                no_driver = e
-        if self._auto_undo:  # with no driver to ask, the undo stays off the GPU
-            self._auto_undo = no_driver is None
-            if self._auto_undo:
-                runtime.undo_from = "undecided"
-        if self._auto_budget:
-            if no_driver is not None:
-                raise ValueError(f"strata.optim.{self._name}: {no_driver}") from None
-            runtime.budget_from = "auto"
-        for layer in plan:
-            runtime.add_layer(layer)
+        runtime = self._runtime = setup.runtime
+        self._owns_runtime = setup.owns_runtime
+        self._auto_budget = setup.auto_budget
+        self._auto_undo = setup.auto_undo
         groups = []
         for g in self.param_groups:
             pairs = []
@@ -272,12 +216,12 @@ class Adam(torch.optim.Optimizer):
                 self._name,
                 runtime,
                 self._adam,
-                plan,
-                how,
+                setup.plan,
+                setup.how,
                 policy,
-                "auto" if self._auto_budget else budget,
-                depth_from,
-                moments,
+                "auto" if self._auto_budget else setup.budget,
+                setup.depth_from,
+                len(self._states) + (1 if amsgrad else 0),
                 state_dtype,
             )
         self._keep_alive: tuple = ()
@@ -301,30 +245,6 @@ class Adam(torch.optim.Optimizer):
             first_after=self._auto_undo,
         )
 
-    def _device_for(self, first: torch.Tensor, device: Optional[str]) -> str:
-        if device is not None:
-            return device
-        if first.device.type == "cuda":
-            # See Note [One CUDA device a runtime] in runtime/runtime.h.
-            index = first.device.index
-            current = torch.cuda.current_device()
-            if index is not None and index != current:
-                raise ValueError(
-                    f"strata.optim.{self._name}: the parameters are on cuda:{index} but the "
-                    f"current CUDA device is cuda:{current}; strata steps where torch computes: "
-                    f"call torch.cuda.set_device({index}) first (in a distributed script, "
-                    "torch.cuda.set_device(local_rank) before the model is made)"
-                )
-            return f"cuda:{current}"
-        if torch.cuda.is_available() and os.environ.get("STRATA_DEVICE") != "simulated":
-            raise ValueError(
-                f"strata.optim.{self._name}: the parameters are on the CPU, but this machine has "
-                "a GPU: move the model there first (model.cuda()), or pass device='simulated' "
-                "(or set STRATA_DEVICE=simulated) to step in host memory that stands in for the "
-                "GPU (for tests)"
-            )
-        return "simulated"
-
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", True):
             raise NotImplementedError(
@@ -338,7 +258,7 @@ class Adam(torch.optim.Optimizer):
     # gradients are strata's again, and its parameters without one sit the step out
     # (See Note [Gradients the loop replaced] in strata/runtime.py). The version (and, once the loop
     # was seen to write gradients, the fingerprint) of each gradient the layer's step read is kept
-    # (See Note [Gradients changed after their layer stepped] in strata/_overlap.py).
+    # (See Note [Gradients changed after their layer stepped] in strata/_read_gradients.py).
     def _prepare_layer(self, layer: int) -> None:
         if self._closed or self._overlap.accumulating:
             return
@@ -361,7 +281,7 @@ class Adam(torch.optim.Optimizer):
     # Each group's hyperparameters as they are now (an LR scheduler's changes included); whether any
     # changed. A step taken in backward read them when it began: one that changed since is taken
     # back and redone, as for a gradient
-    # (See Note [Gradients changed after their layer stepped] in strata/_overlap.py).
+    # (See Note [Gradients changed after their layer stepped] in strata/_read_gradients.py).
     def _sync_hyper(self) -> bool:
         changed = False
         for i, g in enumerate(self.param_groups):
@@ -485,7 +405,7 @@ class Adam(torch.optim.Optimizer):
         rt.finish_backward()
         taken_back = False
         if changed:
-            # See Note [Gradients changed after their layer stepped] in strata/_overlap.py.
+            # See Note [Gradients changed after their layer stepped] in strata/_read_gradients.py.
             self._adam.cancel_step()
             taken_back = True
         scale = grad_scale
