@@ -49,7 +49,8 @@ def _check_torch():
 _check_torch()
 
 from . import distributed, optim  # noqa: E402
-from .runtime import Runtime, attach, parse_bytes  # noqa: E402
+from ._attach import attach  # noqa: E402
+from .runtime import Runtime, parse_bytes  # noqa: E402
 from .scalars import read_scalars  # noqa: E402
 
 __all__ = ["Runtime", "attach", "distributed", "optim", "parse_bytes", "read_scalars"]

@@ -596,17 +596,17 @@ def test_an_lr_schedule_under_overlap_steps_with_the_rate_of_each_step():
 
 def test_module_tree_discovery_finds_the_blocks():
     lm = CausalLm(n=6)
-    names = [n for n, _ in strata.runtime.discover_layers(lm)]
+    names = [n for n, _ in strata.layers.discover_layers(lm)]
     assert names == (
         ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(6)] + ["model.norm", "lm_head"]
     )
     # Nested: blocks in a ModuleList inside a ModuleList's entries' parent.
     nested = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([Mlp(), Mlp()]))
-    got = [n for n, _ in strata.runtime.discover_layers(nested)]
+    got = [n for n, _ in strata.layers.discover_layers(nested)]
     assert got[0] == "0" and all(n.startswith("1.") for n in got[1:]) and len(got) >= 3
     # Flat: each Linear its own layer.
     flat = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
-    assert [n for n, _ in strata.runtime.discover_layers(flat)] == ["0", "1", "2", "3", "4"]
+    assert [n for n, _ in strata.layers.discover_layers(flat)] == ["0", "1", "2", "3", "4"]
 
 
 def lm_loop(model, opt, steps):
@@ -700,7 +700,7 @@ def nano_loop(model, opt, steps):
 def test_a_nanogpt_shaped_model_with_tied_weights_attached_by_default(roles, budget):
     from users import NanoGpt
 
-    names = [n for n, _ in strata.runtime.discover_layers(NanoGpt())]
+    names = [n for n, _ in strata.layers.discover_layers(NanoGpt())]
     assert names == (
         ["transformer.wte", "transformer.wpe"]
         + [f"transformer.h.{i}" for i in range(6)]
