@@ -2,8 +2,8 @@
 that tell the runtime where forward and backward are.
 
     rt = strata.Runtime(policy="layer_prefetch", gpu_budget="8GiB", roles="all")
-    strata.attach(model, rt)                # the blocks found in the module tree are the layers
-    strata.attach(model, rt, layers=model.blocks)   # or the modules given
+    strata.attach(model, rt)    # the blocks found in the module tree are the layers; or name
+                                # them: strata.attach(model, rt, layers=list(model.blocks))
 
 The hooks see positional and keyword arguments alike; a layer's backward is known to be done once
 autograd has the gradient of its input, and about to begin once an output's gradient is complete.
