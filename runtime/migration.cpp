@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/algorithm/container.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "base/status.h"
 #include "base/strings.h"
 #include "runtime/runtime_impl.h"
@@ -432,14 +434,29 @@ void MigrationEngine::drain_timing(bool wait) {
   }
 }
 
+// Note [Polling in stream order]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every acquire and every hook polls, so a layer's step polls once a tensor, with a ring's worth of
+// copies in flight. A copy's arrival event is recorded on its copy stream right after the copy, and
+// in_flight_ keeps the order the moves were queued in (entries leave it, none is reordered), so on
+// each copy stream the entries complete in their order in in_flight_: the first one not done
+// means none after it on that stream is. poll asks no further on that stream, so a poll costs the
+// queries of the copies that finished since the last, plus one a stream still copying, instead of
+// one a copy in flight.
 absl::Status MigrationEngine::poll() {
+  absl::InlinedVector<StreamHandle, 2> busy;  // copy streams found still copying
   for (std::size_t i = 0; i < in_flight_.size();) {
     Entry* e = in_flight_[i];
+    if (absl::c_linear_search(busy, e->copy_stream)) {
+      ++i;
+      continue;
+    }
     absl::StatusOr<bool> done = device_->query(e->arrival);
     if (!done.ok()) return done.status();
     if (*done) {
       finish(*e, /*early=*/false);  // erases in_flight_[i]
     } else {
+      busy.push_back(e->copy_stream);
       ++i;
     }
   }

@@ -1,7 +1,12 @@
 // Migration tests on the simulated device: every tier pair bit for bit, a copy in flight until its
-// event completes, a failed destination leaving the tensor at its source.
+// event completes, polls that ask each copy stream only up to its first copy not done, a failed
+// destination leaving the tensor at its source.
 #include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
 
+#include "tests/runtime/fault_injection.h"
 #include "tests/runtime/runtime_test_util.h"
 
 namespace strata::rt {
@@ -52,6 +57,51 @@ TEST(MigrationTest, InFlightUntilTheCopyEventCompletes) {
   EXPECT_EQ(info.tier, Tier::kPinnedHost);
   EXPECT_EQ(info.version, 1u);
   EXPECT_EQ(read_all(*rt, h), payload);
+}
+
+TEST(MigrationTest, PollAsksEachCopyStreamOnlyUntilACopyIsNotDone) {
+  // See Note [Polling in stream order]: a poll asks one copy of each copy stream still copying,
+  // and each copy once when it is done, however many are in flight.
+  RuntimeOptions options;
+  options.policy = "bulk";
+  auto simulated = std::make_unique<SimulatedDevice>();
+  SimulatedDevice* sim = simulated.get();
+  sim->set_deferred(true);
+  auto counting = std::make_unique<FaultInjectingDevice>(std::move(simulated));
+  FaultInjectingDevice* dev = counting.get();
+  options.device_override = std::move(counting);
+  std::unique_ptr<Runtime> rt = *Runtime::create(std::move(options), policy::builtin_policies());
+  constexpr int kTensors = 12;
+  std::vector<std::vector<unsigned char>> payloads;
+  std::vector<TensorHandle> hs;
+  for (int i = 0; i < kTensors; ++i) {
+    payloads.push_back(special_payload(1 << 16, i));
+    hs.push_back(*rt->register_tensor(
+        spec("t" + std::to_string(i), 0, Role::kOptimizerState, 1 << 14), payloads.back().data()));
+  }
+  auto queries = [dev] { return dev->calls(DeviceCall::kQuery); };
+  // The first half go to pinned memory: six copies queued on the D2H stream, none run.
+  for (int i = 0; i < kTensors / 2; ++i) ASSERT_TRUE(rt->migrate(hs[i], Tier::kPinnedHost).ok());
+  std::int64_t before = queries();
+  for (int k = 0; k < 5; ++k) ASSERT_TRUE(rt->poll().ok());
+  EXPECT_EQ(queries() - before, 5);
+  sim->run_pending();
+  before = queries();
+  ASSERT_TRUE(rt->poll().ok());
+  EXPECT_EQ(queries() - before, kTensors / 2);
+  // Both streams: the first half come back (H2D), the second half go (D2H).
+  for (int i = 0; i < kTensors; ++i) {
+    ASSERT_FALSE(rt->info(hs[i])->in_flight);
+    ASSERT_TRUE(rt->migrate(hs[i], i < kTensors / 2 ? Tier::kGpu : Tier::kPinnedHost).ok());
+  }
+  before = queries();
+  for (int k = 0; k < 3; ++k) ASSERT_TRUE(rt->poll().ok());
+  EXPECT_EQ(queries() - before, 3 * 2);
+  ASSERT_TRUE(rt->wait_all().ok());
+  for (int i = 0; i < kTensors; ++i) {
+    EXPECT_EQ(rt->info(hs[i])->tier, i < kTensors / 2 ? Tier::kGpu : Tier::kPinnedHost);
+    EXPECT_EQ(read_all(*rt, hs[i]), payloads[i]) << i;
+  }
 }
 
 TEST(MigrationTest, FailedDestinationLeavesTheTensorAtItsSource) {
