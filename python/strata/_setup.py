@@ -30,7 +30,7 @@ from .runtime import Runtime, parse_bytes
 class Setup:
     runtime: Runtime
     owns_runtime: bool  # made here, so closed with the optimizer
-    plan: list  # the layers added, each a list of parameters
+    plan: list  # the layers added, each a list of (name, parameter) pairs
     how: str  # how they were found, for the INFO line
     budget: Optional[int]  # the GPU budget in bytes, None without one (or "auto")
     # Decided after the first step (See Note [The automatic budget] and Note [The undo on the GPU
