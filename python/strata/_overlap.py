@@ -4,11 +4,11 @@ Each strata.optim optimizer owns one Overlap. Under overlap="backward" it hooks 
 that each layer is stepped once they are final (See Note [Stepping in backward under FSDP2] in
 strata/optim.py), chooses when to step in backward at all (See Note [When to step in backward]),
 keeps what each layer's step read of its gradients (a ReadGradients: See Note [Gradients changed
-after their layer stepped] in strata/_read_gradients.py), and takes the step of a backward back when one cannot go on. Clipping lives here too,
-under either overlap: its coefficient decides whether the step taken in backward stands
-(See Note [Clipping in the step]). Without overlap it begins the runtime's step before step(), at
-the model's forward or the first gradient, so that the states come in while they run (See Note
-[States staged ahead] in policies/state_streaming.cpp).
+after their layer stepped] in strata/_read_gradients.py), and takes the step of a backward back when
+one cannot go on. Clipping lives here too, under either overlap: its coefficient decides whether the
+step taken in backward stands (See Note [Clipping in the step]). Without overlap it begins the
+runtime's step before step(), at the model's forward or the first gradient, so that the states come
+in while they run (See Note [States staged ahead] in policies/state_streaming.cpp).
 """
 
 from __future__ import annotations

@@ -169,12 +169,14 @@ class Adam(torch.optim.Optimizer):
                     f"found {first.device} and {p.device}"
                 )
         amsgrad = any(g["amsgrad"] for g in self.param_groups)
+        # States a parameter keeps besides a master, for the layout (Lion 1, Adam 2, amsgrad 3).
+        moments = len(self._states) + (1 if amsgrad else 0)
         setup = _setup.make_runtime(
             self._name,
             self._trainable,
             self._param_name,
             self._named,
-            moments=len(self._states) + (1 if amsgrad else 0),
+            moments=moments,
             state_dtype=state_dtype,
             model=model,
             policy=policy,
@@ -221,7 +223,7 @@ class Adam(torch.optim.Optimizer):
                 policy,
                 "auto" if self._auto_budget else setup.budget,
                 setup.depth_from,
-                len(self._states) + (1 if amsgrad else 0),
+                moments,
                 state_dtype,
             )
         self._keep_alive: tuple = ()

@@ -60,6 +60,15 @@ python_setup() {
   nproc >"$logs/cpus.txt"
 }
 
+# torchao (bench/users_script.py's CPUOffloadOptimizer peer) from .deps/wheels, unless python3
+# has it.
+install_torchao() {
+  python3 -c "import torchao" 2>/dev/null ||
+    python3 -m pip install -q --no-deps --no-index --find-links .deps/wheels torchao 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages --no-deps --no-index \
+      --find-links .deps/wheels torchao
+}
+
 # Packs everything in LOG_DIR but gpu.txt and summary.txt into LOG_DIR/all.tgz, since a device call
 # returns 8 files at most: a script that writes more calls it last (`tar xzf all.tgz` here).
 pack_out() {

@@ -10,10 +10,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
 python_setup "$OUT" || exit 1
-python3 -c "import torchao" 2>/dev/null ||
-  python3 -m pip install -q --no-deps --no-index --find-links .deps/wheels torchao 2>/dev/null ||
-  python3 -m pip install -q --break-system-packages --no-deps --no-index --find-links .deps/wheels \
-    torchao
+install_torchao
 for ((r = 0; r < ROUNDS; r++)); do
   for spec in "$@"; do
     IFS=, read -r approach envs <<<"$spec"
@@ -22,13 +19,16 @@ for ((r = 0; r < ROUNDS; r++)); do
       --warmup 20 --steps 8 >"$log" 2>&1
     python3 - "$log" "$spec" "$r" <<'PY' | tee -a "$OUT/summary.txt"
 import hashlib, json, sys
-lines = [l for l in open(sys.argv[1]) if l.startswith("RESULT ")]
+log, spec, r = sys.argv[1:]
+lines = [x for x in open(log) if x.startswith("RESULT ")]
 if not lines:
-    print(f"r{sys.argv[3]} {sys.argv[2]:<40} FAILED: " + open(sys.argv[1]).read()[-300:].replace("\n", " | "))
+    print(f"r{r} {spec:<40} FAILED: " + open(log).read()[-300:].replace("\n", " | "))
 else:
-    r = json.loads(lines[-1][7:])
-    h = hashlib.md5(json.dumps(r["losses"]).encode()).hexdigest()[:8]
-    print(f"r{sys.argv[3]} {sys.argv[2]:<40} {r['ms_per_step']:8.1f} ms  steps {min(r['step_ms']):.1f}-{max(r['step_ms']):.1f}  peak {r['device_peak_gib']:.2f} GiB  losses {h}  {r.get('step_outcomes')}")
+    res = json.loads(lines[-1][7:])
+    h = hashlib.md5(json.dumps(res["losses"]).encode()).hexdigest()[:8]
+    steps = f"{min(res['step_ms']):.1f}-{max(res['step_ms']):.1f}"
+    print(f"r{r} {spec:<40} {res['ms_per_step']:8.1f} ms  steps {steps}  "
+          f"peak {res['device_peak_gib']:.2f} GiB  losses {h}  {res.get('step_outcomes')}")
 PY
   done
 done

@@ -11,10 +11,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
 python_setup "$OUT" || exit 1
-python3 -c "import torchao" 2>/dev/null ||
-  python3 -m pip install -q --no-deps --no-index --find-links .deps/wheels torchao 2>/dev/null ||
-  python3 -m pip install -q --break-system-packages --no-deps --no-index --find-links .deps/wheels \
-    torchao
+install_torchao
 # DeepSpeed (the deepspeed approach) and its dependencies into DS_PKGS, beside the machine's torch,
 # as tools/gpu/run_deepspeed.sh does; its cpu_adam op builds on first use (about 50 s, not timed).
 export DS_PKGS=/tmp/ds-pkgs CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
