@@ -1,7 +1,9 @@
 """Reads a torch.profiler chrome trace of the users' script (bench/users_script.py --profile) and
 says where the stream that computes waited and for which copies: each stream's busy time, the
 compute stream's gaps by the operation that ended them, and for the longest gaps the copies of
-other streams that ran before it with the host time they were queued at. A copy engine runs the
+other streams that ran before it with the host time they were queued at, and what the host was
+doing in the gap (the CPU operations and CUDA calls that overlap it, longest first), and the
+host's CUDA calls over the whole trace by time spent in them. A copy engine runs the
 copies in the order they were queued, across streams, so a small copy torch queues on the compute
 stream waits for every copy of strata's queued before it.
 
@@ -26,6 +28,7 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--gaps", type=int, default=3, help="longest gaps to show in detail")
     ap.add_argument("--min_gap_ms", type=float, default=0.3)
+    ap.add_argument("--host_ops", type=int, default=8, help="host operations shown per gap")
     args = ap.parse_args()
     events = load(args.trace)
     gpu = [
@@ -38,6 +41,13 @@ def main():
         for e in events
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
     }
+    host = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat")
+        in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+    ]
     gpu.sort(key=lambda e: e["ts"])
     t0 = gpu[0]["ts"]
     span = (max(e["ts"] + e["dur"] for e in gpu) - t0) / 1e3
@@ -89,6 +99,55 @@ def main():
                     f"{e['name'][:24]:<24} queued at "
                     f"{'?' if q is None else f'{(q - t0) / 1e3:.2f}'}"
                 )
+        host_in_gap(host, b["ts"] - g, b["ts"], t0, args.host_ops)
+        if b["ts"] - queued > args.min_gap_ms * 1e3:
+            # Queued well before it ran: the stream waited on the GPU. The waits the host queued
+            # since the gap began, with the Python function or operation that queued each.
+            waits_queued(host, b["ts"] - g - 5e3, queued, t0, args.host_ops)
+    host_calls(host)
+
+
+def host_in_gap(host, start, end, t0, limit):
+    """The host's operations that overlap [start, end], by the time they overlap it."""
+    over = []
+    for e in host:
+        o = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+        if o > 0:
+            over.append((o, e))
+    print(f"  the host in the gap ({len(over)} operations overlap it), longest overlap first:")
+    for o, e in sorted(over, key=lambda x: -x[0])[:limit]:
+        print(
+            f"    {o / 1e3:7.2f} ms of {e['dur'] / 1e3:7.2f}  {e['cat']:<12} {e['name'][:60]}"
+            f"  ({(e['ts'] - t0) / 1e3:.2f}-{(e['ts'] + e['dur'] - t0) / 1e3:.2f})"
+        )
+
+
+def waits_queued(host, start, end, t0, limit):
+    """The host's cudaStreamWaitEvent calls in [start, end], each with what it ran inside."""
+    waits = [e for e in host if e["name"] == "cudaStreamWaitEvent" and start <= e["ts"] <= end]
+    print(f"  {len(waits)} waits queued from {(start - t0) / 1e3:.2f}, the last {limit}:")
+    for w in waits[-limit:]:
+        inside = [
+            e
+            for e in host
+            if e["cat"] in ("python_function", "cpu_op", "user_annotation")
+            and e["ts"] <= w["ts"] <= e["ts"] + e["dur"]
+        ]
+        inner = sorted(inside, key=lambda e: e["dur"])[:3]
+        names = " < ".join(e["name"][:50] for e in inner) or "?"
+        print(f"    {(w['ts'] - t0) / 1e3:8.2f}  {names}")
+
+
+def host_calls(host):
+    """The host's CUDA calls over the trace: count and time, the most time first."""
+    calls = collections.defaultdict(lambda: [0, 0.0])
+    for e in host:
+        if e["cat"] in ("cuda_runtime", "cuda_driver"):
+            calls[e["name"]][0] += 1
+            calls[e["name"]][1] += e["dur"]
+    print("\nthe host's CUDA calls over the trace (count, ms):")
+    for name, (n, us) in sorted(calls.items(), key=lambda x: -x[1][1])[:12]:
+        print(f"  {n:>7} {us / 1e3:9.1f} ms  {name}")
 
 
 if __name__ == "__main__":

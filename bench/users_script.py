@@ -351,14 +351,15 @@ def one_run(args):
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-            with profile(activities=acts) as prof:
+            with profile(activities=acts, with_stack=args.profile_stack) as prof:
                 for _ in range(3):
                     step()
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
             runtime = getattr(opt, "runtime", None)
             depth = f"-d{runtime.prefetch_depth}" if hasattr(runtime, "prefetch_depth") else ""
-            name = f"profile-{args.one}{depth}-b{args.batch}.txt"
+            stack = "-stack" if args.profile_stack else ""
+            name = f"profile-{args.one}{depth}-b{args.batch}{stack}.txt"
             with open(os.path.join(args.profile, name), "w") as f:
                 f.write(f"3 steps of {args.one}, batch {args.batch}\n{table}\n")
             # The streams' timeline, for chrome://tracing or Perfetto.
@@ -491,6 +492,12 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument(
         "--profile", default=None, help="--one: write 3 more steps' torch.profiler table here"
+    )
+    ap.add_argument(
+        "--profile_stack",
+        action="store_true",
+        help="--profile with Python's stack: the trace names the Python function of each host "
+        "call (slows the host)",
     )
     args = ap.parse_args()
     if args.one:

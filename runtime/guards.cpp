@@ -51,7 +51,7 @@ absl::StatusOr<void*> Runtime::Impl::acquire_locked(Entry& e, Tier tier, StreamH
         return after.status();
       }
       ++engine.stats().prefetch_waits;
-      engine.add_stall(before, *after);
+      engine.add_stall(before, *after, stream);
       e.arrival_waiter = stream;
       ++e.holds;
       engine.notify(e, e.dst.tier, e.dst.ptr);

@@ -328,7 +328,7 @@ absl::Status MigrationEngine::copy_on_stream(Entry& e, const Destination& dst,
 
 void MigrationEngine::keep_timing(Entry& e) {
   if (e.timed_start == nullptr) return;
-  timed_.push_back({e.timed_start, e.timed_end, e.timed_h2d, e.bytes});
+  timed_.push_back({e.timed_start, e.timed_end, e.copy_stream, e.timed_h2d, e.bytes});
   e.timed_start = e.timed_end = nullptr;
 }
 
@@ -396,18 +396,36 @@ absl::Status MigrationEngine::fence_compute() {
   return s;
 }
 
+namespace {
+
+// Reads and drops the entries of `list` whose end event is done, keeping the others in their order.
+// On each stream it asks no further once one is not done (See Note [Polling in stream order]).
+template <typename T, typename Done, typename Read>
+void drain_in_order(std::vector<T>& list, Done done, Read read) {
+  absl::InlinedVector<StreamHandle, 4> busy;
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    if (!absl::c_linear_search(busy, list[i].stream)) {
+      if (done(list[i].end)) {
+        read(list[i]);
+        continue;
+      }
+      busy.push_back(list[i].stream);
+    }
+    list[kept++] = list[i];
+  }
+  list.resize(kept);
+}
+
+}  // namespace
+
 void MigrationEngine::drain_timing(bool wait) {
   auto done = [&](EventHandle ev) {
     if (wait) return device_->synchronize(ev).ok();
     absl::StatusOr<bool> q = device_->query(ev);
     return q.ok() && *q;
   };
-  for (std::size_t i = 0; i < timed_.size();) {
-    TimedCopy& t = timed_[i];
-    if (!done(t.end)) {
-      ++i;
-      continue;
-    }
+  drain_in_order(timed_, done, [&](const TimedCopy& t) {
     absl::StatusOr<double> ms = device_->elapsed_ms(t.start, t.end);
     if (ms.ok()) {
       (t.h2d ? stats_.h2d_busy_ms : stats_.d2h_busy_ms) += *ms;
@@ -416,22 +434,13 @@ void MigrationEngine::drain_timing(bool wait) {
     }
     device_->release_timed(t.start);
     device_->release_timed(t.end);
-    timed_[i] = timed_.back();
-    timed_.pop_back();
-  }
-  for (std::size_t i = 0; i < stalls_.size();) {
-    Stall& st = stalls_[i];
-    if (!done(st.end)) {
-      ++i;
-      continue;
-    }
+  });
+  drain_in_order(stalls_, done, [&](const Stall& st) {
     absl::StatusOr<double> ms = device_->elapsed_ms(st.start, st.end);
     if (ms.ok()) stats_.prefetch_stall_ns += static_cast<std::int64_t>(*ms * 1e6);
     device_->release_timed(st.start);
     device_->release_timed(st.end);
-    stalls_[i] = stalls_.back();
-    stalls_.pop_back();
-  }
+  });
 }
 
 // Note [Polling in stream order]
@@ -442,7 +451,10 @@ void MigrationEngine::drain_timing(bool wait) {
 // each copy stream the entries complete in their order in in_flight_: the first one not done
 // means none after it on that stream is. poll asks no further on that stream, so a poll costs the
 // queries of the copies that finished since the last, plus one a stream still copying, instead of
-// one a copy in flight.
+// one a copy in flight. The timing lists that every poll reads (drain_timing: the timed copies, and
+// the waits of a stream that computes) are read the same way, and keep their entries in the order
+// each stream was given them. The waits matter most: the host queues a step's work well ahead of
+// the GPU, so a whole backward's waits can be pending at once.
 absl::Status MigrationEngine::poll() {
   absl::InlinedVector<StreamHandle, 2> busy;  // copy streams found still copying
   for (std::size_t i = 0; i < in_flight_.size();) {

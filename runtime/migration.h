@@ -77,7 +77,9 @@ class MigrationEngine {
   // the timing events unread and gives the bounce buffers back behind the copy streams.
   void abandon();
   // Counts a compute stream's wait on a copy, measured between two timing events.
-  void add_stall(EventHandle before, EventHandle after) { stalls_.push_back({before, after}); }
+  void add_stall(EventHandle before, EventHandle after, StreamHandle stream) {
+    stalls_.push_back({before, after, stream});
+  }
 
   Device& device() { return *device_; }
   const std::shared_ptr<Device>& device_ptr() const { return device_; }
@@ -92,15 +94,19 @@ class MigrationEngine {
   std::map<int, std::function<void(TensorHandle, Tier, void*)>>& on_moved() { return on_moved_; }
 
  private:
+  // Both lists keep the order their entries were queued in on their stream (See Note [Polling in
+  // stream order] in migration.cpp).
   struct TimedCopy {
     EventHandle start;
     EventHandle end;
+    StreamHandle stream;
     bool h2d;
     std::size_t bytes;
   };
   struct Stall {
     EventHandle start;
     EventHandle end;
+    StreamHandle stream;
   };
 
   // Where a move goes, whether migrate allocated it (so a failure frees it), and the copy stream

@@ -59,49 +59,93 @@ TEST(MigrationTest, InFlightUntilTheCopyEventCompletes) {
   EXPECT_EQ(read_all(*rt, h), payload);
 }
 
+// A bulk runtime on a deferred simulated device, behind a FaultInjectingDevice that counts the
+// device calls, with kTensors optimizer states of 64 KiB registered.
+struct CountingRuntime {
+  static constexpr int kTensors = 12;
+  explicit CountingRuntime(int seed) {
+    RuntimeOptions options;
+    options.policy = "bulk";
+    auto simulated = std::make_unique<SimulatedDevice>();
+    sim = simulated.get();
+    sim->set_deferred(true);
+    auto counting = std::make_unique<FaultInjectingDevice>(std::move(simulated));
+    dev = counting.get();
+    options.device_override = std::move(counting);
+    rt = *Runtime::create(std::move(options), policy::builtin_policies());
+    for (int i = 0; i < kTensors; ++i) {
+      payloads.push_back(special_payload(1 << 16, seed + i));
+      hs.push_back(
+          *rt->register_tensor(spec("t" + std::to_string(i), 0, Role::kOptimizerState, 1 << 14),
+                               payloads.back().data()));
+    }
+  }
+  SimulatedDevice* sim = nullptr;
+  FaultInjectingDevice* dev = nullptr;
+  std::unique_ptr<Runtime> rt;
+  std::vector<std::vector<unsigned char>> payloads;
+  std::vector<TensorHandle> hs;
+};
+
 TEST(MigrationTest, PollAsksEachCopyStreamOnlyUntilACopyIsNotDone) {
   // See Note [Polling in stream order]: a poll asks one copy of each copy stream still copying,
   // and each copy once when it is done, however many are in flight.
-  RuntimeOptions options;
-  options.policy = "bulk";
-  auto simulated = std::make_unique<SimulatedDevice>();
-  SimulatedDevice* sim = simulated.get();
-  sim->set_deferred(true);
-  auto counting = std::make_unique<FaultInjectingDevice>(std::move(simulated));
-  FaultInjectingDevice* dev = counting.get();
-  options.device_override = std::move(counting);
-  std::unique_ptr<Runtime> rt = *Runtime::create(std::move(options), policy::builtin_policies());
-  constexpr int kTensors = 12;
-  std::vector<std::vector<unsigned char>> payloads;
-  std::vector<TensorHandle> hs;
-  for (int i = 0; i < kTensors; ++i) {
-    payloads.push_back(special_payload(1 << 16, i));
-    hs.push_back(*rt->register_tensor(
-        spec("t" + std::to_string(i), 0, Role::kOptimizerState, 1 << 14), payloads.back().data()));
-  }
-  auto queries = [dev] { return dev->calls(DeviceCall::kQuery); };
+  CountingRuntime c(0);
+  constexpr int kTensors = CountingRuntime::kTensors;
+  auto queries = [&c] { return c.dev->calls(DeviceCall::kQuery); };
   // The first half go to pinned memory: six copies queued on the D2H stream, none run.
-  for (int i = 0; i < kTensors / 2; ++i) ASSERT_TRUE(rt->migrate(hs[i], Tier::kPinnedHost).ok());
+  for (int i = 0; i < kTensors / 2; ++i)
+    ASSERT_TRUE(c.rt->migrate(c.hs[i], Tier::kPinnedHost).ok());
   std::int64_t before = queries();
-  for (int k = 0; k < 5; ++k) ASSERT_TRUE(rt->poll().ok());
+  for (int k = 0; k < 5; ++k) ASSERT_TRUE(c.rt->poll().ok());
   EXPECT_EQ(queries() - before, 5);
-  sim->run_pending();
+  c.sim->run_pending();
   before = queries();
-  ASSERT_TRUE(rt->poll().ok());
+  ASSERT_TRUE(c.rt->poll().ok());
   EXPECT_EQ(queries() - before, kTensors / 2);
   // Both streams: the first half come back (H2D), the second half go (D2H).
   for (int i = 0; i < kTensors; ++i) {
-    ASSERT_FALSE(rt->info(hs[i])->in_flight);
-    ASSERT_TRUE(rt->migrate(hs[i], i < kTensors / 2 ? Tier::kGpu : Tier::kPinnedHost).ok());
+    ASSERT_FALSE(c.rt->info(c.hs[i])->in_flight);
+    ASSERT_TRUE(c.rt->migrate(c.hs[i], i < kTensors / 2 ? Tier::kGpu : Tier::kPinnedHost).ok());
   }
   before = queries();
-  for (int k = 0; k < 3; ++k) ASSERT_TRUE(rt->poll().ok());
+  for (int k = 0; k < 3; ++k) ASSERT_TRUE(c.rt->poll().ok());
   EXPECT_EQ(queries() - before, 3 * 2);
-  ASSERT_TRUE(rt->wait_all().ok());
+  ASSERT_TRUE(c.rt->wait_all().ok());
   for (int i = 0; i < kTensors; ++i) {
-    EXPECT_EQ(rt->info(hs[i])->tier, i < kTensors / 2 ? Tier::kGpu : Tier::kPinnedHost);
-    EXPECT_EQ(read_all(*rt, hs[i]), payloads[i]) << i;
+    EXPECT_EQ(c.rt->info(c.hs[i])->tier, i < kTensors / 2 ? Tier::kGpu : Tier::kPinnedHost);
+    EXPECT_EQ(read_all(*c.rt, c.hs[i]), c.payloads[i]) << i;
   }
+}
+
+TEST(MigrationTest, PollReadsTheComputeStreamsWaitsOnlyUntilOneIsNotDone) {
+  // See Note [Polling in stream order]: each acquire that waits for a copy adds a timed wait on the
+  // compute stream; a poll asks for the first one not done, however many are pending.
+  CountingRuntime c(40);
+  constexpr int kTensors = CountingRuntime::kTensors;
+  for (int i = 0; i < kTensors; ++i) ASSERT_TRUE(c.rt->migrate(c.hs[i], Tier::kPinnedHost).ok());
+  ASSERT_TRUE(c.rt->wait_all().ok());
+  // Every tensor comes to the GPU, and the compute stream waits for each copy.
+  for (int i = 0; i < kTensors; ++i) ASSERT_TRUE(c.rt->migrate(c.hs[i], Tier::kGpu).ok());
+  const StreamHandle compute = c.rt->compute_stream();
+  for (int i = 0; i < kTensors; ++i) ASSERT_TRUE(c.rt->acquire(c.hs[i], Tier::kGpu, compute).ok());
+  EXPECT_EQ(c.rt->stats().prefetch_waits, kTensors);
+  auto queries = [&c] { return c.dev->calls(DeviceCall::kQuery); };
+  std::int64_t before = queries();
+  for (int k = 0; k < 4; ++k) ASSERT_TRUE(c.rt->poll().ok());
+  // One for the H2D stream's first copy, one for the compute stream's first wait.
+  EXPECT_EQ(queries() - before, 4 * 2);
+  c.sim->run_pending();
+  ASSERT_TRUE(c.rt->release(c.hs, compute).ok());
+  ASSERT_TRUE(c.rt->wait_all().ok());
+  for (int i = 0; i < kTensors; ++i) {
+    EXPECT_EQ(c.rt->info(c.hs[i])->tier, Tier::kGpu);
+    EXPECT_EQ(read_all(*c.rt, c.hs[i]), c.payloads[i]) << i;
+  }
+  // Every wait was read: later polls ask for nothing more than the copy streams' work.
+  before = queries();
+  ASSERT_TRUE(c.rt->poll().ok());
+  EXPECT_EQ(queries() - before, 0);
 }
 
 TEST(MigrationTest, FailedDestinationLeavesTheTensorAtItsSource) {

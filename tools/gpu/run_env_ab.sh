@@ -17,19 +17,7 @@ for ((r = 0; r < ROUNDS; r++)); do
     log="$OUT/r$r-${spec//[^A-Za-z0-9_.-]/_}.log"
     env ${envs//;/ } timeout 200 python3 bench/users_script.py --one "$approach" --batch "$BATCH" \
       --warmup 20 --steps 8 >"$log" 2>&1
-    python3 - "$log" "$spec" "$r" <<'PY' | tee -a "$OUT/summary.txt"
-import hashlib, json, sys
-log, spec, r = sys.argv[1:]
-lines = [x for x in open(log) if x.startswith("RESULT ")]
-if not lines:
-    print(f"r{r} {spec:<40} FAILED: " + open(log).read()[-300:].replace("\n", " | "))
-else:
-    res = json.loads(lines[-1][7:])
-    h = hashlib.md5(json.dumps(res["losses"]).encode()).hexdigest()[:8]
-    steps = f"{min(res['step_ms']):.1f}-{max(res['step_ms']):.1f}"
-    print(f"r{r} {spec:<40} {res['ms_per_step']:8.1f} ms  steps {steps}  "
-          f"peak {res['device_peak_gib']:.2f} GiB  losses {h}  {res.get('step_outcomes')}")
-PY
+    python3 tools/gpu/summarize_run.py "$log" "$spec" "$r" | tee -a "$OUT/summary.txt"
   done
 done
 rm -f "$OUT/configure.log" "$OUT/build.log"
