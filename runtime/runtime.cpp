@@ -37,6 +37,10 @@ Runtime::Impl::~Impl() {
       device_ok = false;
       std::fprintf(stderr, "strata: runtime shutdown: %s\n", std::string(waited.message()).c_str());
     }
+    // An undo still kept (a step taken in backward that was never validated: its take-back
+    // failed) has nothing left to protect: it is freed as a commit frees it, before the entries'
+    // blocks and the pools go.
+    if (device_ok) undo.commit();
     const std::initializer_list<StreamHandle> every_stream = {engine.h2d(), engine.d2h(),
                                                               engine.compute()};
     for (const auto& e : registry.entries()) {

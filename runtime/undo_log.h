@@ -29,7 +29,8 @@ class UndoLog {
  public:
   UndoLog(alloc::TieredAllocator& allocator, MigrationEngine& engine);
   // Copies still kept from the framework's memory go back to it behind their streams; strata's own
-  // blocks go with its pools.
+  // blocks go with its pools. The runtime commits the log before it goes, unless a wait failed
+  // (See Note [Teardown after a failed wait] in runtime.cpp).
   ~UndoLog();
   UndoLog(const UndoLog&) = delete;
   UndoLog& operator=(const UndoLog&) = delete;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -80,6 +81,30 @@ TEST(UndoLogTest, ARestingTensorIsRolledBackOrCommittedExactly) {
       ASSERT_TRUE(rt->begin_step().ok());
       ASSERT_TRUE(rt->end_step().ok());
     }
+  }
+}
+
+// A runtime destroyed with an undo still kept (a step taken in backward whose take-back failed)
+// frees what the log kept before its pools go: no pool reports a live block.
+TEST(UndoLogTest, ARuntimeDestroyedWithAnUndoKeptFreesIt) {
+  for (const bool on_gpu : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "undo on the GPU " << on_gpu);
+    PolicyConfig config;
+    config.undo_on_gpu = on_gpu;
+    auto [rt, dev] = make_runtime("keep_on_gpu", config, /*deferred=*/false);
+    const std::vector<unsigned char> before = pattern(2.0f);
+    absl::StatusOr<TensorHandle> h =
+        rt->register_tensor(spec("w", 0, Role::kOptimizerState, kN), before.data());
+    ASSERT_TRUE(h.ok()) << h.status();
+    const StreamHandle s = rt->compute_stream();
+    ASSERT_TRUE(rt->acquire(*h, Tier::kGpu, s).ok());
+    ASSERT_TRUE(rt->keep_for_undo(*h, s).ok());
+    ASSERT_TRUE(rt->release(*h, s).ok());
+    ASSERT_EQ(rt->undo_tensors(), 1u);
+    ::testing::internal::CaptureStderr();
+    rt.reset();
+    const std::string said = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(said.find("live block"), std::string::npos) << said;
   }
 }
 
