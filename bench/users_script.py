@@ -163,7 +163,13 @@ def strata_counters(opt) -> dict:
     runtime = getattr(opt, "runtime", None)
     if runtime is None or not hasattr(runtime, "stats"):
         return {}
-    keys = ("migrated_bytes_h2d", "migrated_bytes_d2h", "undo_copied_bytes", "timed_bytes_d2h")
+    keys = (
+        "migrated_bytes_h2d",
+        "migrated_bytes_d2h",
+        "undo_copied_bytes",
+        "timed_bytes_h2d",
+        "timed_bytes_d2h",
+    )
     stats = runtime.stats()
     return {k: stats[k] for k in keys if k in stats}
 
