@@ -102,7 +102,8 @@ def main():
         host_in_gap(host, b["ts"] - g, b["ts"], t0, args.host_ops)
         if b["ts"] - queued > args.min_gap_ms * 1e3:
             # Queued well before it ran: the stream waited on the GPU. The waits the host queued
-            # since the gap began, with the Python function or operation that queued each.
+            # from 5 ms before the gap began, with the Python function or operation that queued
+            # each.
             waits_queued(host, b["ts"] - g - 5e3, queued, t0, args.host_ops)
     host_calls(host)
 

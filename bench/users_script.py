@@ -506,6 +506,8 @@ def main():
         "call (slows the host)",
     )
     args = ap.parse_args()
+    if args.profile_stack and not args.profile:
+        raise SystemExit("--profile_stack profiles with Python's stack: give --profile DIR too")
     if args.one:
         args.one, _, args.layer_bytes = args.one.partition("@")
         if args.layer_bytes and "strata" not in args.one:

@@ -36,9 +36,6 @@ struct Entry {
   EventHandle arrival = nullptr;
   // The stream an acquire made wait for `arrival` (See Note [Covered arrival] in migration.cpp).
   StreamHandle arrival_waiter = nullptr;
-  EventHandle timed_start = nullptr;
-  EventHandle timed_end = nullptr;
-  bool timed_h2d = false;
   // Events after which the data is complete: the last release on each compute stream that used
   // it, and copies finished early from the bookkeeping's point of view. Later copies wait on all
   // of them on the GPU; a release replaces only the event of its own stream.

@@ -318,18 +318,11 @@ absl::Status MigrationEngine::copy_on_stream(Entry& e, const Destination& dst,
   for (const Entry::Ready& r : e.ready) device_->release(r.event);
   e.ready.clear();
   mark_in_flight(e, dst, *arrival);
-  e.timed_start = *start;
-  e.timed_end = *end;
-  e.timed_h2d = is_gpu(dst.loc.tier);
+  // Read once the copy is done, whatever becomes of the move (See Note [Polling in stream order]).
+  if (*start != nullptr) timed_.push_back({*start, *end, stream, is_gpu(dst.loc.tier), e.bytes});
   (is_gpu(dst.loc.tier) ? stats_.migrated_bytes_h2d : stats_.migrated_bytes_d2h) +=
       static_cast<std::int64_t>(e.bytes);
   return absl::OkStatus();
-}
-
-void MigrationEngine::keep_timing(Entry& e) {
-  if (e.timed_start == nullptr) return;
-  timed_.push_back({e.timed_start, e.timed_end, e.copy_stream, e.timed_h2d, e.bytes});
-  e.timed_start = e.timed_end = nullptr;
 }
 
 // Makes the destination the tensor's location. With early == false the copy is known complete and
@@ -338,7 +331,6 @@ void MigrationEngine::keep_timing(Entry& e) {
 // arrival event becomes a ready event that later GPU work waits on.
 void MigrationEngine::finish(Entry& e, bool early) {
   const Location src = e.loc;
-  keep_timing(e);
   const bool retained = src.ptr != nullptr && src.ptr == e.rest.ptr;
   if (src.slot < 0 && src.ptr != nullptr && !retained) {
     if (early) {

@@ -69,8 +69,6 @@ class MigrationEngine {
   void notify(Entry& e, Tier tier, void* ptr);
   // Reads the timing of completed copies and stalls; with wait, waits for all of them.
   void drain_timing(bool wait);
-  // A timed copy whose entry is gone or discarded: its timing is still read.
-  void keep_timing(Entry& e);
   // Frees the bounce buffers once no copy uses them.
   absl::Status release_bounce();
   // Teardown after a failed wait (See Note [Teardown after a failed wait] in runtime.cpp): drops

@@ -160,7 +160,6 @@ absl::StatusOr<TensorHandle> Runtime::register_tensor(const TensorSpec& spec, co
 void Runtime::Impl::erase_refused(Entry& e) {
   if (e.in_flight) {
     // A move the policy queued: its destination is written by a copy that may still run.
-    engine.keep_timing(e);
     engine.device().release(e.arrival);
     if (e.dst.slot < 0 && e.dst.ptr != nullptr) {
       engine.free_after(e.dst.tier, e.dst.ptr, {e.copy_stream});

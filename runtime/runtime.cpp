@@ -37,10 +37,11 @@ Runtime::Impl::~Impl() {
       device_ok = false;
       std::fprintf(stderr, "strata: runtime shutdown: %s\n", std::string(waited.message()).c_str());
     }
-    // An undo still kept (a step taken in backward that was never validated: its take-back
-    // failed) has nothing left to protect: it is freed as a commit frees it, before the entries'
-    // blocks and the pools go.
-    if (device_ok) undo.commit();
+    // An undo still kept (a step taken in backward never validated: its take-back failed, or the
+    // runtime goes mid-step) has nothing left to protect. It is freed as a commit frees it, behind
+    // the streams that may still use it, while they exist and before the entries' blocks and the
+    // pools go; after a failed wait the pools keep such blocks from reuse.
+    undo.commit();
     const std::initializer_list<StreamHandle> every_stream = {engine.h2d(), engine.d2h(),
                                                               engine.compute()};
     for (const auto& e : registry.entries()) {
@@ -48,7 +49,6 @@ Runtime::Impl::~Impl() {
       for (const Entry::Ready& r : e->ready) engine.device().release(r.event);
       e->ready.clear();
       if (e->in_flight) {
-        engine.keep_timing(*e);
         engine.device().release(e->arrival);
         if (e->dst.slot < 0 && e->dst.ptr != nullptr && e->bytes > 0) {
           engine.free_after(e->dst.tier, e->dst.ptr, every_stream);

@@ -263,7 +263,6 @@ absl::Status StagingRing::unstage(int layer, std::optional<RoleSet> write_back) 
       if (e->in_flight) {
         slot.free_events.push_back(e->arrival);
         e->arrival = nullptr;
-        engine_.keep_timing(*e);
         e->in_flight = false;
         std::erase(engine_.in_flight(), e);
       }

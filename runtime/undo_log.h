@@ -29,8 +29,8 @@ class UndoLog {
  public:
   UndoLog(alloc::TieredAllocator& allocator, MigrationEngine& engine);
   // Copies still kept from the framework's memory go back to it behind their streams; strata's own
-  // blocks go with its pools. The runtime commits the log before it goes, unless a wait failed
-  // (See Note [Teardown after a failed wait] in runtime.cpp).
+  // blocks go with its pools. The runtime commits the log before its streams and pools go, so at
+  // its teardown nothing is left here.
   ~UndoLog();
   UndoLog(const UndoLog&) = delete;
   UndoLog& operator=(const UndoLog&) = delete;

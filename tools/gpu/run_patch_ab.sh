@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The working tree against a base that is the working tree with PATCH reversed (make PATCH with
-# `git diff BASE > PATCH` here, in a folder the command carries), both built, then
+# `git diff BASE > PATCH` here, in a folder the command carries; files git does not track yet are
+# not in it, so the base has them too), both built, then
 # bench/users_script.py approaches run base and new alternately, each a process of its own, with a
 # line a run: ms, the step times' range, peak and the md5 of its losses. Approaches that do not
 # use strata run once a round. A run's log is kept only when it failed.
 #   tools/gpu/run_patch_ab.sh OUT PATCH BATCH ROUNDS APPROACH ...
 # e.g. tools/gpu/run_patch_ab.sh OUT .ab/new.patch 32 2 resident strata fsdp2 fsdp2_strata
 set -uo pipefail
-OUT=${1:?}; PATCH=$(realpath "${2:?}"); BATCH=${3:?}; ROUNDS=${4:?}; shift 4
+OUT=$(realpath -m "${1:?}"); PATCH=$(realpath "${2:?}"); BATCH=${3:?}; ROUNDS=${4:?}; shift 4
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 source tools/gpu/build.sh
@@ -18,7 +19,8 @@ rm -rf "$base" && mkdir -p "$base"
 tar cf - --exclude=./.deps . | tar xf - -C "$base"
 ln -s "$PWD/.deps" "$base/.deps"
 (
-  cd "$base" && patch -s -R -p1 <"$PATCH" && BUILD=/tmp/strata-build-base &&
+  cd "$base" && { git apply -R "$PATCH" || patch -s -R -p1 <"$PATCH"; } &&
+    BUILD=/tmp/strata-build-base &&
     gpu_build "$OUT/base" _strata && python_package
 ) || { echo "the base did not build"; exit 1; }
 rm -rf /tmp/pkg-base && mv /tmp/strata-pkg /tmp/pkg-base

@@ -20,7 +20,7 @@ for approach in "$@"; do
   fi
   timeout 300 python3 bench/users_script.py --one "$approach" --batch "$BATCH" --warmup 20 \
     --steps 8 --profile "$OUT" "${stack[@]}" >"$OUT/one-$approach${stack:+-stack}.txt" 2>&1
-  for trace in "$OUT"/profile-"$approach"-*b"$BATCH"*.json.gz; do
+  for trace in "$OUT"/profile-"${approach%@*}"-*b"$BATCH"*.json.gz; do
     [[ -e $trace ]] || continue
     python3 bench/trace_copies.py "$trace" --gaps 4 >"${trace%.json.gz}-copies.txt" 2>&1
     rm -f "$trace"
