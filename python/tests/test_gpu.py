@@ -174,6 +174,73 @@ def test_stepping_in_backward_on_the_gpu_is_bitwise_the_step_after_it(policy, at
     assert 0 < redone < len(norms)
 
 
+def compiled_run(make_opt, forward_first, clip, steps=10):
+    """Trains a torch.compile'd DeepMlp (inductor, as users compile) with the loop's own
+    clip_grad_norm_(clip); `forward_first`: one forward runs (and compiles) before the optimizer
+    is made, so that hooks strata adds come after the graph was traced. Returns losses, norms,
+    parameters and the steps' outcomes (None for torch's)."""
+    torch._dynamo.reset()
+    model = DeepMlp()
+    compiled = torch.compile(model)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    if forward_first:
+        with torch.no_grad():
+            compiled(torch.randn(64, 512, device="cuda", generator=g))
+    opt = make_opt(compiled)
+    losses, norms, outcomes = [], [], []
+    for step in range(steps):
+        x = torch.randn(64, 512, device="cuda", generator=g) * (10.0 if step == 4 else 1.0)
+        y = torch.randn(64, 8, device="cuda", generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(compiled(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(compiled.parameters(), clip)))
+        opt.step()
+        losses.append(loss.item())
+        outcomes.append(getattr(opt, "last_step_outcome", None))
+    params = [p.detach().cpu().clone() for p in model.parameters()]
+    if hasattr(opt, "close"):
+        assert opt.close() == []
+    return losses, norms, params, outcomes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layers,forward_first", [("params", False), ("model", True)], ids=["one_line", "model_later"]
+)
+def test_a_compiled_model_steps_in_backward_bitwise_the_step_after_it(layers, forward_first):
+    # torch.compile traces the blocks' forward; strata's hooks on the parameters (the one line) or
+    # on the modules (model=, added after a first compiled forward) must still say where backward
+    # is, and the loop's clipping be seen.
+    hyper = dict(lr=1e-3, weight_decay=0.05)
+
+    def torch_opt(compiled):
+        return torch.optim.AdamW(compiled.parameters(), fused=True, **hyper)
+
+    def strata_opt(overlap):
+        def make(compiled):
+            kw = dict(model=compiled) if layers == "model" else dict(layer_bytes="1MiB")
+            return strata.optim.AdamW(compiled.parameters(), overlap=overlap, **hyper, **kw)
+
+        return make
+
+    _, norms, _, _ = compiled_run(torch_opt, forward_first, 1e9)
+    # The loop's clipping fires at most on step 4, whose inputs are ten times as large: the steps
+    # tried in backward before it hold.
+    clip = max(n for step, n in enumerate(norms) if step != 4) * 1.01
+    _, _, ref_params, _ = compiled_run(torch_opt, forward_first, clip)
+    want_losses, _, want_params, outcomes = compiled_run(strata_opt("none"), forward_first, clip)
+    assert set(outcomes) == {"sequential"}
+    losses, _, params, outcomes = compiled_run(strata_opt("backward"), forward_first, clip)
+    assert losses == want_losses
+    for a, b in zip(params, want_params):
+        assert torch.equal(a, b)
+    assert "speculation" in outcomes, outcomes
+    for a, b in zip(params, ref_params):
+        rel = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+        assert rel <= 1e-6, rel
+
+
 @pytest.mark.gpu
 def test_the_step_clock_times_each_labelled_iteration_and_reuses_its_events():
     # strata._readback.StepClock (See Note [When to step in backward]): an iteration is timed from

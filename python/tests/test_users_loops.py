@@ -1,8 +1,9 @@
 """Users' own training loops, each against torch.optim.AdamW on the same loop and data (CPU,
 simulated device, every policy, hybrid with half the parameters stepped on the host): gradients the loop drops or replaces (model.zero_grad(),
 p.grad = ...), frozen LoRA base weights, an unused head, mixture-of-experts routing, torch.optim's
-keywords, GradScaler, the loop's own clipping and gradient accumulation under overlap, and a
-Hugging Face-shaped model attached with the layers found in its module tree."""
+keywords, GradScaler, the loop's own clipping and gradient accumulation under overlap, a
+torch.compile'd model, and a Hugging Face-shaped model attached with the layers found in its
+module tree."""
 
 import logging
 
@@ -715,6 +716,33 @@ def test_a_nanogpt_shaped_model_with_tied_weights_attached_by_default(roles, bud
     assert_close(params_of(model), want_params, rel=1e-5)
     assert opt.close() == []
     assert rt.close() == []
+
+
+def compiled_mlp(forward_first):
+    """A torch.compile'd Mlp (aot_eager: dynamo and AOTAutograd as inductor sees them, with no C++
+    compiler needed); `forward_first`: a forward traces it before the optimizer adds its hooks."""
+    torch._dynamo.reset()
+    model = torch.compile(Mlp(), backend="aot_eager")
+    if forward_first:
+        with torch.no_grad():
+            model(batch(99)[0])
+    return model
+
+
+@pytest.mark.parametrize("forward_first", [False, True], ids=["hooks_first", "forward_first"])
+@pytest.mark.parametrize("how", ["one_line", "model", "hybrid"])
+def test_a_compiled_model_trains_as_torchs(forward_first, how):
+    _, want_params, _ = run(lambda: compiled_mlp(forward_first), torch_opt, hf_loop, steps=6)
+    policy = "hybrid" if how == "hybrid" else None
+
+    def make_opt(model):
+        extra = {"model": model} if how == "model" else {}
+        return strata.optim.AdamW(
+            model.parameters(), policy=policy, **HYPER, **policy_kw(policy), **extra
+        )
+
+    _, params, _ = run(lambda: compiled_mlp(forward_first), make_opt, hf_loop, steps=6)
+    assert_close(params, want_params, rel=1e-5)
 
 
 def test_census_of_bad_inputs_from_users_loops(capsys):
