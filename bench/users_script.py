@@ -158,7 +158,9 @@ class Poller:
         self.peak = max(self.peak, self.used())
 
 
-# strata's byte and copy counters (Runtime.stats()), or {} for a peer.
+# strata's byte and copy counters (Runtime.stats()) and its pools' segments taken from and given
+# back to CUDA (memory_stats(): a pool that still grows in the timed steps pays cudaMalloc or
+# cudaHostRegister inside them), or {} for a peer.
 def strata_counters(opt) -> dict:
     runtime = getattr(opt, "runtime", None)
     if runtime is None or not hasattr(runtime, "stats"):
@@ -171,7 +173,13 @@ def strata_counters(opt) -> dict:
         "timed_bytes_d2h",
     )
     stats = runtime.stats()
-    return {k: stats[k] for k in keys if k in stats}
+    out = {k: stats[k] for k in keys if k in stats}
+    memory = runtime.memory_stats()
+    for tier in ("gpu", "pinned_host"):
+        for k in ("num_segment_allocs", "num_segment_frees"):
+            if f"{tier}.{k}" in memory:
+                out[f"{tier}.{k}"] = memory[f"{tier}.{k}"]
+    return out
 
 
 def one_run(args):
@@ -313,12 +321,26 @@ def one_run(args):
         x = torch.randn(args.batch, args.seq, args.d_model, device="cuda", generator=g)
         y = torch.randn(args.batch, args.seq, args.d_model, device="cuda", generator=g)
 
+        memory_trace = []
+
+        def trace_memory():
+            row = [torch.cuda.memory_reserved() / 2**30]
+            runtime = getattr(opt, "runtime", None)
+            if hasattr(runtime, "memory_stats"):
+                m = runtime.memory_stats()
+                row += [m["gpu.reserved_bytes.current"] / 2**30]
+                row += [m["pinned_host.reserved_bytes.current"] / 2**30]
+                row += [m["pinned_host.segments.current"]]
+            memory_trace.append(row)
+
         def step():
+            if args.memory_trace:
+                trace_memory()
             if engine is not None:  # DeepSpeed's loop: the engine backward()s and step()s
                 loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
                 engine.backward(loss)
                 engine.step()
-                return loss.detach()
+                return loss.detach().clone()  # See the note in the return below
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 out = model(x)
             loss = torch.nn.functional.mse_loss(out.float(), y)
@@ -327,7 +349,10 @@ def one_run(args):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.detach()
+            # A copy: mse_loss's mean shares the storage of its elementwise buffer (batch x seq x
+            # d_model floats, 128 MiB at batch 32), and keeping the loss itself kept that buffer
+            # for every step of the run, in every approach alike.
+            return loss.detach().clone()
 
         t_first = time.perf_counter()
         losses = [step()]
@@ -378,6 +403,9 @@ def one_run(args):
         "ms_per_step": ms,
         "step_ms": step_ms,
         "step_outcomes": outcomes,
+        # Before each step: torch's reserved GiB, then strata's GPU and pinned reserved GiB and
+        # pinned segments (--memory_trace).
+        "memory_trace": memory_trace,
         "strata_per_step": counters,
         "first_step_ms": first_ms,
         "device_peak_gib": poll.peak / 2**30,
@@ -504,6 +532,13 @@ def main():
         action="store_true",
         help="--profile with Python's stack: the trace names the Python function of each host "
         "call (slows the host)",
+    )
+    ap.add_argument(
+        "--memory_trace",
+        action="store_true",
+        help="--one: after every step, torch's reserved GPU bytes and strata's GPU and pinned "
+        "pools' reserved bytes and segments, in the JSON's memory_trace (a pool that keeps "
+        "growing shows there)",
     )
     args = ap.parse_args()
     if args.profile_stack and not args.profile:

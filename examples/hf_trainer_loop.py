@@ -140,7 +140,9 @@ def train(args, use_strata):
         scaler.update()
         sched.step()
         model.zero_grad()
-        losses.append(loss.detach().float())
+        # A copy: a float32 loss's .float() is the loss itself, which may share the storage of
+        # the loss function's elementwise buffer and keep it alive.
+        losses.append(loss.detach().float().clone())
     losses = [float(x) for x in losses]  # read once, after the loop
     params = [p.detach().cpu().clone() for p in model.parameters()]
     if use_strata:
