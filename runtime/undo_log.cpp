@@ -22,7 +22,10 @@
 //     overwrites them. That costs D2H traffic, which the write-backs of streamed states need too
 //     during backward (4 bytes a float32 parameter more: a third on top of its moments' 8).
 // commit_undo frees what was kept behind the streams that may still use it, with no host wait: a
-// fetch queued earlier may still read an old home block, a copy on the GPU may still be running.
+// fetch queued earlier may still read an old home block (only the H2D stream reads one; the
+// write-backs of the step, which may still run on the D2H stream, go to the fresh blocks, so the
+// next step's fresh blocks can reuse the old ones before they end), a copy on the GPU may still be
+// running.
 // rollback_undo waits for everything, swaps a kept home block back where the tensor's fresh block
 // still is its home (no copy) and copies the bytes back otherwise (a tensor still staged gets them
 // in its slot as well as at home), then tells the policy. While the log holds anything, a step
@@ -216,8 +219,11 @@ void UndoLog::commit() {
       (void)allocator_.deallocate(r.tier, r.fresh);
     } else if (r.tier == Tier::kGpu) {
       free_on_gpu(r.kept, r.entry->bytes, r.stream, r.external);
+    } else if (r.fresh != nullptr) {
+      // An old home block: behind the H2D stream only (See Note [Undo log]).
+      engine_.free_after(r.tier, r.kept, {engine_.h2d()});
     } else {
-      // A fetch queued before the step may still read an old home block.
+      // A copy over the link: written on the D2H stream.
       engine_.free_after(r.tier, r.kept, {engine_.h2d(), engine_.d2h()});
     }
     r.entry->undo_kept = false;

@@ -100,6 +100,31 @@ std::vector<TensorHandle> register_staged_layers(
   return hs;
 }
 
+// Three layers' bytes: pattern(base), pattern(base + 1), pattern(base + 2).
+std::vector<std::vector<unsigned char>> layer_patterns(float base) {
+  std::vector<std::vector<unsigned char>> out;
+  for (int layer = 0; layer < 3; ++layer) out.push_back(pattern(base + static_cast<float>(layer)));
+  return out;
+}
+
+// An optimizer step over the layers of `hs` (registered by register_staged_layers) as Adam takes
+// it in backward: each layer staged, kept for undo, written with `after` on the compute stream and
+// released.
+void step_staged_layers(Runtime& rt, SimulatedDevice& dev, const std::vector<TensorHandle>& hs,
+                        const std::vector<std::vector<unsigned char>>& after) {
+  const StreamHandle s = rt.compute_stream();
+  ASSERT_TRUE(rt.begin_optimizer_step().ok());
+  for (int layer : rt.optimizer_layer_order()) {
+    absl::StatusOr<std::vector<void*>> p =
+        rt.acquire_layer(layer, RoleSet::optimizer_states(), Tier::kGpu, s);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(rt.keep_for_undo(hs[static_cast<std::size_t>(layer)], s).ok());
+    write_on(dev, s, (*p)[0], after[static_cast<std::size_t>(layer)]);
+    ASSERT_TRUE(rt.release_layer(layer, RoleSet::optimizer_states(), s).ok());
+  }
+  ASSERT_TRUE(rt.end_optimizer_step().ok());
+}
+
 // A runtime destroyed with an undo still kept (a step taken in backward whose take-back failed, or
 // a runtime that goes mid-step) frees what the log kept before its pools go: no pool reports a
 // live block, and nothing is freed twice (a second free would stop the process).
@@ -166,24 +191,11 @@ TEST(UndoLogTest, AStagedTensorKeepsItsOldHomeBlockWithNoCopy) {
     auto [rt, dev] =
         make_runtime("layer_prefetch", {.prefetch_depth = 1, .roles = RoleSet::optimizer_states()},
                      /*deferred=*/true);
-    std::vector<std::vector<unsigned char>> before, after;
-    for (int layer = 0; layer < 3; ++layer) {
-      before.push_back(pattern(static_cast<float>(layer)));
-      after.push_back(pattern(10.0f + static_cast<float>(layer)));
-    }
+    const std::vector<std::vector<unsigned char>> before = layer_patterns(0.0f);
+    const std::vector<std::vector<unsigned char>> after = layer_patterns(10.0f);
     const std::vector<TensorHandle> hs = register_staged_layers(*rt, before);
     ASSERT_EQ(hs.size(), before.size());
-    const StreamHandle s = rt->compute_stream();
-    ASSERT_TRUE(rt->begin_optimizer_step().ok());
-    for (int layer : rt->optimizer_layer_order()) {
-      absl::StatusOr<std::vector<void*>> p =
-          rt->acquire_layer(layer, RoleSet::optimizer_states(), Tier::kGpu, s);
-      ASSERT_TRUE(p.ok()) << p.status();
-      ASSERT_TRUE(rt->keep_for_undo(hs[static_cast<std::size_t>(layer)], s).ok());
-      write_on(*dev, s, (*p)[0], after[static_cast<std::size_t>(layer)]);
-      ASSERT_TRUE(rt->release_layer(layer, RoleSet::optimizer_states(), s).ok());
-    }
-    ASSERT_TRUE(rt->end_optimizer_step().ok());
+    step_staged_layers(*rt, *dev, hs, after);
     EXPECT_EQ(rt->undo_tensors(), 3u);
     EXPECT_EQ(rt->stats().undo_copied_bytes, 0) << "a staged tensor was copied for its undo";
     ASSERT_TRUE(commit ? rt->commit_undo().ok() : rt->rollback_undo().ok());
@@ -194,6 +206,41 @@ TEST(UndoLogTest, AStagedTensorKeepsItsOldHomeBlockWithNoCopy) {
       EXPECT_NE(rt->info(hs[l])->tier, Tier::kGpu);  // home again, in pinned memory
     }
     EXPECT_EQ(rt->stats().undo_bytes, 0);
+  }
+}
+
+// After a commit, the old home blocks wait only for the fetches that read them, not for the
+// write-backs still running: the next step's fresh blocks, taken while those run, reuse them and
+// the pinned pool does not grow from step to step. (A slot for each layer: no fetch waits for a
+// write-back.)
+TEST(UndoLogTest, ACommittedOldHomeBlockIsFreeBeforeTheWriteBacksEnd) {
+  auto [rt, dev] =
+      make_runtime("layer_prefetch", {.prefetch_depth = 3, .roles = RoleSet::optimizer_states()},
+                   /*deferred=*/true);
+  const std::vector<TensorHandle> hs = register_staged_layers(*rt, layer_patterns(0.0f));
+  ASSERT_EQ(hs.size(), 3u);
+  const std::vector<std::vector<unsigned char>> after = layer_patterns(10.0f);
+  step_staged_layers(*rt, *dev, hs, after);
+  const StreamHandle s = rt->compute_stream();
+  // The fetches and the kernels ran; the write-backs have not.
+  while (dev->run_one(rt->h2d_stream()) || dev->run_one(s)) {
+  }
+  ASSERT_GT(dev->pending_copies(), 0);
+  ASSERT_TRUE(rt->commit_undo().ok());
+  while (dev->run_one(rt->h2d_stream())) {  // the events the commit recorded there
+  }
+  ASSERT_GT(dev->pending_copies(), 0);
+  // A block as the next step takes for a tensor's write-back (an allocation reclaims the freed
+  // blocks whose streams have passed).
+  absl::StatusOr<void*> fresh = rt->allocator().allocate(Tier::kPinnedHost, kN * sizeof(float), {});
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_EQ(rt->allocator().stats(Tier::kPinnedHost).pending_free_bytes.current, 0)
+      << "an old home block waits for the write-backs on the D2H stream";
+  ASSERT_TRUE(rt->allocator().deallocate(Tier::kPinnedHost, *fresh).ok());
+  ASSERT_TRUE(rt->wait_all().ok());
+  dev->run_pending();
+  for (std::size_t l = 0; l < hs.size(); ++l) {
+    EXPECT_EQ(read_all(*rt, hs[l]), after[l]) << "layer " << l;
   }
 }
 
