@@ -3,6 +3,7 @@
 // kept by a copy (to pinned host memory, or on the GPU with undo_on_gpu), a staged one by keeping
 // its old home block; a rollback puts back exactly the bytes kept, a commit keeps what was written,
 // and either leaves nothing allocated behind. Refusals change nothing.
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -227,20 +228,32 @@ TEST(UndoLogTest, ACommittedOldHomeBlockIsFreeBeforeTheWriteBacksEnd) {
   }
   ASSERT_GT(dev->pending_copies(), 0);
   ASSERT_TRUE(rt->commit_undo().ok());
+  const std::int64_t kept_bytes = static_cast<std::int64_t>(hs.size() * kN * sizeof(float));
+  EXPECT_EQ(rt->allocator().stats(Tier::kPinnedHost).pending_free_bytes.current, kept_bytes)
+      << "the old home blocks must wait for the H2D stream";
   while (dev->run_one(rt->h2d_stream())) {  // the events the commit recorded there
   }
   ASSERT_GT(dev->pending_copies(), 0);
-  // A block as the next step takes for a tensor's write-back (an allocation reclaims the freed
-  // blocks whose streams have passed).
-  absl::StatusOr<void*> fresh = rt->allocator().allocate(Tier::kPinnedHost, kN * sizeof(float), {});
-  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  // The blocks the next step takes for its write-backs (an allocation reclaims the freed blocks
+  // whose streams have passed), written at once: no write-back of this step may land in them.
+  std::vector<void*> next;
+  for (std::size_t l = 0; l < hs.size(); ++l) {
+    absl::StatusOr<void*> b = rt->allocator().allocate(Tier::kPinnedHost, kN * sizeof(float), {});
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::memset(*b, 0xAB, kN * sizeof(float));
+    next.push_back(*b);
+  }
   EXPECT_EQ(rt->allocator().stats(Tier::kPinnedHost).pending_free_bytes.current, 0)
       << "an old home block waits for the write-backs on the D2H stream";
-  ASSERT_TRUE(rt->allocator().deallocate(Tier::kPinnedHost, *fresh).ok());
   ASSERT_TRUE(rt->wait_all().ok());
   dev->run_pending();
   for (std::size_t l = 0; l < hs.size(); ++l) {
     EXPECT_EQ(read_all(*rt, hs[l]), after[l]) << "layer " << l;
+    const auto* bytes = static_cast<const unsigned char*>(next[l]);
+    EXPECT_TRUE(std::all_of(bytes, bytes + kN * sizeof(float), [](unsigned char c) {
+      return c == 0xAB;
+    })) << "a write-back landed in a reused block";
+    ASSERT_TRUE(rt->allocator().deallocate(Tier::kPinnedHost, next[l]).ok());
   }
 }
 
