@@ -536,7 +536,7 @@ def main():
     ap.add_argument(
         "--memory_trace",
         action="store_true",
-        help="--one: after every step, torch's reserved GPU bytes and strata's GPU and pinned "
+        help="--one: before every step, torch's reserved GPU bytes and strata's GPU and pinned "
         "pools' reserved bytes and segments, in the JSON's memory_trace (a pool that keeps "
         "growing shows there)",
     )
