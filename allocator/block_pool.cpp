@@ -47,6 +47,11 @@ BlockPool::~BlockPool() {
                  static_cast<long long>(stats_.allocated_bytes.current));
   }
   for (const PendingEvent& p : pending_) stream_ops_->release(p.event);
+  for (const auto& [ptr, block] : live_) {
+    for (const Block::StreamUse& use : block->extra_streams) {
+      if (use.last_use != nullptr) stream_ops_->release(use.last_use);
+    }
+  }
   for (auto& [base, segment] : segments_) {
     // A segment with a block some stream may still use stays out of the upstream's hands for good
     // (See Note [Withheld blocks] in block_pool.h).
@@ -135,6 +140,12 @@ absl::StatusOr<void*> BlockPool::allocate(std::size_t bytes, const AllocOptions&
     // Merge what deallocate left unmerged before growing (See Note [Lazy coalescing] in
     // block_pool.h).
     consolidate_locked();
+    block = take_best_fit_locked(options.stream, small, size);
+  }
+  if (block == nullptr && !pending_.empty()) {
+    // Before growing, every block whose events are done, not only those up to the first that is
+    // not (See Note [Stream ordering] in block_pool.h).
+    process_ready_events_locked(/*all=*/true);
     block = take_best_fit_locked(options.stream, small, size);
   }
   absl::Status cause;
@@ -323,8 +334,13 @@ absl::Status BlockPool::deallocate(void* ptr) {
   // of them now has completed (See Note [Stream ordering] in block_pool.h).
   block->allocated = false;
   stats_.pending_free_bytes.add(static_cast<std::int64_t>(block->size));
-  for (StreamHandle stream : block->extra_streams) {
+  for (const Block::StreamUse& use : block->extra_streams) {
+    const StreamHandle stream = use.stream;
     ++block->pending_events;
+    if (use.last_use != nullptr) {  // See Note [Last use] in block_pool.h
+      pending_.push_back({use.last_use, block});
+      continue;
+    }
     absl::StatusOr<EventHandle> event = stream_ops_->record(stream);
     if (event.ok()) {
       pending_.push_back({*event, block});
@@ -347,22 +363,41 @@ absl::Status BlockPool::deallocate(void* ptr) {
 }
 
 absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
+  return add_stream_use(ptr, stream, /*last=*/false, "record_stream");
+}
+
+absl::Status BlockPool::mark_last_use(void* ptr, StreamHandle stream) {
+  return add_stream_use(ptr, stream, /*last=*/true, "mark_last_use");
+}
+
+absl::Status BlockPool::add_stream_use(void* ptr, StreamHandle stream, bool last,
+                                       std::string_view what) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(ptr);
   if (it == live_.end()) {
-    return absl::InvalidArgumentError(str_cat("record_stream in tier ", tier_name(config_.tier),
-                                              ": ", ptr, " is not a live block"));
+    return absl::InvalidArgumentError(
+        str_cat(what, " in tier ", tier_name(config_.tier), ": ", ptr, " is not a live block"));
   }
   if (stream_ops_ == nullptr) {
-    return absl::FailedPreconditionError(str_cat("record_stream in tier ", tier_name(config_.tier),
-                                                 ": this pool has no stream events"));
+    return absl::FailedPreconditionError(
+        str_cat(what, " in tier ", tier_name(config_.tier), ": this pool has no stream events"));
   }
   Block* block = it->second;
   if (stream == block->stream) return absl::OkStatus();
-  if (std::find(block->extra_streams.begin(), block->extra_streams.end(), stream) ==
-      block->extra_streams.end()) {
-    block->extra_streams.push_back(stream);
+  EventHandle event = nullptr;
+  if (last) {
+    STRATA_ASSIGN_OR_RETURN(event, stream_ops_->record(stream));
   }
+  auto use = std::find_if(block->extra_streams.begin(), block->extra_streams.end(),
+                          [&](const Block::StreamUse& u) { return u.stream == stream; });
+  if (use == block->extra_streams.end()) {
+    block->extra_streams.push_back({stream, event});
+    return absl::OkStatus();
+  }
+  // A later use, or a later last use: the mark before it no longer says when the stream is done
+  // (See Note [Last use] in block_pool.h).
+  if (use->last_use != nullptr) stream_ops_->release(use->last_use);
+  use->last_use = event;
   return absl::OkStatus();
 }
 

@@ -29,10 +29,12 @@
 //     work on one stream runs in order, so a block freed there can be handed out again at once;
 //   - record_stream(ptr, s) says another stream s also uses the block; at free, an event is
 //     recorded on each such stream and the block waits in a pending list until all its events
-//     completed;
+//     completed; mark_last_use(ptr, s) records that event early (See Note [Last use], below);
 //   - before a segment goes back to the upstream, an event recorded on its stream is waited for;
 //   - a freed block whose stream event cannot be recorded, or whose event cannot be waited on, is
 //     withheld rather than reused (See Note [Withheld blocks], below);
+//   - events complete roughly in the order they were recorded, so an allocation asks the pending
+//     list only up to its first event not done; one about to grow the pool asks every event first;
 //   - before reporting out of memory the pool waits for pending events, returns cached (entirely
 //     free) segments to the upstream, and tries once more (num_alloc_retries counts this); a
 //     request whose segment alone is above the budget fails at once and changes nothing;
@@ -47,6 +49,16 @@
 // the block comes back once the device answers again; a pool destroyed while some of its blocks are
 // withheld keeps their segments from the upstream for good and says so, rather than give back
 // memory a stream may still write.
+//
+// Note [Last use]
+// ~~~~~~~~~~~~~~~
+// A block kept live long after its last use on another stream (the old home of a tensor staged for
+// an optimizer step, kept for the step's redo until the step is validated) would, freed with
+// record_stream, wait for an event recorded at the free: behind all the work queued on that stream
+// since, which with the host running ahead of the GPU may not be done when the next allocation of
+// its size comes, so the pool grows instead. mark_last_use(ptr, s) records the event at the last
+// use: the caller promises that nothing queued on s afterwards touches the block, unless it says
+// so with record_stream(ptr, s), which drops the mark. The free then waits for the marked event.
 //
 // Errors: size 0, sizes above kMaxAllocationSize (SIZE_MAX among them), sizes whose rounding
 // overflows, and alignment 0, not a power of two or above kMaxAlignment are kInvalidArgument. Out
@@ -153,6 +165,10 @@ class BlockPool {
   [[nodiscard]] absl::Status deallocate(void* ptr);
   // Marks a live block as used by `stream` as well (See Note [Stream ordering] above).
   [[nodiscard]] absl::Status record_stream(void* ptr, StreamHandle stream);
+  // Says that the work queued on `stream` so far is the last to touch the live block there: its
+  // free waits for an event recorded now (See Note [Last use] above). A later record_stream on
+  // `stream` undoes this. Nothing to do for the block's own stream.
+  [[nodiscard]] absl::Status mark_last_use(void* ptr, StreamHandle stream);
   // Waits for every pending event and makes those blocks reusable.
   [[nodiscard]] absl::Status synchronize_pending();
   // Merges adjacent free blocks now (the pool does this by itself before it grows or trims).
@@ -201,7 +217,13 @@ class BlockPool {
     bool unmapped = false;
     bool releasing = false;
     std::uint64_t sequence = 0;
-    absl::InlinedVector<StreamHandle, 1> extra_streams;
+    // The other streams that use the block, each with the event mark_last_use recorded there
+    // (nullptr: none; the free records one).
+    struct StreamUse {
+      StreamHandle stream = nullptr;
+      EventHandle last_use = nullptr;
+    };
+    absl::InlinedVector<StreamUse, 1> extra_streams;
     std::string owner;
   };
   struct Segment {
@@ -275,7 +297,11 @@ class BlockPool {
   // Merges block->next, free and already out of its free set, into `block`.
   void absorb_next_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void consolidate_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void process_ready_events_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // record_stream (`last` false) and mark_last_use (`last` true); `what` names the call in errors.
+  absl::Status add_stream_use(void* ptr, StreamHandle stream, bool last, std::string_view what);
+  // Frees the blocks behind completed events: up to the first event not done, or with `all`,
+  // asking every event (the pool is about to grow).
+  void process_ready_events_locked(bool all = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void retry_unrecorded_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void withhold_locked(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A pending event of `block` completed: the block is free once none is left.

@@ -48,8 +48,22 @@ void BlockPool::retry_unrecorded_locked() {
   }
 }
 
-void BlockPool::process_ready_events_locked() {
+void BlockPool::process_ready_events_locked(bool all) {
   if (!unrecorded_.empty()) retry_unrecorded_locked();
+  if (all) {
+    for (std::size_t i = 0; i < pending_.size();) {
+      absl::StatusOr<bool> done = stream_ops_->query(pending_[i].event);
+      if (!done.ok() || !*done) {  // unknown counts as not done: fail closed
+        ++i;
+        continue;
+      }
+      stream_ops_->release(pending_[i].event);
+      Block* block = pending_[i].block;
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      event_done_locked(block);
+    }
+    return;
+  }
   // Events complete roughly in the order they were recorded; stop at the first that has not, as
   // PyTorch does, so the common case costs one query.
   while (!pending_.empty()) {

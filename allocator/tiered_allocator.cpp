@@ -236,6 +236,10 @@ absl::Status TieredAllocator::record_stream(Tier tier, void* ptr, StreamHandle s
   return pools_[tier_index(tier)]->record_stream(ptr, stream);
 }
 
+absl::Status TieredAllocator::mark_last_use(Tier tier, void* ptr, StreamHandle stream) {
+  return pools_[tier_index(tier)]->mark_last_use(ptr, stream);
+}
+
 absl::Status TieredAllocator::synchronize_pending() {
   absl::Status status;
   for (auto& pool : pools_) status.Update(pool->synchronize_pending());

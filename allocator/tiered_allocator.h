@@ -101,6 +101,8 @@ class TieredAllocator {
   // Frees a block of `tier`. A pointer live in another tier is kInvalidArgument naming both tiers.
   [[nodiscard]] absl::Status deallocate(Tier tier, void* ptr);
   [[nodiscard]] absl::Status record_stream(Tier tier, void* ptr, StreamHandle stream);
+  // See BlockPool::mark_last_use (Note [Last use] in block_pool.h).
+  [[nodiscard]] absl::Status mark_last_use(Tier tier, void* ptr, StreamHandle stream);
   [[nodiscard]] absl::Status synchronize_pending();
   // Returns entirely free segments of a tier (or all tiers) to their upstreams; returns bytes
   // freed.

@@ -25,7 +25,11 @@
 // fetch queued earlier may still read an old home block (only the H2D stream reads one; the
 // write-backs of the step, which may still run on the D2H stream, go to the fresh blocks, so the
 // next step's fresh blocks can reuse the old ones before they end), a copy on the GPU may still be
-// running.
+// running. An old home block waits only for the fetch that read it: keep() marks that fetch as
+// its last use (See Note [Last use] in allocator/block_pool.h). An event recorded at the commit
+// would also wait for every fetch queued since, the next step's among them; with the host ahead
+// of the GPU those are often not done when the next step takes its fresh blocks, and the pinned
+// pool grew from step to step.
 // rollback_undo waits for everything, swaps a kept home block back where the tensor's fresh block
 // still is its home (no copy) and copies the bytes back otherwise (a tensor still staged gets them
 // in its slot as well as at home), then tells the policy. While the log holds anything, a step
@@ -150,8 +154,12 @@ absl::Status UndoLog::keep(Entry* e, StreamHandle stream, bool over_link, bool u
                                   "): ", fresh.status().message()));
     }
     // `rest` stays the old block until the write-back is queued: a fetch from it may still be
-    // arriving, and its completion must not free it.
+    // arriving, and its completion must not free it. That fetch, queued on the H2D stream already,
+    // is the last read of the old block, so the commit frees it behind an event recorded now
+    // (See Note [Undo log]); without one, behind the H2D stream at the commit.
+    const bool marked = allocator_.mark_last_use(e->rest.tier, e->rest.ptr, engine_.h2d()).ok();
     records_.push_back({e, e->rest.tier, e->rest.ptr, *fresh});
+    records_.back().last_use_marked = marked;
     e->undo_fresh = *fresh;
   } else if (absl::StatusOr<void*> on_gpu =
                  undo_on_gpu ? keep_on_gpu(*e, now.ptr, stream, owner) : nullptr;
@@ -219,8 +227,11 @@ void UndoLog::commit() {
       (void)allocator_.deallocate(r.tier, r.fresh);
     } else if (r.tier == Tier::kGpu) {
       free_on_gpu(r.kept, r.entry->bytes, r.stream, r.external);
+    } else if (r.fresh != nullptr && r.last_use_marked) {
+      // An old home block: behind the fetch that read it (See Note [Undo log]).
+      const absl::Status s = allocator_.deallocate(r.tier, r.kept);
+      STRATA_CHECK(s.ok(), "freeing an old home block: ", s.message());
     } else if (r.fresh != nullptr) {
-      // An old home block: behind the H2D stream only (See Note [Undo log]).
       engine_.free_after(r.tier, r.kept, {engine_.h2d()});
     } else {
       // A copy over the link: written on the D2H stream.

@@ -60,6 +60,9 @@ class UndoLog {
     void* fresh = nullptr;          // redirect: the block the write-back fills
     StreamHandle stream = nullptr;  // a copy kept on the GPU: the stream that made it
     bool external = false;          // a copy kept on the GPU came from memory_
+    // An old home block whose last read, the fetch into its slot, the pool knows already
+    // (See Note [Last use] in allocator/block_pool.h).
+    bool last_use_marked = false;
   };
   // The copy on the GPU; nullptr when the GPU tier has no room (the caller copies to pinned
   // memory instead).

@@ -216,6 +216,94 @@ TEST_F(PoolTest, RecordStreamHoldsTheBlockUntilTheEventCompletes) {
   expect_valid();
 }
 
+// See Note [Last use] in allocator/block_pool.h: a block marked at its last use on a stream waits,
+// once freed, for the event recorded then, not for the work that stream queued since; a block
+// only recorded on the stream waits for all of it.
+TEST_F(PoolTest, AMarkedBlockWaitsOnlyForItsLastUse) {
+  auto* compute = reinterpret_cast<StreamHandle>(0x1);
+  auto* copy = reinterpret_cast<StreamHandle>(0x2);
+  void* marked = alloc(4 * kMiB, compute);
+  void* recorded = alloc(4 * kMiB, compute);
+  ops_->hold();
+  ASSERT_TRUE(pool_.mark_last_use(marked, copy).ok());
+  ASSERT_TRUE(pool_.record_stream(recorded, copy).ok());
+  ops_->complete_all();  // the copy stream passed the last use...
+  ops_->hold();          // ...and is busy with later work
+  free(marked);
+  free(recorded);
+  EXPECT_EQ(pool_.stats().pending_free_bytes.current, static_cast<std::int64_t>(8 * kMiB));
+  void* again = alloc(4 * kMiB, compute);
+  EXPECT_EQ(again, marked);
+  EXPECT_EQ(pool_.stats().pending_free_bytes.current, static_cast<std::int64_t>(4 * kMiB));
+  expect_valid();
+  free(again);
+  ops_->complete_all();
+  ASSERT_TRUE(pool_.synchronize_pending().ok());
+  EXPECT_EQ(ops_->live_events(), 0);
+  expect_valid();
+}
+
+// A use recorded after the marked last one undoes the mark; a block's own stream needs none.
+TEST_F(PoolTest, ARecordStreamAfterTheMarkUndoesIt) {
+  auto* compute = reinterpret_cast<StreamHandle>(0x1);
+  auto* copy = reinterpret_cast<StreamHandle>(0x2);
+  void* a = alloc(4 * kMiB, compute);
+  ASSERT_TRUE(pool_.mark_last_use(a, compute).ok());
+  EXPECT_EQ(ops_->live_events(), 0);
+  ops_->hold();
+  ASSERT_TRUE(pool_.mark_last_use(a, copy).ok());
+  ops_->complete_all();
+  ops_->hold();
+  ASSERT_TRUE(pool_.record_stream(a, copy).ok());  // queued after the mark
+  EXPECT_EQ(ops_->live_events(), 0) << "the undone mark's event was not released";
+  free(a);
+  void* b = alloc(4 * kMiB, compute);
+  EXPECT_NE(a, b) << "reused while the copy stream's later work may still touch it";
+  ops_->complete_all();
+  free(b);
+  ASSERT_TRUE(pool_.synchronize_pending().ok());
+  EXPECT_EQ(ops_->live_events(), 0);
+  EXPECT_EQ(pool_.mark_last_use(a, copy).code(), absl::StatusCode::kInvalidArgument);
+  expect_valid();
+}
+
+// An allocation about to grow the pool asks every pending event, not only those up to the first
+// that is not done: a block behind a done event that sits behind a pending one is reused.
+TEST_F(PoolTest, AnAllocationAboutToGrowAsksEveryPendingEvent) {
+  auto* copy = reinterpret_cast<StreamHandle>(0x2);
+  void* behind = alloc(4 * kMiB);
+  void* done = alloc(4 * kMiB);
+  ASSERT_TRUE(pool_.mark_last_use(done, copy).ok());  // not held: done at once
+  ops_->hold();
+  ASSERT_TRUE(pool_.record_stream(behind, copy).ok());
+  free(behind);  // its event, pending, is first in the list
+  free(done);
+  const std::int64_t segments = pool_.stats().segments.current;
+  void* again = alloc(4 * kMiB);
+  EXPECT_EQ(again, done);
+  EXPECT_EQ(pool_.stats().segments.current, segments) << "the pool grew";
+  free(again);
+  ops_->complete_all();
+  ASSERT_TRUE(pool_.synchronize_pending().ok());
+  EXPECT_EQ(ops_->live_events(), 0);
+  expect_valid();
+}
+
+// A pool destroyed with a marked block still live releases the mark's event.
+TEST(PoolLastUseTest, APoolDestroyedWithAMarkedLiveBlockReleasesItsEvent) {
+  auto ops = std::make_shared<SimulatedStreamOps>();
+  {
+    BlockPool pool({.tier = Tier::kGpu}, address_only_device(), ops);
+    absl::StatusOr<void*> a = pool.allocate(4 * kMiB);
+    ASSERT_TRUE(a.ok());
+    ASSERT_TRUE(pool.mark_last_use(*a, reinterpret_cast<StreamHandle>(0x2)).ok());
+    EXPECT_EQ(ops->live_events(), 1);
+    ::testing::internal::CaptureStderr();
+  }
+  (void)::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(ops->live_events(), 0);
+}
+
 TEST_F(PoolTest, PendingBlocksDoNotMergeUntilTheirEventsComplete) {
   auto* copy = reinterpret_cast<StreamHandle>(0x2);
   void* whole = alloc(6 * kMiB);

@@ -17,6 +17,7 @@
 namespace strata::rt {
 namespace {
 
+using testing::Made;
 using testing::make_runtime;
 using testing::read_all;
 using testing::spec;
@@ -210,51 +211,92 @@ TEST(UndoLogTest, AStagedTensorKeepsItsOldHomeBlockWithNoCopy) {
   }
 }
 
-// After a commit, the old home blocks wait only for the fetches that read them, not for the
-// write-backs still running: the next step's fresh blocks, taken while those run, reuse them and
-// the pinned pool does not grow from step to step. (A slot for each layer: no fetch waits for a
-// write-back.)
-TEST(UndoLogTest, ACommittedOldHomeBlockIsFreeBeforeTheWriteBacksEnd) {
-  auto [rt, dev] =
-      make_runtime("layer_prefetch", {.prefetch_depth = 3, .roles = RoleSet::optimizer_states()},
-                   /*deferred=*/true);
-  const std::vector<TensorHandle> hs = register_staged_layers(*rt, layer_patterns(0.0f));
-  ASSERT_EQ(hs.size(), 3u);
-  const std::vector<std::vector<unsigned char>> after = layer_patterns(10.0f);
-  step_staged_layers(*rt, *dev, hs, after);
-  const StreamHandle s = rt->compute_stream();
-  // The fetches and the kernels ran; the write-backs have not.
-  while (dev->run_one(rt->h2d_stream()) || dev->run_one(s)) {
-  }
-  ASSERT_GT(dev->pending_copies(), 0);
-  ASSERT_TRUE(rt->commit_undo().ok());
-  const std::int64_t kept_bytes = static_cast<std::int64_t>(hs.size() * kN * sizeof(float));
-  EXPECT_EQ(rt->allocator().stats(Tier::kPinnedHost).pending_free_bytes.current, kept_bytes)
-      << "the old home blocks must wait for the H2D stream";
-  while (dev->run_one(rt->h2d_stream())) {  // the events the commit recorded there
-  }
-  ASSERT_GT(dev->pending_copies(), 0);
-  // The blocks the next step takes for its write-backs (an allocation reclaims the freed blocks
-  // whose streams have passed), written at once: no write-back of this step may land in them.
+// Three layers' states stepped in backward under layer_prefetch on a deferred device (a slot for
+// each layer: no fetch waits for a write-back), nothing run yet.
+struct SteppedLayers {
+  Made made;
+  std::vector<TensorHandle> hs;
+  std::vector<std::vector<unsigned char>> after = layer_patterns(10.0f);
+};
+SteppedLayers step_three_layers() {
+  SteppedLayers s{make_runtime("layer_prefetch",
+                               {.prefetch_depth = 3, .roles = RoleSet::optimizer_states()},
+                               /*deferred=*/true)};
+  s.hs = register_staged_layers(*s.made.rt, layer_patterns(0.0f));
+  EXPECT_EQ(s.hs.size(), 3u);
+  step_staged_layers(*s.made.rt, *s.made.device, s.hs, s.after);
+  return s;
+}
+
+// The pinned blocks the next step takes for its write-backs (an allocation reclaims the freed
+// blocks whose streams have passed), written at once.
+std::vector<void*> take_next_blocks(Runtime& rt, std::size_t n) {
   std::vector<void*> next;
-  for (std::size_t l = 0; l < hs.size(); ++l) {
-    absl::StatusOr<void*> b = rt->allocator().allocate(Tier::kPinnedHost, kN * sizeof(float), {});
-    ASSERT_TRUE(b.ok()) << b.status();
+  for (std::size_t l = 0; l < n; ++l) {
+    absl::StatusOr<void*> b = rt.allocator().allocate(Tier::kPinnedHost, kN * sizeof(float), {});
+    EXPECT_TRUE(b.ok()) << b.status();
+    if (!b.ok()) continue;
     std::memset(*b, 0xAB, kN * sizeof(float));
     next.push_back(*b);
   }
-  EXPECT_EQ(rt->allocator().stats(Tier::kPinnedHost).pending_free_bytes.current, 0)
-      << "an old home block waits for the write-backs on the D2H stream";
-  ASSERT_TRUE(rt->wait_all().ok());
-  dev->run_pending();
-  for (std::size_t l = 0; l < hs.size(); ++l) {
-    EXPECT_EQ(read_all(*rt, hs[l]), after[l]) << "layer " << l;
-    const auto* bytes = static_cast<const unsigned char*>(next[l]);
+  return next;
+}
+
+// Runs everything; each layer holds the step's bytes and no write-back landed in `next`, which
+// goes back to the pool.
+void expect_written_back_apart(SteppedLayers& s, const std::vector<void*>& next) {
+  ASSERT_TRUE(s.made.rt->wait_all().ok());
+  s.made.device->run_pending();
+  for (std::size_t l = 0; l < s.hs.size(); ++l) {
+    EXPECT_EQ(read_all(*s.made.rt, s.hs[l]), s.after[l]) << "layer " << l;
+  }
+  for (void* b : next) {
+    const auto* bytes = static_cast<const unsigned char*>(b);
     EXPECT_TRUE(std::all_of(bytes, bytes + kN * sizeof(float), [](unsigned char c) {
       return c == 0xAB;
     })) << "a write-back landed in a reused block";
-    ASSERT_TRUE(rt->allocator().deallocate(Tier::kPinnedHost, next[l]).ok());
+    ASSERT_TRUE(s.made.rt->allocator().deallocate(Tier::kPinnedHost, b).ok());
   }
+}
+
+// Committed before the fetches that read them ran, the old home blocks are not reused until they
+// have.
+TEST(UndoLogTest, ACommittedOldHomeBlockWaitsForTheFetchThatReadIt) {
+  SteppedLayers s = step_three_layers();
+  Runtime& rt = *s.made.rt;
+  ASSERT_TRUE(rt.commit_undo().ok());
+  const std::int64_t kept_bytes = static_cast<std::int64_t>(s.hs.size() * kN * sizeof(float));
+  std::vector<void*> next = take_next_blocks(rt, s.hs.size());
+  EXPECT_EQ(rt.allocator().stats(Tier::kPinnedHost).pending_free_bytes.current, kept_bytes)
+      << "an old home block was reused before the fetch that reads it ran";
+  expect_written_back_apart(s, next);
+}
+
+// After a commit, an old home block waits only for the fetch that read it (its last use, marked
+// when it was kept; See Note [Last use] in allocator/block_pool.h): not for the write-backs still
+// running on the D2H stream, nor for H2D work queued since (the next step's fetches, with the host
+// ahead of the GPU). So the next step's fresh blocks reuse the old ones, and the pinned pool does
+// not grow from step to step.
+TEST(UndoLogTest, ACommittedOldHomeBlockWaitsOnlyForTheFetchThatReadIt) {
+  SteppedLayers s = step_three_layers();
+  Runtime& rt = *s.made.rt;
+  SimulatedDevice& dev = *s.made.device;
+  // The fetches and the kernels ran; the write-backs have not.
+  while (dev.run_one(rt.h2d_stream()) || dev.run_one(rt.compute_stream())) {
+  }
+  ASSERT_GT(dev.pending_copies(), 0);
+  // A later fetch, queued and not run.
+  std::vector<unsigned char> src(kN * sizeof(float), 1), dst(kN * sizeof(float));
+  ASSERT_TRUE(dev.copy_async(dst.data(), src.data(), src.size(), rt.h2d_stream()).ok());
+  const alloc::TierStats before = rt.allocator().stats(Tier::kPinnedHost);
+  ASSERT_TRUE(rt.commit_undo().ok());
+  std::vector<void*> next = take_next_blocks(rt, s.hs.size());
+  const alloc::TierStats now = rt.allocator().stats(Tier::kPinnedHost);
+  EXPECT_EQ(now.reserved_bytes.current, before.reserved_bytes.current)
+      << "the pinned pool grew: an old home block waited for work queued after its fetch";
+  EXPECT_EQ(now.pending_free_bytes.current, 0);
+  expect_written_back_apart(s, next);
+  EXPECT_EQ(dst, src);
 }
 
 // Refusals: a tensor not held on the GPU, a rollback while a kept tensor is held, and, with
