@@ -362,45 +362,6 @@ absl::Status BlockPool::deallocate(void* ptr) {
   return absl::OkStatus();
 }
 
-absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
-  return add_stream_use(ptr, stream, /*last=*/false, "record_stream");
-}
-
-absl::Status BlockPool::mark_last_use(void* ptr, StreamHandle stream) {
-  return add_stream_use(ptr, stream, /*last=*/true, "mark_last_use");
-}
-
-absl::Status BlockPool::add_stream_use(void* ptr, StreamHandle stream, bool last,
-                                       std::string_view what) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = live_.find(ptr);
-  if (it == live_.end()) {
-    return absl::InvalidArgumentError(
-        str_cat(what, " in tier ", tier_name(config_.tier), ": ", ptr, " is not a live block"));
-  }
-  if (stream_ops_ == nullptr) {
-    return absl::FailedPreconditionError(
-        str_cat(what, " in tier ", tier_name(config_.tier), ": this pool has no stream events"));
-  }
-  Block* block = it->second;
-  if (stream == block->stream) return absl::OkStatus();
-  EventHandle event = nullptr;
-  if (last) {
-    STRATA_ASSIGN_OR_RETURN(event, stream_ops_->record(stream));
-  }
-  auto use = std::find_if(block->extra_streams.begin(), block->extra_streams.end(),
-                          [&](const Block::StreamUse& u) { return u.stream == stream; });
-  if (use == block->extra_streams.end()) {
-    block->extra_streams.push_back({stream, event});
-    return absl::OkStatus();
-  }
-  // A later use, or a later last use: the mark before it no longer says when the stream is done
-  // (See Note [Last use] in block_pool.h).
-  if (use->last_use != nullptr) stream_ops_->release(use->last_use);
-  use->last_use = event;
-  return absl::OkStatus();
-}
-
 absl::Status BlockPool::set_budget(std::size_t budget) {
   if (budget == 0) {
     return absl::InvalidArgumentError(

@@ -1,20 +1,62 @@
 // allocator/block_pool_release.cpp: the BlockPool member functions that decide when freed memory
-// may be reused or leave the pool: blocks waiting behind stream events (See Note [Stream ordering];
-// See Note [Withheld blocks], both in block_pool.h), the merge of lazily freed blocks
+// may be reused or leave the pool: the streams that use a block and its last use on them, blocks
+// waiting behind stream events (See Note [Stream ordering]; See Note [Last use]; See Note [Withheld
+// blocks], all in block_pool.h), the merge of lazily freed blocks
 // (See Note [Lazy coalescing] in block_pool.h) and the return of entirely free segments to the
 // upstream (trim and the out-of-memory fallback). Kept apart from block_pool.cpp so each file stays
 // readable.
 #include "allocator/block_pool.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <deque>
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "base/strings.h"
 
 namespace strata::alloc {
+
+absl::Status BlockPool::record_stream(void* ptr, StreamHandle stream) {
+  return add_stream_use(ptr, stream, /*last=*/false, "record_stream");
+}
+
+absl::Status BlockPool::mark_last_use(void* ptr, StreamHandle stream) {
+  return add_stream_use(ptr, stream, /*last=*/true, "mark_last_use");
+}
+
+absl::Status BlockPool::add_stream_use(void* ptr, StreamHandle stream, bool last,
+                                       std::string_view what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    return absl::InvalidArgumentError(
+        str_cat(what, " in tier ", tier_name(config_.tier), ": ", ptr, " is not a live block"));
+  }
+  if (stream_ops_ == nullptr) {
+    return absl::FailedPreconditionError(
+        str_cat(what, " in tier ", tier_name(config_.tier), ": this pool has no stream events"));
+  }
+  Block* block = it->second;
+  if (stream == block->stream) return absl::OkStatus();
+  EventHandle event = nullptr;
+  if (last) {
+    STRATA_ASSIGN_OR_RETURN(event, stream_ops_->record(stream));
+  }
+  auto use = std::find_if(block->extra_streams.begin(), block->extra_streams.end(),
+                          [&](const Block::StreamUse& u) { return u.stream == stream; });
+  if (use == block->extra_streams.end()) {
+    block->extra_streams.push_back({stream, event});
+    return absl::OkStatus();
+  }
+  // A later use, or a later last use: the mark before it no longer says when the stream is done
+  // (See Note [Last use] in block_pool.h).
+  if (use->last_use != nullptr) stream_ops_->release(use->last_use);
+  use->last_use = event;
+  return absl::OkStatus();
+}
 
 void BlockPool::withhold_locked(Block* block) {
   if (block->withheld) return;
@@ -51,17 +93,17 @@ void BlockPool::retry_unrecorded_locked() {
 void BlockPool::process_ready_events_locked(bool all) {
   if (!unrecorded_.empty()) retry_unrecorded_locked();
   if (all) {
-    for (std::size_t i = 0; i < pending_.size();) {
-      absl::StatusOr<bool> done = stream_ops_->query(pending_[i].event);
+    std::deque<PendingEvent> still;
+    for (const PendingEvent& p : pending_) {
+      absl::StatusOr<bool> done = stream_ops_->query(p.event);
       if (!done.ok() || !*done) {  // unknown counts as not done: fail closed
-        ++i;
+        still.push_back(p);
         continue;
       }
-      stream_ops_->release(pending_[i].event);
-      Block* block = pending_[i].block;
-      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
-      event_done_locked(block);
+      stream_ops_->release(p.event);
+      event_done_locked(p.block);
     }
+    pending_.swap(still);
     return;
   }
   // Events complete roughly in the order they were recorded; stop at the first that has not, as

@@ -220,11 +220,22 @@ absl::Status UndoLog::keep(Entry* e, StreamHandle stream, bool over_link, bool u
   return absl::OkStatus();
 }
 
+void UndoLog::drop_last_use(const Record& r) {
+  if (!r.last_use_marked) return;
+  // A use recorded after the mark undoes it; the block is freed through free_after later anyway.
+  const absl::Status s = allocator_.record_stream(r.tier, r.kept, engine_.h2d());
+  STRATA_CHECK(s.ok(), "record_stream on a kept home block: ", s.message());
+}
+
 void UndoLog::commit() {
   for (const Record& r : records_) {
     if (r.entry->undo_fresh != nullptr) {
-      // Still staged, its write-back not queued yet: it goes home to the old block after all.
-      (void)allocator_.deallocate(r.tier, r.fresh);
+      // Still staged, its write-back not queued yet: it goes home to the old block after all, and
+      // later uses of that block come (See Note [Last use] in allocator/block_pool.h). The fresh
+      // block goes behind the D2H stream: a write-back whose queueing failed half-way may still
+      // write it.
+      drop_last_use(r);
+      engine_.free_after(r.tier, r.fresh, {engine_.d2h()});
     } else if (r.tier == Tier::kGpu) {
       free_on_gpu(r.kept, r.entry->bytes, r.stream, r.external);
     } else if (r.fresh != nullptr && r.last_use_marked) {
@@ -273,9 +284,12 @@ absl::Status UndoLog::rollback() {
       // kept one and holds the old bytes; the staged copy may have been stepped.
       STRATA_RETURN_IF_ERROR(engine_.host_copy(e.loc.ptr, r.kept, e.bytes));
       (void)allocator_.deallocate(r.tier, r.fresh);
+      drop_last_use(r);
     } else if (r.fresh != nullptr && e.loc.ptr == r.fresh && !staged) {
-      // Its home is still the block the write-back filled: the kept block is home again.
+      // Its home is still the block the write-back filled: the kept block is home again, and
+      // later uses of it come.
       (void)allocator_.deallocate(r.tier, r.fresh);
+      drop_last_use(r);
       e.loc = {r.tier, r.kept, -1};
       engine_.notify(e, e.loc.tier, e.loc.ptr);
     } else {

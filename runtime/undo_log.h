@@ -68,6 +68,9 @@ class UndoLog {
   // memory instead).
   absl::StatusOr<void*> keep_on_gpu(const Entry& e, const void* data, StreamHandle stream,
                                     const std::string& owner);
+  // An old home block that stays home (its step's write-back never queued, or rolled back):
+  // undoes the mark of its last use, since it will be read again.
+  void drop_last_use(const Record& r);
   // Frees a copy kept on the GPU behind `stream` (from memory_ when `external`, its bytes back to
   // the budget).
   void free_on_gpu(void* kept, std::size_t bytes, StreamHandle stream, bool external);

@@ -174,6 +174,14 @@ TEST_P(BadInputTest, RecordStreamOnAFreedBlock) {
                          static_cast<const void*>(freed_), " is not a live block"));
 }
 
+TEST_P(BadInputTest, MarkLastUseOnAFreedBlock) {
+  expect_refused("mark_last_use on a freed block",
+                 allocator_->mark_last_use(tier(), freed_, nullptr),
+                 absl::StatusCode::kInvalidArgument,
+                 str_cat("mark_last_use in tier ", tier_name(tier()), ": ",
+                         static_cast<const void*>(freed_), " is not a live block"));
+}
+
 TEST_P(BadInputTest, BudgetZero) {
   expect_refused("a budget of 0", allocator_->set_budget(tier(), 0),
                  absl::StatusCode::kInvalidArgument,
