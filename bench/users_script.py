@@ -423,6 +423,7 @@ def one_run(args):
         out["strata_gpu_budget_gib"] = None if budget is None else budget / 2**30
         out["strata_undo_on_gpu"] = [rt_stats["undo_on_gpu"], rt_stats["undo_on_gpu_from"]]
         out["strata_steps_redone"] = getattr(opt, "steps_redone", None)
+        out["strata_backward_share"] = getattr(opt, "backward_share", None)
         out["strata_layers"] = opt.runtime.num_layers
         out["prefetch_depth"] = opt.runtime.prefetch_depth
         # The hybrid's split and prediction, host threads, moments and measured rates.

@@ -31,7 +31,7 @@
 //     every stream, and a copy back for what was copied off the GPU), and step() runs with the true
 //     values. That costs one sequential step more, on the steps where it happens: rarely in a
 //     long pretraining run, far more often in a short fine-tune with a tight threshold (for when
-//     strata stops trying, See Note [When to step in backward] in strata/_overlap.py).
+//     strata stops trying, See Note [When to step in backward] in strata/_when.py).
 // Either way the result is bitwise the sequential step's: each element's update depends only on
 // its own values and the step's scalars, never on the order in which layers step. What is kept:
 // the parameters and every state the kernel writes (14 bytes a bfloat16 parameter with its float32
@@ -177,6 +177,12 @@ class Adam {
   HostStepBytes host_step_bytes() const { return host_step_bytes_; }
   // Whether step_layer began a step that finish_step has not completed.
   bool overlapped_step_open() const { return overlap_open_; }
+  // See Note [A share of the step in backward] in adam_overlap.cpp: of each step, the layers
+  // step_layer is called for first whose states add up to at most `share` of this optimizer's
+  // are stepped in backward, and every layer after the first past it is left for finish_step.
+  // 1 (the default): every layer; 0: none. Clamped to [0, 1]; takes effect at the next step.
+  void set_backward_share(double share) { backward_share_ = std::clamp(share, 0.0, 1.0); }
+  double backward_share() const { return backward_share_; }
   // Layers stepped during backward in the open (or last) overlapped step, in order.
   const std::vector<int>& overlapped_layers() const { return overlapped_; }
 
@@ -528,6 +534,15 @@ class Adam {
   std::uint64_t checked_unregistrations_ = ~std::uint64_t{0};
   // The step step_layer began, its speculative scale and its layers (See Note [Overlapped step]).
   bool overlap_open_ = false;
+  // See Note [A share of the step in backward] in adam_overlap.cpp: the share, and in the open
+  // step the bytes of states it allows (kEveryLayer: no limit), those its layers took so far, and
+  // whether one passed it.
+  static constexpr std::size_t kEveryLayer = ~std::size_t{0};
+  double backward_share_ = 1.0;
+  std::size_t backward_allowed_ = kEveryLayer, backward_taken_ = 0;
+  bool rest_after_backward_ = false;
+  // The bytes of the states of `layer`'s parameters (0 for a layer not this optimizer's).
+  std::size_t layer_state_bytes(int layer) const;
   const float* speculative_scale_ = nullptr;
   std::vector<int> overlapped_;
   // What step_layer could not release (a device error): tensors it still holds, and the release

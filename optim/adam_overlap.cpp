@@ -12,6 +12,19 @@
 
 namespace strata::optim {
 
+std::size_t Adam::layer_state_bytes(int layer) const {
+  auto it = by_layer_.find(layer);
+  if (it == by_layer_.end()) return 0;
+  std::size_t bytes = 0;
+  for (std::size_t index : it->second) {
+    for (rt::TensorHandle h : slots_[index].states()) {
+      if (!h.valid()) continue;
+      if (absl::StatusOr<rt::TensorInfo> info = runtime_.info(h); info.ok()) bytes += info->bytes;
+    }
+  }
+  return bytes;
+}
+
 bool Adam::layer_on_gpu(int layer) const {
   auto it = by_layer_.find(layer);
   if (it == by_layer_.end()) return true;
@@ -40,6 +53,15 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
     speculative_scale_ = grad_scale;
     overlapped_.clear();
     last_step_.clear();
+    // See Note [A share of the step in backward].
+    rest_after_backward_ = false;
+    backward_taken_ = 0;
+    backward_allowed_ = kEveryLayer;
+    if (backward_share_ < 1.0) {
+      std::size_t all = 0;
+      for (const auto& [l, slots] : by_layer_) all += layer_state_bytes(l);
+      backward_allowed_ = static_cast<std::size_t>(backward_share_ * static_cast<double>(all));
+    }
   } else if (grad_scale != speculative_scale_) {
     return absl::InvalidArgumentError(
         str_cat("Adam: step_layer(", layer,
@@ -51,6 +73,24 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   if (std::find(overlapped_.begin(), overlapped_.end(), layer) != overlapped_.end()) {
     return absl::FailedPreconditionError(
         str_cat("Adam: step_layer(", layer, ") twice in one step"));
+  }
+  // Note [A share of the step in backward]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // A layer stepped in backward hides its link time under backward's, but only while backward
+  // lasts: past that its states' copies run after backward as they would in the step after it,
+  // and whatever its undo copies off the GPU (its parameters, when the undo is in pinned memory)
+  // is link time added for nothing. So a client may step only a share of the step in backward
+  // (set_backward_share, by the states' bytes): the layers it calls step_layer for first, until
+  // the next would pass the share; from that one on, every layer of the step is left for
+  // finish_step, which steps them as step() would after committing the rest. The layers staged
+  // for backward that it left stay in the ring for it (See Note [Staged for a step not taken in
+  // backward] in policies/state_streaming.cpp). strata.optim measures the share backward hides
+  // (See Note [When to step in backward] in strata/_when.py).
+  if (backward_allowed_ != kEveryLayer) {
+    const std::size_t bytes = layer_state_bytes(layer);
+    rest_after_backward_ = rest_after_backward_ || backward_taken_ + bytes > backward_allowed_;
+    if (rest_after_backward_) return absl::OkStatus();
+    backward_taken_ += bytes;
   }
   // Stepped on the host, on a thread of its own (See Note [Host steps in backward] in
   // adam_host_speculation.cpp).

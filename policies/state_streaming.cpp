@@ -56,17 +56,19 @@ absl::Status LayerPrefetch::on_begin_step(rt::PolicyContext& rt) {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Under overlap, begin_step stages the states of the layers backward reaches first, while forward
 // runs, for the optimizer to step them in backward. When it does not (the client steps after
-// backward this time: See Note [When to step in backward] in strata/_overlap.py), those layers are
-// staged as the optimizer step would stage them, with its roles, and nothing wrote them. Sending
-// them home and fetching the first layers of the ascending order instead would move their bytes
-// over the link twice more for nothing; so the optimizer step takes them first, as they are, and
-// then the other layers in ascending order (optimizer_layer_order says so). Each layer's update
+// backward this time: See Note [When to step in backward] in strata/_when.py), or steps only
+// the first of them there (See Note [A share of the step in backward] in optim/adam_overlap.cpp),
+// the layers still staged are staged as the optimizer step would stage them, with its roles, and
+// nothing wrote them: each layer the optimizer stepped in backward went home at its release.
+// Sending them home and fetching the first layers of the ascending order instead would move their
+// bytes over the link twice more for nothing; so the optimizer step takes them first, as they are,
+// and then the other layers in ascending order (optimizer_layer_order says so). Each layer's update
 // depends on its own values only, so the order changes no result. A step that ends with no
 // optimizer step (a micro-batch before the last) drops them without a copy back; their fetch
 // during forward is still spent.
 absl::Status LayerPrefetch::on_begin_optimizer_step(rt::PolicyContext& rt) {
-  const bool untouched = states_ != StateStream::kInStep && !streams_parameters() &&
-                         stepped_.empty() && awaiting_.empty() && settled_;
+  const bool untouched =
+      states_ != StateStream::kInStep && !streams_parameters() && awaiting_.empty() && settled_;
   states_ = StateStream::kInStep;
   first_.clear();
   if (untouched) {

@@ -133,6 +133,11 @@ class Adam {
   }
 
   bool overlapped_step_open() const { return adam_->overlapped_step_open(); }
+  // The layers the open (or last) step took in backward, and the share of its states it may
+  // take there (See Note [A share of the step in backward] in optim/adam_overlap.cpp).
+  std::vector<int> overlapped_layers() const { return adam_->overlapped_layers(); }
+  void set_backward_share(double share) { adam_->set_backward_share(share); }
+  double backward_share() const { return adam_->backward_share(); }
 
   void cancel_step() {
     py::gil_scoped_release release;

@@ -2,35 +2,30 @@
 
 Each strata.optim optimizer owns one Overlap. Under overlap="backward" it hooks the gradients so
 that each layer is stepped once they are final (See Note [Stepping in backward under FSDP2] in
-strata/optim.py), chooses when to step in backward at all (See Note [When to step in backward]),
-keeps what each layer's step read of its gradients (a ReadGradients: See Note [Gradients changed
-after their layer stepped] in strata/_read_gradients.py), and takes the step of a backward back when
-one cannot go on. Clipping lives here too, under either overlap: its coefficient decides whether the
-step taken in backward stands (See Note [Clipping in the step]). Without overlap it begins the
-runtime's step before step(), at the model's forward or the first gradient, so that the states come
-in while they run (See Note [States staged ahead] in policies/state_streaming.cpp).
+strata/optim.py), asks a StepChoice when to step in backward at all (See Note [When to step in
+backward] in strata/_when.py), keeps what each layer's step read of its gradients (a
+ReadGradients: See Note [Gradients changed after their layer stepped] in
+strata/_read_gradients.py), and takes the step of a backward back when one cannot go on.
+Clipping lives here too, under either overlap: its coefficient decides whether the step taken in
+backward stands (See Note [Clipping in the step]). Without overlap it begins the runtime's step
+before step(), at the model's forward or the first gradient, so that the states come in while
+they run (See Note [States staged ahead] in policies/state_streaming.cpp).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 
 import torch
 
 from . import _strata
 from ._read_gradients import ReadGradients
-from ._readback import ClipRecord, StepClock
+from ._when import StepChoice
 from .distributed import all_reduce_norm, clip_coef, fsdp_modules, grad_norm, local
 from .scalars import read_scalars
 
 _log = logging.getLogger("strata")
-
-# Iterations timed on each side before the medians decide, and the most kept for them
-# (See Note [When to step in backward]).
-_TIMED = 3
-_KEPT = 5
 
 
 # Note [Overlap by default]
@@ -112,19 +107,15 @@ class Overlap:
         self._taken_back = False
         self._told_taken_back = self._told_passes = False  # each said once at INFO, then DEBUG
         self._closed = False
-        self._speculating = False  # See Note [When to step in backward]
-        self._spec_wait, self._spec_backoff = 0, 0
-        self._clips = ClipRecord()  # See Note [When to step in backward]
-        # Iteration times by where the step ran (See Note [When to step in backward]): None where
-        # nothing can be timed (parameters off the GPU).
+        # Where the steps run (See Note [When to step in backward] in strata/_when.py), timed
+        # only with the parameters on a GPU.
+        self._speculating = False
         cuda = any(local(p).is_cuda for p in trainable[:1])
-        self._clock: StepClock | None = StepClock() if cuda else None
-        self._times: dict = {"backward": [], "after": []}
-        self._slower_wait = 0  # the wait after speculation measured slower; doubles each time
+        self._choice = StepChoice(name, runtime, adam, max_grad_norm, cuda)
         if runtime.overlap == "backward":
             # The first step after backward, while the optimizer learns where the undo goes
             # (See Note [The undo on the GPU when there is room] in strata/budget.py).
-            self._spec_wait = 1 if first_after else 0
+            self._choice.wait = 1 if first_after else 0
             self._set_speculating(not first_after)
             if not runtime._hooks:  # strata.attach's hooks tell where backward is otherwise
                 self._hook_gradients()
@@ -155,6 +146,7 @@ class Overlap:
                 h.remove()
             self._hooks.clear()
             self._adam = None
+            self._choice.close()
 
     @contextlib.contextmanager
     def accumulate(self):
@@ -191,106 +183,29 @@ class Overlap:
         self._forget_backward()
         self._learn_passes()
         if self._runtime.overlap == "backward":
-            self._adapt_speculation(outcome)
-            self._measured_choice(outcome)
+            on = self._choice.ended(outcome, self._speculating)
+            if on != self._speculating:
+                self._set_speculating(on)
         if self._runtime.overlap == "backward" and grad_scale is not None:
             # The next step's layers stepped in backward divide by this scale; it holds unless
             # GradScaler.update changes it (See Note [GradScaler] in strata/optim.py).
             self._spec_scale = grad_scale.detach().clone()
             self._adam.set_speculative_scale(self._spec_scale)
 
-    # Note [When to step in backward]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # A step taken in backward and then redone (clipping fired, inf was found, the loop changed a
-    # gradient) costs more than the step after backward: the work in backward, the roll-back, and
-    # the whole step again. Early in training, or with a tight max_grad_norm, clipping fires at
-    # every step, and stepping in backward would make every step slower. So after a step is redone,
-    # the next steps are taken after backward (1, then 2, 4, ... up to 64 after redone tries in a
-    # row), then stepping in backward is tried again; a try that holds resets the wait. With
-    # max_grad_norm, the try waits further while the last step's clipping fired, or while that is
-    # not known yet: each step's coefficient is copied to the host without a wait (ClipRecord), and
-    # the newest copy that is done answers, so a run in which clipping fires at every step steps
-    # after backward at every step but the first, with no host wait added. A host that queues its
-    # steps ahead of the GPU learns a step or two late, but learns: asking only about the step just
-    # queued would find it not done at every step, and the steps would never return to backward.
-    # last_step_outcome says what each step was.
-    #
-    # A step that holds can cost more in backward too: each layer stepped there keeps what a redo
-    # would need (the bytes its kernel overwrites of tensors resting on the GPU, the parameters,
-    # copied off to the host unless undo_on_gpu; See Note [The undo on the GPU when there is room]
-    # in strata/budget.py), and those copies share the link with the states';
-    # after backward, with the ring filled while backward ran, little is left to wait for. So the
-    # time of each iteration (one step's end to the next's, from events on the current stream, read
-    # once they are done, with no host wait) is kept by where its step ran; once steps in backward
-    # have been timed three times and steps after backward have not, the next three run after
-    # backward to time them; and while the median of the last five (or as many as there are) in
-    # backward exceeds that of the last five after it, the steps run after backward (16 steps,
-    # then 32, ... up to 1024 while that stays so), then backward is tried again. Medians of
-    # several, so that an iteration or two slowed by something else (the host, another process)
-    # do not decide alone. Without a GPU nothing is timed and only redone steps decide.
-    def _adapt_speculation(self, outcome: str | None) -> None:
-        if self._spec_wait > 0:  # this step was taken after backward by choice
-            self._spec_wait -= 1
-            if self._spec_wait == 0:
-                if self._max_grad_norm is not None and self._clips.fired() is not False:
-                    self._spec_wait = 1  # ask again after the next step
-                    return
-                self._set_speculating(True)
-            return
-        if outcome == "redone":
-            if self._spec_backoff == 0:
-                _log.info(
-                    "strata.optim.%s: a step taken in backward was redone (clipping fired, inf "
-                    "was found, the loop changed a gradient, or a forward came before step()); the "
-                    "next steps run after backward for a while (Note [When to step in backward])",
-                    self._name,
-                )
-            self._spec_backoff = min(2 * self._spec_backoff, 64) if self._spec_backoff else 1
-            self._spec_wait = self._spec_backoff
-            self._set_speculating(False)
-        elif outcome == "speculation":
-            self._spec_backoff = 0
+    @property
+    def share(self) -> float:
+        """The share of the states stepped in backward (See Note [When to step in backward] in
+        strata/_when.py)."""
+        return self._choice.share
 
-    # Where the next steps run by the measured iteration times (See Note [When to step in
-    # backward]).
-    def _measured_choice(self, outcome: str | None) -> None:
-        if self._clock is None:
-            return
-        where = {"speculation": "backward", "sequential": "after"}.get(outcome)
-        self._clock.mark(where)  # a redone step's iteration is neither's
-        for where, ms in self._clock.done():
-            self._times[where] = (self._times[where] + [ms])[-_KEPT:]
-        if not self._speculating or self._spec_wait > 0:
-            return
-        in_backward, after = self._times["backward"], self._times["after"]
-        if len(in_backward) < _TIMED:
-            return
-        if len(after) < _TIMED:  # never timed after backward: time steps there
-            self._spec_wait = _TIMED
-            self._set_speculating(False)
-            return
-        if statistics.median(in_backward) <= statistics.median(after):
-            self._slower_wait = 0
-            return
-        self._slower_wait = min(2 * self._slower_wait, 1024) if self._slower_wait else 16
-        if self._slower_wait == 16:
-            _log.info(
-                "strata.optim.%s: steps taken in backward measured %.1f ms an iteration, after "
-                "backward %.1f ms; the next %d steps run after backward "
-                "(Note [When to step in backward])",
-                self._name,
-                statistics.median(in_backward),
-                statistics.median(after),
-                self._slower_wait,
-            )
-        self._times["backward"] = []
-        self._spec_wait = self._slower_wait
-        self._set_speculating(False)
+    # step() was called: backward is over (See Note [When to step in backward]).
+    def backward_ended(self) -> None:
+        self._choice.ended_backward()
 
     # The step's clip coefficient, on its way to the host (See Note [When to step in backward]).
     def _note_clip(self, coef: torch.Tensor) -> None:
         if self._runtime.overlap == "backward":
-            self._clips.note(coef)
+            self._choice.note_clip(coef)
 
     # A layer is done once every parameter of it has had its post-accumulate-grad hook this step
     # (See Note [Stepping in backward under FSDP2] in strata/optim.py).
@@ -359,6 +274,8 @@ class Overlap:
                 return  # the pass goes on: a parameter of the layer has not had its hook
             self._passes_now = max(self._passes_now, self._passes_before + passes)
             self._begin_step()
+            if self._passes_before + passes == self._passes:
+                self._choice.began_backward()  # See Note [When to step in backward]
             if layer in self._stepped:
                 # The next step steps in backward in the last of as many passes.
                 self._passes = max(self._passes, self._passes_now)

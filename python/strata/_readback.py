@@ -1,19 +1,22 @@
 """What the GPU tells the host about the steps it finished, read without a host wait: whether
 clipping fired at the newest step whose coefficient reached the host (ClipRecord), and how long
 each iteration took on the GPU (StepClock). strata.optim's overlap decides from them where the
-next steps run (See Note [When to step in backward] in strata/_overlap.py).
+next steps run (See Note [When to step in backward] in strata/_when.py).
 
     clips = ClipRecord()
     clips.note(coef)       # each step: queued copy to pinned memory, no wait
     clips.fired()          # True / False from the newest copy done, None before any is
     clock = StepClock()
-    clock.mark("backward")  # at each step's end, on the current stream
-    clock.done()           # [("backward", ms), ...] for iterations whose events completed
+    clock.begin_backward()  # optional: at the first gradient of the step's backward
+    clock.end_backward()    # optional: at step()
+    clock.mark("after")     # at each step's end, on the current stream
+    clock.done()            # [Iteration("after", ms, backward_ms, step_ms), ...] once complete
 """
 
 from __future__ import annotations
 
 import collections
+from typing import NamedTuple
 
 import torch
 
@@ -57,28 +60,66 @@ class ClipRecord:
         return len(self._pending)
 
 
+class Iteration(NamedTuple):
+    """One iteration as StepClock times it: where its step ran, its milliseconds, and, where both
+    were marked, those of its backward (first gradient to step()) and of its step (step() to the
+    step's end)."""
+
+    label: str
+    ms: float
+    backward_ms: float | None = None
+    step_ms: float | None = None
+
+
 class StepClock:
     """Iteration times on the GPU: mark(label) records an event on the current stream at a step's
-    end; done() returns (label, ms) for each iteration, from the mark before to that step's mark,
-    whose events are complete (queried, never waited on), oldest first. A label of None is not
-    returned (See Note [When to step in backward])."""
+    end; done() returns an Iteration for each, from the mark before to that step's mark, whose
+    events are complete (queried, never waited on), oldest first. A label of None is not returned
+    (See Note [When to step in backward]). begin_backward() and end_backward(), each once between
+    two marks, split an iteration at its backward's first gradient and at step()."""
 
     def __init__(self) -> None:
         self._last = None
-        self._pending: list = []  # (label, start event, end event)
+        self._pending: list = []  # (label, start, end, backward begun, backward ended): events
         self._free: list = []  # events read and done with, recorded again rather than made anew
+        self._begun = self._ended = None  # this iteration's, when marked
 
-    def mark(self, label: str | None) -> None:
+    def _record(self):
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         event.record()
+        return event
+
+    def begin_backward(self) -> None:
+        if self._begun is None:
+            self._begun = self._record()
+
+    def end_backward(self) -> None:
+        if self._ended is None:
+            self._ended = self._record()
+
+    def mark(self, label: str | None) -> None:
+        event = self._record()
+        begun, ended = self._begun, self._ended
+        self._begun = self._ended = None
         if self._last is not None and label is not None:
-            self._pending.append((label, self._last, event))
+            self._pending.append((label, self._last, event, begun, ended))
+        else:
+            self._free.extend(e for e in (begun, ended) if e is not None)
         self._last = event
 
     def done(self) -> list:
         out = []
         while self._pending and self._pending[0][2].query():
-            label, start, end = self._pending.pop(0)
-            out.append((label, start.elapsed_time(end)))
-            self._free.append(start)  # no later iteration starts or ends with it
+            label, start, end, begun, ended = self._pending.pop(0)
+            split = begun is not None and ended is not None
+            out.append(
+                Iteration(
+                    label,
+                    start.elapsed_time(end),
+                    begun.elapsed_time(ended) if split else None,
+                    ended.elapsed_time(end) if split else None,
+                )
+            )
+            # No later iteration starts or ends with these.
+            self._free.extend(e for e in (start, begun, ended) if e is not None)
         return out

@@ -27,7 +27,7 @@ A step taken in backward keeps, for its redo, the bytes its kernels overwrite of
 the GPU (See Note [Undo log] in runtime/undo_log.cpp): with float32 parameters and streamed states,
 4 bytes a parameter. Copied to pinned memory they cross the link beside the states' own write-backs
 and can make the step in backward slower than the step after it (See Note [When to step in
-backward] in strata/_overlap.py); kept on the GPU they cost no link time, and GPU memory until
+backward] in strata/_when.py); kept on the GPU they cost no link time, and GPU memory until
 step(), in blocks of torch's cache (See Note [The undo in the framework's memory] in
 runtime/undo_log.cpp). Without undo_on_gpu given (and no budget in bytes), strata.optim, when it
 makes the runtime, takes its first step after backward, which shows torch's peak, and then

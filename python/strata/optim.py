@@ -362,6 +362,13 @@ class Adam(torch.optim.Optimizer):
         }
 
     @property
+    def backward_share(self) -> float:
+        """The share of the optimizer's states stepped in backward when a step is taken there: 1
+        (all of them) unless it measured a share faster (See Note [When to step in backward] in
+        strata/_when.py)."""
+        return self._overlap.share
+
+    @property
     def runtime(self) -> Runtime:
         return self._runtime
 
@@ -390,6 +397,7 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._overlap.backward_ended()
         open_before = self._adam.overlapped_step_open()
         hyper_changed = self._sync_hyper()
         grad_scale = _scalar_or_none(getattr(self, "grad_scale", None))

@@ -244,23 +244,40 @@ def test_a_compiled_model_steps_in_backward_bitwise_the_step_after_it(layers, fo
 @pytest.mark.gpu
 def test_the_step_clock_times_each_labelled_iteration_and_reuses_its_events():
     # strata._readback.StepClock (See Note [When to step in backward]): an iteration is timed from
-    # the mark before it to its own, a None label is not returned, and events are recorded again.
+    # the mark before it to its own, a None label is not returned, and events are recorded again;
+    # one split at its backward's first gradient and at step() gives those two parts, within it.
     from strata._readback import StepClock
 
     clock = StepClock()
     x = torch.randn(2048, 2048, device="cuda")
-    labels = [None, "backward", "after", None, "after", "backward", "after", "after"]
-    got = []
-    for label in labels:
-        for _ in range(20):
+
+    def work(n):
+        nonlocal x
+        for _ in range(n):
             x = x @ x
             x = x / x.norm()
+
+    labels = [None, "backward", "after", None, "after", "backward", "after", "after"]
+    got = []
+    for i, label in enumerate(labels):
+        work(10)
+        if i == 4:
+            clock.begin_backward()
+        work(10)
+        if i == 4:
+            clock.end_backward()
+        work(10)
         clock.mark(label)
         got += clock.done()
     torch.cuda.synchronize()
     got += clock.done()
-    assert [label for label, _ in got] == [label for label in labels[1:] if label is not None]
-    assert all(ms > 0 for _, ms in got)
+    assert [it.label for it in got] == [label for label in labels[1:] if label is not None]
+    assert all(it.ms > 0 for it in got)
+    split = [it for it in got if it.backward_ms is not None]
+    assert len(split) == 1 and split[0] is got[2], got
+    assert 0 < split[0].backward_ms and 0 < split[0].step_ms
+    assert split[0].backward_ms + split[0].step_ms < split[0].ms
+    assert all(it.step_ms is None for it in got if it is not split[0])
     free = len(clock._free)  # the events of iterations read
     assert free >= 1
     clock.mark("after")

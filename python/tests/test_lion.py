@@ -147,7 +147,7 @@ def test_on_the_gpu_every_policy_hybrid_and_the_step_in_backward_train_bitwise_a
         assert_bitwise(got[name][1], got["keep_on_gpu"][1])
     # Clipping inside the step (it triggers: the run differs from the unclipped one), stepped in
     # backward, is bitwise the step after backward (redone or not stepped in backward where it
-    # triggered: See Note [When to step in backward] in strata/_overlap.py).
+    # triggered: See Note [When to step in backward] in strata/_when.py).
     assert got["clipped"][0] != got["layer_prefetch"][0]
     assert got["clipped+overlap"][0] == got["clipped"][0]
     assert_bitwise(got["clipped+overlap"][1], got["clipped"][1])

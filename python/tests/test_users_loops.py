@@ -12,6 +12,7 @@ import strata
 import torch
 import torch.nn.functional as F
 from models import POLICIES, Mlp, assert_bitwise, assert_close, batch, example, params_of
+from strata._readback import Iteration
 from users import CausalLm, LoraMlp, Moe, TwoHeads, lm_batch
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
@@ -304,7 +305,7 @@ def test_the_loops_own_clipping_under_overlap_is_seen_and_the_step_redone(policy
     # Every step's gradients were clipped after backward: a step taken in backward is redone
     # (layer_prefetch steps layers in backward; keep_on_gpu without undo_on_gpu and bulk leave them
     # for step(); See Note [Resting layers] in optim/adam_overlap.cpp), and the steps after a redo
-    # run after backward (See Note [When to step in backward] in strata/_overlap.py): redone, then 1
+    # run after backward (See Note [When to step in backward] in strata/_when.py): redone, then 1
     # after backward, redone, 2 after.
     if policy == "layer_prefetch":
         assert outcomes == ["redone", "sequential", "redone", "sequential", "sequential", "redone"]
@@ -318,7 +319,7 @@ def test_with_max_grad_norm_the_step_stays_after_backward_while_clipping_fires()
     # The gradients are large for four steps (clipping fires) and then small (it does not). One try
     # in backward is redone; then the steps run after backward while the last step's clipping fired,
     # and in backward again once it did not (See Note [When to step in backward] in
-    # strata/_overlap.py).
+    # strata/_when.py).
     def loop(model, opt, steps, clip_in_loop):
         outcomes = []
         for step in range(steps):
@@ -366,7 +367,7 @@ class LateEvents:
 
 
 def test_a_host_ahead_of_the_gpu_still_learns_that_clipping_stopped():
-    # ClipRecord (See Note [When to step in backward] in strata/_overlap.py) answers from the newest
+    # ClipRecord (See Note [When to step in backward] in strata/_when.py) answers from the newest
     # coefficient that reached the host, not only from the step just queued.
     from strata._readback import ClipRecord
 
@@ -407,7 +408,7 @@ def test_a_host_ahead_of_the_gpu_still_learns_that_clipping_stopped():
     opt = strata_opt("layer_prefetch", overlap="backward", max_grad_norm=1.0, layer_bytes="1KiB")(
         model
     )
-    opt._overlap._clips = ClipRecord(make_event=LateEvents().make)
+    opt._overlap._choice.clips = ClipRecord(make_event=LateEvents().make)
     outcomes = loop(model, opt, 10)
     assert outcomes == ["redone"] + ["sequential"] * 5 + ["speculation"] * 4, outcomes
     assert opt.close() == []
@@ -415,17 +416,25 @@ def test_a_host_ahead_of_the_gpu_still_learns_that_clipping_stopped():
 
 class FakeClock:
     """Iteration times by where the step ran, as strata._readback.StepClock gives them, but fixed
-    (or taken in turn from a list, the last one repeated) and done at once."""
+    (or taken in turn from a list, the last one repeated) and done at once; `parts`: the backward
+    and the step of each iteration stepped after backward, in ms (None: not split)."""
 
-    def __init__(self, ms: dict) -> None:
-        self.ms, self.started, self.out = ms, False, []
+    def __init__(self, ms: dict, parts: tuple | None = None) -> None:
+        self.ms, self.parts, self.started, self.out = ms, parts, False, []
+
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
 
     def mark(self, label) -> None:
         if self.started and label is not None:
             ms = self.ms[label]
             if isinstance(ms, list):
                 ms = ms.pop(0) if len(ms) > 1 else ms[0]
-            self.out.append((label, ms))
+            split = self.parts if label == "after" and self.parts else (None, None)
+            self.out.append(Iteration(label, ms, *split))
         self.started = True
 
     def done(self) -> list:
@@ -437,12 +446,12 @@ class FakeClock:
 def test_steps_run_where_iterations_were_measured_faster(faster):
     # Four steps in backward (the first ends no timed iteration), three after it to time them,
     # then in backward again if that was faster, else after backward for the next 16 (See Note
-    # [When to step in backward] in strata/_overlap.py). Either way the parameters are the
+    # [When to step in backward] in strata/_when.py). Either way the parameters are the
     # sequential step's, bit for bit.
     seq = run(Mlp, strata_opt("layer_prefetch", layer_bytes="1KiB"), plain_loop, steps=10)
     model = Mlp()
     opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
-    opt._overlap._clock = FakeClock(
+    opt._overlap._choice.clock = FakeClock(
         {"backward": 50.0, "after": 60.0}
         if faster == "backward"
         else {"backward": 100.0, "after": 60.0}
@@ -450,6 +459,44 @@ def test_steps_run_where_iterations_were_measured_faster(faster):
     outcomes = step_outcomes(model, opt, 10)
     then = "speculation" if faster == "backward" else "sequential"
     assert outcomes == ["speculation"] * 4 + ["sequential"] * 3 + [then] * 3, outcomes
+    assert_bitwise(params_of(model), seq[1])
+    assert opt.close() == []
+
+
+@pytest.mark.parametrize("share_faster", [True, False])
+def test_a_share_of_the_step_in_backward_when_all_of_it_there_measured_slower(share_faster, caplog):
+    # See Note [When to step in backward] in strata/_when.py. Steps wholly in backward measure 100
+    # ms, after it 60 (backward 30 of them, the step 40); the undo (the float32 parameters, 4 bytes
+    # beside the moments' 8) is in pinned memory, so the share is 30 / (1.5 x 40) = 0.5 of the
+    # states. It measures 50 ms and stays, or 70 and the steps go after backward. Either way the
+    # parameters are the sequential step's, bit for bit.
+    seq = run(Mlp, strata_opt("layer_prefetch", layer_bytes="1KiB"), plain_loop, steps=13)
+    model = Mlp()
+    opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
+    opt._overlap._choice.clock = FakeClock(
+        {"backward": 100.0, "share": 50.0 if share_faster else 70.0, "after": 60.0},
+        parts=(30.0, 40.0),
+    )
+    with caplog.at_level(logging.INFO, logger="strata"):
+        outcomes = step_outcomes(model, opt, 13)
+    then = ["speculation" if share_faster else "sequential"] * 3
+    assert outcomes == ["speculation"] * 4 + ["sequential"] * 3 + ["speculation"] * 3 + then
+    assert opt.backward_share == 0.5
+    told = [r.getMessage() for r in caplog.records if "wholly in backward" in r.getMessage()]
+    assert len(told) == 1 and "the first 50% of the states" in told[0], caplog.text
+    if share_faster:
+        # The last step: the layers backward reaches first, with at most half the states, in
+        # backward; the others after it.
+        stepped = opt._adam.overlapped_layers()
+        state: dict = {}
+        for t in opt.runtime._rt.tensors():
+            if t["role"] == "optimizer_state":
+                state[t["layer"]] = state.get(t["layer"], 0) + t["bytes"]
+        assert 0 < len(stepped) < len(state), (stepped, state)
+        assert stepped == sorted(stepped, reverse=True), stepped
+        assert sum(state[layer] for layer in stepped) <= sum(state.values()) / 2
+    else:
+        assert "(the first 50% of the states) measured 70.0 ms" in caplog.text
     assert_bitwise(params_of(model), seq[1])
     assert opt.close() == []
 
@@ -561,10 +608,12 @@ def test_where_the_undo_goes_under_an_automatic_budget_a_given_runtime_and_hybri
 def test_two_slow_iterations_in_backward_do_not_send_the_step_away():
     # Backward measured faster, then two of its iterations slowed by something else: the median of
     # the last five still says backward (See Note [When to step in backward] in
-    # strata/_overlap.py).
+    # strata/_when.py).
     model = Mlp()
     opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
-    opt._overlap._clock = FakeClock({"backward": [50.0] * 3 + [200.0, 200.0, 50.0], "after": 60.0})
+    opt._overlap._choice.clock = FakeClock(
+        {"backward": [50.0] * 3 + [200.0, 200.0, 50.0], "after": 60.0}
+    )
     outcomes = step_outcomes(model, opt, 12)
     assert outcomes == ["speculation"] * 4 + ["sequential"] * 3 + ["speculation"] * 5, outcomes
     assert opt.close() == []
