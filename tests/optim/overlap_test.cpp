@@ -262,6 +262,19 @@ TEST(OverlapTest, AShareOfTheStepInBackwardIsBitwiseAndMovesNoByteMore) {
     }
     EXPECT_GT(held, 0);
   }
+  // hybrid: a host-stepped layer past the share is left for finish_step too, and the run ends
+  // bitwise layer_prefetch's.
+  for (const Case& setup : hybrid_cases()) {
+    SCOPED_TRACE(describe(setup));
+    Outcomes ref, ovl;
+    const Bytes want = train(reference(setup), /*overlap=*/false, kSteps, 1, &ref);
+    expect_same_tensors(
+        want,
+        train(setup, /*overlap=*/true, kSteps, 7, &ovl, true, [](int, rt::Runtime&, Adam& adam) {
+          EXPECT_LE(adam.overlapped_layers().size(), adam.backward_share() < 1.0 ? 2u : 4u);
+          adam.set_backward_share(0.5);
+        }));
+  }
 }
 
 TEST(OverlapTest, OverlappedStepIsBitwiseTheSequentialStep) {
