@@ -178,11 +178,21 @@ class Adam {
   // Whether step_layer began a step that finish_step has not completed.
   bool overlapped_step_open() const { return overlap_open_; }
   // See Note [A share of the step in backward] in adam_overlap.cpp: of each step, the layers
-  // step_layer is called for first whose states add up to at most `share` of this optimizer's
-  // are stepped in backward, and every layer after the first past it is left for finish_step.
-  // 1 (the default): every layer; 0: none. Clamped to [0, 1]; takes effect at the next step.
-  void set_backward_share(double share) { backward_share_ = std::clamp(share, 0.0, 1.0); }
+  // step_layer is called for first whose states crossing the link come to `share` of all that
+  // cross it (to the nearest layer) are stepped in backward, and the others whose states cross
+  // the link are left for finish_step. 1 (the default): every layer. Takes effect at the next
+  // step; kInvalidArgument for a share outside [0, 1] (NaN included), and nothing changes.
+  [[nodiscard]] absl::Status set_backward_share(double share);
   double backward_share() const { return backward_share_; }
+  // What a step in backward puts on the device-to-host link, over the layers whose states cross
+  // it (not resident on the GPU, not stepped on the host): their states' bytes, and the bytes of
+  // their parameters and states resting on the GPU, which its undo copies to pinned memory unless
+  // the runtime keeps it on the GPU (See Note [Undo log] in runtime/undo_log.cpp).
+  struct BackwardBytes {
+    std::size_t link_states = 0;
+    std::size_t resting = 0;
+  };
+  BackwardBytes backward_bytes() const;
   // Layers stepped during backward in the open (or last) overlapped step, in order.
   const std::vector<int>& overlapped_layers() const { return overlapped_; }
 
@@ -541,8 +551,9 @@ class Adam {
   double backward_share_ = 1.0;
   std::size_t backward_allowed_ = kEveryLayer, backward_taken_ = 0;
   bool rest_after_backward_ = false;
-  // The bytes of the states of `layer`'s parameters (0 for a layer not this optimizer's).
-  std::size_t layer_state_bytes(int layer) const;
+  // The bytes of `layer`'s states that cross the link (not resting on the GPU); 0 for a layer
+  // stepped on the host or not this optimizer's.
+  std::size_t layer_link_bytes(int layer) const;
   const float* speculative_scale_ = nullptr;
   std::vector<int> overlapped_;
   // What step_layer could not release (a device error): tensors it still holds, and the release

@@ -12,17 +12,56 @@
 
 namespace strata::optim {
 
-std::size_t Adam::layer_state_bytes(int layer) const {
+absl::Status Adam::set_backward_share(double share) {
+  if (!(share >= 0.0 && share <= 1.0)) {
+    return absl::InvalidArgumentError(
+        str_cat("Adam: backward share ", share,
+                " is not in [0, 1] (the share of the states stepped in backward)"));
+  }
+  backward_share_ = share;
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Whether a tensor rests in the GPU's main pool (not staged, not on its way elsewhere).
+bool rests_on_gpu(const rt::TensorInfo& info) {
+  return info.in_flight ? info.destination == rt::Tier::kGpu && !info.destination_staged
+                        : info.tier == rt::Tier::kGpu && !info.staged;
+}
+
+}  // namespace
+
+std::size_t Adam::layer_link_bytes(int layer) const {
   auto it = by_layer_.find(layer);
-  if (it == by_layer_.end()) return 0;
+  if (it == by_layer_.end() || steps_on_host(layer)) return 0;
   std::size_t bytes = 0;
   for (std::size_t index : it->second) {
     for (rt::TensorHandle h : slots_[index].states()) {
       if (!h.valid()) continue;
-      if (absl::StatusOr<rt::TensorInfo> info = runtime_.info(h); info.ok()) bytes += info->bytes;
+      absl::StatusOr<rt::TensorInfo> info = runtime_.info(h);
+      if (info.ok() && !rests_on_gpu(*info)) bytes += info->bytes;
     }
   }
   return bytes;
+}
+
+Adam::BackwardBytes Adam::backward_bytes() const {
+  BackwardBytes out;
+  for (const auto& [layer, slots] : by_layer_) {
+    const std::size_t link = layer_link_bytes(layer);
+    if (link == 0) continue;
+    out.link_states += link;
+    for (std::size_t index : slots) {
+      const std::array<rt::TensorHandle, 2 + kMaxStates> hs = slots_[index].kernel_tensors();
+      for (int k = 0; k < 2 + kMaxStates; ++k) {
+        if (k == 1 || !hs[k].valid()) continue;  // the gradient is only read
+        absl::StatusOr<rt::TensorInfo> info = runtime_.info(hs[k]);
+        if (info.ok() && rests_on_gpu(*info)) out.resting += info->bytes;
+      }
+    }
+  }
+  return out;
 }
 
 bool Adam::layer_on_gpu(int layer) const {
@@ -58,9 +97,8 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
     backward_taken_ = 0;
     backward_allowed_ = kEveryLayer;
     if (backward_share_ < 1.0) {
-      std::size_t all = 0;
-      for (const auto& [l, slots] : by_layer_) all += layer_state_bytes(l);
-      backward_allowed_ = static_cast<std::size_t>(backward_share_ * static_cast<double>(all));
+      backward_allowed_ = static_cast<std::size_t>(
+          backward_share_ * static_cast<double>(backward_bytes().link_states));
     }
   } else if (grad_scale != speculative_scale_) {
     return absl::InvalidArgumentError(
@@ -76,21 +114,26 @@ absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   }
   // Note [A share of the step in backward]
   // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-  // A layer stepped in backward hides its link time under backward's, but only while backward
-  // lasts: past that its states' copies run after backward as they would in the step after it,
+  // A layer stepped in backward hides the link time of its states under backward's, but only while
+  // backward lasts: past that its copies run after backward as they would in the step after it,
   // and whatever its undo copies off the GPU (its parameters, when the undo is in pinned memory)
-  // is link time added for nothing. So a client may step only a share of the step in backward
-  // (set_backward_share, by the states' bytes): the layers it calls step_layer for first, until
-  // the next would pass the share; from that one on, every layer of the step is left for
-  // finish_step, which steps them as step() would after committing the rest. The layers staged
-  // for backward that it left stay in the ring for it (See Note [Staged for a step not taken in
+  // is link time added for nothing. So a client may step in backward only a share of the states
+  // that cross the link (set_backward_share; backward_bytes().link_states is the whole): layers
+  // are taken in the order step_layer is called for them while the share reaches at least halfway
+  // into the next (the nearest layer boundary), and from the first it does not on, every layer
+  // whose states cross the link is left for finish_step, which steps them as step() would after
+  // committing the rest. Layers whose states do not cross the link (resident on the GPU, or
+  // stepped on the host) are neither counted nor left. The layers staged for backward that were
+  // left stay in the ring for the step after it (See Note [Staged for a step not taken in
   // backward] in policies/state_streaming.cpp). strata.optim measures the share backward hides
   // (See Note [When to step in backward] in strata/_when.py).
   if (backward_allowed_ != kEveryLayer) {
-    const std::size_t bytes = layer_state_bytes(layer);
-    rest_after_backward_ = rest_after_backward_ || backward_taken_ + bytes > backward_allowed_;
-    if (rest_after_backward_) return absl::OkStatus();
-    backward_taken_ += bytes;
+    if (const std::size_t bytes = layer_link_bytes(layer); bytes > 0) {
+      rest_after_backward_ =
+          rest_after_backward_ || backward_taken_ + bytes / 2 > backward_allowed_;
+      if (rest_after_backward_) return absl::OkStatus();
+      backward_taken_ += bytes;
+    }
   }
   // Stepped on the host, on a thread of its own (See Note [Host steps in backward] in
   // adam_host_speculation.cpp).
@@ -243,12 +286,19 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
     // step open, to be finished by calling again.
     STRATA_RETURN_IF_ERROR(return_speculated_parameters());
     // Layers backward could not step are stepped now, as step() would. The step stays open until
-    // they are, so that a failure can be finished by calling again.
+    // they are, so that a failure can be finished by calling again: the parameters it stepped
+    // before the failure sit that call out (See Note [Per-parameter steps]).
+    const std::size_t stepped_before = last_step_.size();
     absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
     if (!rest.ok()) {
-      return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
-                                               "backward stand; stepping the others failed: ",
-                                               rest.message()));
+      for (std::size_t i = stepped_before; i < last_step_.size(); ++i) {
+        skip_[slot_of_param_.at(last_step_[i].id)] = true;
+      }
+      return absl::Status(rest.code(),
+                          str_cat("Adam: finish_step: the layers stepped during backward stand, "
+                                  "and so do the parameters stepped after them; call finish_step "
+                                  "again to step the others: ",
+                                  rest.message()));
     }
     overlap_open_ = false;
     STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]

@@ -136,8 +136,14 @@ class Adam {
   // The layers the open (or last) step took in backward, and the share of its states it may
   // take there (See Note [A share of the step in backward] in optim/adam_overlap.cpp).
   std::vector<int> overlapped_layers() const { return adam_->overlapped_layers(); }
-  void set_backward_share(double share) { adam_->set_backward_share(share); }
+  void set_backward_share(double share) { bridge::check(adam_->set_backward_share(share)); }
   double backward_share() const { return adam_->backward_share(); }
+  // (the bytes of states a step in backward moves over the link, those resting on the GPU that
+  // its undo would copy off it): Adam::backward_bytes.
+  std::pair<std::size_t, std::size_t> backward_bytes() const {
+    const optim::Adam::BackwardBytes b = adam_->backward_bytes();
+    return {b.link_states, b.resting};
+  }
 
   void cancel_step() {
     py::gil_scoped_release release;

@@ -273,6 +273,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("overlapped_layers", &Adam::overlapped_layers)
       .def("set_backward_share", &Adam::set_backward_share)
       .def("backward_share", &Adam::backward_share)
+      .def("backward_bytes", &Adam::backward_bytes)
       .def("set_hyper", &Adam::set_hyper)
       .def("step_count", &Adam::step_count)
       .def("set_step_count", &Adam::set_step_count)

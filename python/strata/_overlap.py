@@ -367,6 +367,7 @@ class Overlap:
         if self._adam is not None and self._adam.overlapped_step_open():
             self._abandon_backward()
             self._tell_taken_back(why)
+        self._choice.backward_abandoned()  # See Note [When to step in backward]
         self._forget_backward()
         self._passes_now = self._passes_before = 0
         self._after_only = self._taken_back = False
@@ -416,6 +417,7 @@ class Overlap:
             self._runtime._rt.end_step()
         finally:
             self._adam.set_step_in_backward(self._speculating)
+            self._choice.backward_abandoned()
             self._forget_backward()
             self._stepped = set()
             self._remove_guard()

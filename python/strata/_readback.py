@@ -76,17 +76,19 @@ class StepClock:
     end; done() returns an Iteration for each, from the mark before to that step's mark, whose
     events are complete (queried, never waited on), oldest first. A label of None is not returned
     (See Note [When to step in backward]). begin_backward() and end_backward(), each once between
-    two marks, split an iteration at its backward's first gradient and at step()."""
+    two marks, split an iteration at its backward's first gradients and at step(), on the stream
+    of the last mark; forget_backward() drops them."""
 
     def __init__(self) -> None:
         self._last = None
         self._pending: list = []  # (label, start, end, backward begun, backward ended): events
         self._free: list = []  # events read and done with, recorded again rather than made anew
         self._begun = self._ended = None  # this iteration's, when marked
+        self._stream = None  # the stream the last mark was recorded on
 
     def _record(self):
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self._stream)
         return event
 
     def begin_backward(self) -> None:
@@ -97,7 +99,15 @@ class StepClock:
         if self._ended is None:
             self._ended = self._record()
 
+    def forget_backward(self) -> None:
+        """The backward begun was abandoned (its step taken back): its split is dropped."""
+        self._free.extend(e for e in (self._begun, self._ended) if e is not None)
+        self._begun = self._ended = None
+
     def mark(self, label: str | None) -> None:
+        # Each mark, and the splits until the next, on the stream the step ends on: a gradient
+        # hook may run on another (FSDP2's reduce-scatter stream).
+        self._stream = torch.cuda.current_stream()
         event = self._record()
         begun, ended = self._begun, self._ended
         self._begun = self._ended = None
@@ -109,7 +119,7 @@ class StepClock:
 
     def done(self) -> list:
         out = []
-        while self._pending and self._pending[0][2].query():
+        while self._pending and all(e.query() for e in self._pending[0][1:] if e is not None):
             label, start, end, begun, ended = self._pending.pop(0)
             split = begun is not None and ended is not None
             out.append(

@@ -16,7 +16,6 @@ import statistics
 
 import torch
 
-from . import budget as _budget
 from ._readback import ClipRecord, StepClock
 
 _log = logging.getLogger("strata")
@@ -60,14 +59,18 @@ _KEPT = 5
 # in optim/adam_overlap.cpp): backward hides the link time of the layers stepped while it runs, and
 # no more, and what their undo copies off the GPU crosses the link beside their states. So when
 # steps wholly in backward measured slower than steps after it, the steps after it, split on the GPU
-# by events at the step's first gradient and at step(), give backward's time B and the step's S,
-# in which the link carries every state each way. Stepping in backward the share B / (k S) of the
-# states, those backward reaches first, where k is what a layer stepped there puts on the
-# device-to-host link over its states' bytes (1 with the undo on the GPU; 1.5 for float32
-# parameters with their undo in pinned memory), fills the link while backward runs and leaves the
-# rest for after it. The share is tried once, timed as steps in backward are, and kept while its
+# by events at the first layer whose gradients are all in (in the step's last backward pass) and at
+# step(), give backward's time B and the step's S, in which the device-to-host link writes back
+# every state that crosses it (the ring fetched a few layers' while forward and backward ran).
+# Stepping in backward the share B / (k S) of those states, the ones backward reaches first, where
+# k is what a layer stepped there puts on that link over its states' bytes (Adam's backward_bytes:
+# 1 with the undo on the GPU; 1.5 for float32 parameters with their undo in pinned memory), fills
+# the link while backward runs and leaves the rest for after it; past that share each layer costs
+# more than it hides. The share is tried once, timed as steps in backward are, and kept while its
 # median is at most that of the steps after backward; otherwise the back-off above applies, and
-# the tries after it step the share in backward. The share is logged once, at INFO.
+# the tries after it step the share in backward. It is logged once, at INFO. No share is tried
+# where backward uses the link itself (parameters or gradients streamed), nor under strata.attach's
+# hooks, where the optimizer does not see the gradients arrive and cannot split the step.
 class StepChoice:
     """The choice of Note [When to step in backward] for one optimizer: `name` is its ("AdamW"),
     `runtime` its strata.Runtime, `adam` its _strata.Adam, `max_grad_norm` its clipping threshold
@@ -110,6 +113,11 @@ class StepChoice:
         """step() was called: backward is over."""
         if self.clock is not None:
             self.clock.end_backward()
+
+    def backward_abandoned(self) -> None:
+        """The step's backward was taken back (zero_grad(), a forward before step())."""
+        if self.clock is not None:
+            self.clock.forget_backward()
 
     def note_clip(self, coef: torch.Tensor) -> None:
         """The step's clip coefficient, on its way to the host."""
@@ -162,14 +170,13 @@ class StepChoice:
         if statistics.median(in_backward) <= statistics.median(after):
             self._slower_wait = 0
             return True
-        if mode == "backward" and not self._share_tried:
+        share = self._backward_share() if mode == "backward" and not self._share_tried else None
+        if share is not None:
             self._share_tried = True
-            share = self._backward_share()
-            if share is not None:
-                self._tell_share(share, statistics.median(in_backward), statistics.median(after))
-                self.share = share
-                self._adam.set_backward_share(share)
-                return True
+            self._tell_share(share, statistics.median(in_backward), statistics.median(after))
+            self.share = share
+            self._adam.set_backward_share(share)
+            return True
         self._slower_wait = min(2 * self._slower_wait, 1024) if self._slower_wait else 16
         if self._slower_wait == 16:
             _log.info(
@@ -187,29 +194,27 @@ class StepChoice:
         return False
 
     # The share of the states backward hides, from the steps timed after backward; None when they
-    # were not split, or it is none or all of them.
+    # were not split (strata.attach's hooks: the optimizer does not see the gradients arrive),
+    # when backward moves parameters or gradients over the link itself, or when it is none or all
+    # of them.
     def _backward_share(self) -> float | None:
         if len(self._parts) < _TIMED:
             return None
+        if self._runtime._streams_parameters or self._runtime._streams_gradients:
+            return None
         backward = statistics.median(b for b, _ in self._parts)
         step = statistics.median(s for _, s in self._parts)
-        streamed = sum(
-            t["bytes"]
-            for t in self._runtime._rt.tensors()
-            if t["role"] == "optimizer_state" and (t["tier"] != "gpu" or t["staged"])
-        )
-        if streamed == 0 or step <= 0:
+        link, resting = self._adam.backward_bytes()
+        if link == 0 or step <= 0:
             return None
-        undo = 0
-        if not self._runtime._rt.undo_on_gpu():
-            undo = _budget.undo_need(self._runtime, set(self._adam.host_layers()))
-        share = backward / ((1 + undo / streamed) * step)
+        undo = 0 if self._runtime._rt.undo_on_gpu() else resting
+        share = backward / ((1 + undo / link) * step)
         return share if 0.0 < share < 1.0 else None
 
     def _tell_share(self, share: float, in_backward: float, after: float) -> None:
         _log.info(
             "strata.optim.%s: steps taken wholly in backward measured %.1f ms an iteration, after "
-            "backward %.1f ms (its backward %.1f ms, its step %.1f); the first %.0f%% of the "
+            "backward %.1f ms (its backward %.1f ms, its step %.1f ms); the first %.0f%% of the "
             "states backward reaches now step in backward, the rest after it "
             "(Note [When to step in backward])",
             self._name,

@@ -363,9 +363,10 @@ class Adam(torch.optim.Optimizer):
 
     @property
     def backward_share(self) -> float:
-        """The share of the optimizer's states stepped in backward when a step is taken there: 1
-        (all of them) unless it measured a share faster (See Note [When to step in backward] in
-        strata/_when.py)."""
+        """The share of the optimizer's states that a step taken in backward steps there: 1 (all of
+        them) until steps wholly in backward measured slower than steps after it and a share was
+        chosen (See Note [When to step in backward] in strata/_when.py). A step taken after
+        backward steps none there, whatever it says."""
         return self._overlap.share
 
     @property

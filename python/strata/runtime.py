@@ -120,6 +120,8 @@ class Runtime:
         # Whether the policy streams gradients
         # (See Note [Clipping in the step] in strata/_overlap.py).
         self._streams_gradients = bool(roles_moved & {"all", "gradient"})
+        # And parameters (See Note [When to step in backward] in strata/_when.py).
+        self._streams_parameters = bool(roles_moved & {"all", "parameter"})
         self.prefetch_depth = prefetch_depth
         # Where the GPU budget came from: "argument", "none", or "auto" (strata.optim's gpu_budget
         # "auto"; See Note [The automatic budget] in strata/budget.py).

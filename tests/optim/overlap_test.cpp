@@ -215,21 +215,24 @@ TEST(OverlapTest, AStepAfterBackwardUnderOverlapMovesNoByteMoreThanTheSequential
   }
 }
 
-// See Note [A share of the step in backward] in optim/adam_overlap.cpp: with half the states'
-// bytes allowed in backward, the first two of the four layers backward reaches step there and the
-// other two in finish_step; the run ends bitwise where the sequential one does, under every policy
-// and dtype. Under layer_prefetch a step that held moves the bytes of a sequential step: the layers
-// staged for backward and left to finish_step are stepped from the ring, not written home and
-// fetched again (See Note [Staged for a step not taken in backward] in
-// policies/state_streaming.cpp). A redone step moves more, as it does stepping wholly in backward.
+// See Note [A share of the step in backward] in optim/adam_overlap.cpp: with half the states
+// that cross the link allowed in backward, the first two of the four layers backward reaches step
+// there and the other two in finish_step; the run ends bitwise where the sequential one does,
+// under every policy and dtype, with resident layers beside streamed ones, and under hybrid (whose
+// host layers, crossing no link, are not left). Under layer_prefetch a step that held moves the
+// bytes of a sequential step: the layers staged for backward and left to finish_step are stepped
+// from the ring, not written home and fetched again (See Note [Staged for a step not taken in
+// backward] in policies/state_streaming.cpp). A redone step moves more, as it does stepping wholly
+// in backward.
 TEST(OverlapTest, AShareOfTheStepInBackwardIsBitwiseAndMovesNoByteMore) {
   constexpr int kSteps = 9;
-  for (const Case& setup : basic_cases()) {
+  for (const Case& setup : cases()) {
     SCOPED_TRACE(describe(setup));
     Outcomes seq, ovl;
     struct Step {
       std::size_t in_backward;
       std::int64_t h2d, d2h;
+      Adam::BackwardBytes bytes;
     };
     std::vector<Step> steps;
     std::int64_t h2d = 0, d2h = 0;
@@ -239,42 +242,75 @@ TEST(OverlapTest, AShareOfTheStepInBackwardIsBitwiseAndMovesNoByteMore) {
               [&](int, rt::Runtime& runtime, Adam& adam) {
                 const rt::RuntimeStats stats = runtime.stats();
                 steps.push_back({adam.overlapped_layers().size(), stats.migrated_bytes_h2d - h2d,
-                                 stats.migrated_bytes_d2h - d2h});
+                                 stats.migrated_bytes_d2h - d2h, adam.backward_bytes()});
                 h2d = stats.migrated_bytes_h2d;
                 d2h = stats.migrated_bytes_d2h;
-                adam.set_backward_share(0.5);
+                ASSERT_TRUE(adam.set_backward_share(0.5).ok());
               });
     expect_same(want, got, seq, ovl, kSteps);
-    if (setup.policy != "layer_prefetch") continue;
-    // Every layer in backward at the first step, or none where it was redone; then at most two,
-    // and two where the step held.
     ASSERT_EQ(steps.size(), static_cast<std::size_t>(kSteps));
+    const bool states_stream =
+        setup.policy == "layer_prefetch" && setup.gpu_budget == alloc::kNoBudget;
+    if (setup.policy == "keep_on_gpu") EXPECT_EQ(steps.back().bytes.link_states, 0u);
+    if (!states_stream) continue;
+    // Between steps every state rests on the host: the whole of them crosses the link, and the
+    // parameters rest on the GPU unless they stream too.
+    const std::size_t states =
+        kLayers * kTensorsPerLayer * setup.numel * 4 * (setup.dtype == DType::kFloat32 ? 2 : 3);
+    EXPECT_EQ(steps.back().bytes.link_states, states);
+    const bool params_stream = setup.config.roles.contains(Role::kParameter);
+    EXPECT_EQ(steps.back().bytes.resting, params_stream ? 0u
+                                                        : kLayers * kTensorsPerLayer * setup.numel *
+                                                              rt::dtype_size(setup.dtype));
+    // Every layer in backward at the first step, or none where it was redone; then two, or none
+    // where it was redone.
     EXPECT_TRUE(steps[0].in_backward == 0 || steps[0].in_backward == kLayers);
     int held = 0;
     for (std::size_t s = 1; s < steps.size(); ++s) {
       EXPECT_TRUE(steps[s].in_backward == 0 || steps[s].in_backward == 2) << s;
       if (steps[s].in_backward != 2) continue;
       ++held;
-      if (!setup.config.roles.contains(Role::kParameter) && setup.micro_batches == 1) {
+      if (!params_stream && setup.micro_batches == 1) {
         EXPECT_EQ(steps[s].h2d, seq.h2d_bytes / kSteps) << s;
         EXPECT_EQ(steps[s].d2h, seq.d2h_bytes / kSteps) << s;
       }
     }
     EXPECT_GT(held, 0);
   }
-  // hybrid: a host-stepped layer past the share is left for finish_step too, and the run ends
-  // bitwise layer_prefetch's.
   for (const Case& setup : hybrid_cases()) {
     SCOPED_TRACE(describe(setup));
     Outcomes ref, ovl;
+    std::vector<std::size_t> in_backward;
     const Bytes want = train(reference(setup), /*overlap=*/false, kSteps, 1, &ref);
-    expect_same_tensors(
-        want,
-        train(setup, /*overlap=*/true, kSteps, 7, &ovl, true, [](int, rt::Runtime&, Adam& adam) {
-          EXPECT_LE(adam.overlapped_layers().size(), adam.backward_share() < 1.0 ? 2u : 4u);
-          adam.set_backward_share(0.5);
-        }));
+    expect_same_tensors(want, train(setup, /*overlap=*/true, kSteps, 7, &ovl, true,
+                                    [&](int, rt::Runtime&, Adam& adam) {
+                                      in_backward.push_back(adam.overlapped_layers().size());
+                                      ASSERT_TRUE(adam.set_backward_share(0.5).ok());
+                                    }));
+    if (setup.config.hybrid_fraction == 0.5) {
+      // Two layers on the host, two streamed: the host ones and one streamed in backward.
+      EXPECT_NE(std::count(in_backward.begin(), in_backward.end(), 3u), 0) << describe(setup);
+    }
   }
+}
+
+// See Note [A share of the step in backward]: a share outside [0, 1] is refused, and the one set
+// stays.
+TEST(OverlapTest, ABackwardShareOutsideZeroToOneIsRefused) {
+  rt::testing::Made made = rt::testing::make_runtime(
+      "layer_prefetch", {.prefetch_depth = 1, .overlap = rt::Overlap::kBackward}, false,
+      alloc::kNoBudget);
+  ASSERT_NE(made.rt, nullptr);
+  std::unique_ptr<LoopModel> model = make_loop_model(*made.rt, basic_cases()[3]);
+  ASSERT_NE(model, nullptr);
+  Adam& adam = *model->adam;
+  ASSERT_TRUE(adam.set_backward_share(0.25).ok());
+  for (double bad : {-0.1, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
+    const absl::Status s = adam.set_backward_share(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("not in [0, 1]"), std::string_view::npos) << s;
+  }
+  EXPECT_EQ(adam.backward_share(), 0.25);
 }
 
 TEST(OverlapTest, OverlappedStepIsBitwiseTheSequentialStep) {
