@@ -287,13 +287,9 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
     STRATA_RETURN_IF_ERROR(return_speculated_parameters());
     // Layers backward could not step are stepped now, as step() would. The step stays open until
     // they are, so that a failure can be finished by calling again: the parameters it stepped
-    // before the failure sit that call out (See Note [Per-parameter steps]).
-    const std::size_t stepped_before = last_step_.size();
+    // before the failure sit that call out (run_step marks them).
     absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
     if (!rest.ok()) {
-      for (std::size_t i = stepped_before; i < last_step_.size(); ++i) {
-        skip_[slot_of_param_.at(last_step_[i].id)] = true;
-      }
       return absl::Status(rest.code(),
                           str_cat("Adam: finish_step: the layers stepped during backward stand, "
                                   "and so do the parameters stepped after them; call finish_step "
