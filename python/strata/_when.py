@@ -57,20 +57,22 @@ _KEPT = 5
 #
 # Between the two lies a share of the step in backward (See Note [A share of the step in backward]
 # in optim/adam_overlap.cpp): backward hides the link time of the layers stepped while it runs, and
-# no more, and what their undo copies off the GPU crosses the link beside their states. So when
-# steps wholly in backward measured slower than steps after it, the steps after it, split on the GPU
-# by events at the first layer whose gradients are all in (in the step's last backward pass) and at
-# step(), give backward's time B and the step's S, in which the device-to-host link writes back
-# every state that crosses it (the ring fetched a few layers' while forward and backward ran).
-# Stepping in backward the share B / (k S) of those states, the ones backward reaches first, where
-# k is what a layer stepped there puts on that link over its states' bytes (Adam's backward_bytes:
-# 1 with the undo on the GPU; 1.5 for float32 parameters with their undo in pinned memory), fills
-# the link while backward runs and leaves the rest for after it; past that share each layer costs
-# more than it hides. The share is tried once, timed as steps in backward are, and kept while its
-# median is at most that of the steps after backward; otherwise the back-off above applies, and
-# the tries after it step the share in backward. It is logged once, at INFO. No share is tried
-# where backward uses the link itself (parameters or gradients streamed), nor under strata.attach's
-# hooks, where the optimizer does not see the gradients arrive and cannot split the step.
+# no more, and what their undo copies off the GPU crosses the link beside their states. The steps
+# after backward, split on the GPU by events at the first layer whose gradients are all in (in the
+# step's last backward pass) and at step(), give backward's time B and the step's S, in which the
+# device-to-host link writes back every state that crosses it (the ring fetched a few layers'
+# while forward and backward ran). Stepping in backward the share B / (k S) of those states, the
+# ones backward reaches first, where k is what a layer stepped there puts on that link over its
+# states' bytes (Adam's backward_bytes: 1 with the undo on the GPU; 1.5 for float32 parameters
+# with their undo in pinned memory), fills the link while backward runs and leaves the rest for
+# after it; past that share each layer costs more than it hides (with k = 1 nothing more, so the
+# share only matches the whole). So once steps wholly in backward and steps after it are timed, a
+# share below the whole is tried once, timed the same way, and the three medians decide: the
+# share stays while it is at most that of the steps after backward, the whole comes back where it
+# was faster than both, and otherwise the back-off above applies, its tries stepping the share in
+# backward. Each choice is one INFO line. No share is tried where backward uses the link itself
+# (parameters or gradients streamed), nor under strata.attach's hooks, where the optimizer does not
+# see the gradients arrive and cannot split the step.
 class StepChoice:
     """The choice of Note [When to step in backward] for one optimizer: `name` is its ("AdamW"),
     `runtime` its strata.Runtime, `adam` its _strata.Adam, `max_grad_norm` its clipping threshold
@@ -167,15 +169,29 @@ class StepChoice:
         if len(after) < _TIMED:  # never timed after backward: time steps there
             self.wait = _TIMED
             return False
-        if statistics.median(in_backward) <= statistics.median(after):
-            self._slower_wait = 0
-            return True
-        share = self._backward_share() if mode == "backward" and not self._share_tried else None
-        if share is not None:
+        here, there = statistics.median(in_backward), statistics.median(after)
+        if mode == "backward" and not self._share_tried:
             self._share_tried = True
-            self._tell_share(share, statistics.median(in_backward), statistics.median(after))
-            self.share = share
-            self._adam.set_backward_share(share)
+            share = self._backward_share()
+            if share is not None:  # timed next, beside the other two
+                self._tell_share(share, here, there)
+                self._set_share(share)
+                return True
+        whole = self._times["backward"]
+        if mode == "share" and len(whole) >= _TIMED and statistics.median(whole) < min(here, there):
+            _log.info(
+                "strata.optim.%s: the first %.0f%% of the states in backward measured %.1f ms an "
+                "iteration, all of them %.1f ms; every layer steps in backward again "
+                "(Note [When to step in backward])",
+                self._name,
+                100 * self.share,
+                here,
+                statistics.median(whole),
+            )
+            self._set_share(1.0)
+            return True
+        if here <= there:
+            self._slower_wait = 0
             return True
         self._slower_wait = min(2 * self._slower_wait, 1024) if self._slower_wait else 16
         if self._slower_wait == 16:
@@ -192,6 +208,10 @@ class StepChoice:
         self._times[mode] = []
         self.wait = self._slower_wait
         return False
+
+    def _set_share(self, share: float) -> None:
+        self.share = share
+        self._adam.set_backward_share(share)
 
     # The share of the states backward hides, from the steps timed after backward; None when they
     # were not split (strata.attach's hooks: the optimizer does not see the gradients arrive),
@@ -215,7 +235,7 @@ class StepChoice:
         _log.info(
             "strata.optim.%s: steps taken wholly in backward measured %.1f ms an iteration, after "
             "backward %.1f ms (its backward %.1f ms, its step %.1f ms); the first %.0f%% of the "
-            "states backward reaches now step in backward, the rest after it "
+            "states backward reaches step in backward next, the rest after it, timed beside both "
             "(Note [When to step in backward])",
             self._name,
             in_backward,

@@ -466,28 +466,34 @@ def test_steps_run_where_iterations_were_measured_faster(faster):
     assert opt.close() == []
 
 
-@pytest.mark.parametrize("share_faster", [True, False])
-def test_a_share_of_the_step_in_backward_when_all_of_it_there_measured_slower(share_faster, caplog):
-    # See Note [When to step in backward] in strata/_when.py. Steps wholly in backward measure 100
-    # ms, after it 60 (backward 30 of them, the step 40); the undo (the float32 parameters, 4 bytes
-    # beside the moments' 8) is in pinned memory, so the share is 30 / (1.5 x 40) = 0.5 of the
-    # states. It measures 50 ms and stays, or 70 and the steps go after backward. Either way the
-    # parameters are the sequential step's, bit for bit.
+@pytest.mark.parametrize(
+    "ms,kept",
+    [
+        ({"backward": 100.0, "share": 50.0, "after": 60.0}, "share"),
+        ({"backward": 100.0, "share": 70.0, "after": 60.0}, "after"),
+        ({"backward": 55.0, "share": 45.0, "after": 60.0}, "share"),
+        ({"backward": 50.0, "share": 55.0, "after": 60.0}, "backward"),
+    ],
+    ids=["share-over-after", "after", "share-over-whole", "whole"],
+)
+def test_a_share_of_the_step_in_backward_is_timed_beside_the_whole_and_after(ms, kept, caplog):
+    # See Note [When to step in backward] in strata/_when.py. After backward an iteration takes 60
+    # ms (its backward 30, its step 40); the undo (the float32 parameters, 4 bytes beside the
+    # moments' 8) is in pinned memory, so the share is 30 / (1.5 x 40) = 0.5 of the states. Timed
+    # beside the whole in backward and the step after it, the fastest of the three stays. Either
+    # way the parameters are the sequential step's, bit for bit.
     seq = run(Mlp, strata_opt("layer_prefetch", layer_bytes="1KiB"), plain_loop, steps=13)
     model = Mlp()
     opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
-    opt._overlap._choice.clock = FakeClock(
-        {"backward": 100.0, "share": 50.0 if share_faster else 70.0, "after": 60.0},
-        parts=(30.0, 40.0),
-    )
+    opt._overlap._choice.clock = FakeClock(ms, parts=(30.0, 40.0))
     with caplog.at_level(logging.INFO, logger="strata"):
         outcomes = step_outcomes(model, opt, 13)
-    then = ["speculation" if share_faster else "sequential"] * 3
+    then = ["sequential" if kept == "after" else "speculation"] * 3
     assert outcomes == ["speculation"] * 4 + ["sequential"] * 3 + ["speculation"] * 3 + then
-    assert opt.backward_share == 0.5
+    assert opt.backward_share == (1.0 if kept == "backward" else 0.5)
     told = [r.getMessage() for r in caplog.records if "wholly in backward" in r.getMessage()]
     assert len(told) == 1 and "the first 50% of the states" in told[0], caplog.text
-    if share_faster:
+    if kept == "share":
         # The last step: the layers backward reaches first, half the states to the nearest layer,
         # in backward; the others after it.
         stepped = opt._adam.overlapped_layers()
@@ -499,8 +505,11 @@ def test_a_share_of_the_step_in_backward_when_all_of_it_there_measured_slower(sh
         assert 0 < len(stepped) < len(order) and stepped == order[: len(stepped)], (stepped, order)
         half, taken = sum(state.values()) / 2, sum(state[layer] for layer in stepped)
         assert taken - state[stepped[-1]] / 2 <= half < taken + state[order[len(stepped)]] / 2
-    else:
+    elif kept == "after":
         assert "(the first 50% of the states) measured 70.0 ms" in caplog.text
+    else:
+        assert "every layer steps in backward again" in caplog.text
+        assert len(opt._adam.overlapped_layers()) == len(set(opt.runtime._layer_of.values()))
     assert_bitwise(params_of(model), seq[1])
     assert opt.close() == []
 
