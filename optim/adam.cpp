@@ -407,20 +407,11 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
   }
   std::string layers;
   for (int l : last_step_layers()) str_append(&layers, layers.empty() ? "" : ", ", l);
-  if (!new_step) {
-    // finish_step's part of a step taken in backward: the step stays open, and what this call
-    // stepped sits the next one out (See Note [Per-parameter steps]), which steps the others.
-    for (std::size_t i = stepped_before; i < last_step_.size(); ++i) {
-      skip_[slot_of_param_.at(last_step_[i].id)] = true;
-    }
-  }
   return absl::Status(
       status.code(),
       str_cat("Adam step ", step_number(), " failed at layer ", failed_layer, " after stepping ",
-              last_step_.size(), " of ", slots_.size(), " parameters (in layers ", layers, "); ",
-              new_step ? "restore a checkpoint to redo the step"
-                       : "the step stays open for a call again, which steps the others",
-              ": ", status.message()));
+              last_step_.size(), " of ", slots_.size(), " parameters (in layers ", layers,
+              "); restore a checkpoint to redo the step: ", status.message()));
 }
 
 std::vector<int> Adam::last_step_layers() const {

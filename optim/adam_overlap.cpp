@@ -285,16 +285,14 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
     // Their parameters go to the GPU now (See Note [Host steps in backward]); a failure leaves the
     // step open, to be finished by calling again.
     STRATA_RETURN_IF_ERROR(return_speculated_parameters());
-    // Layers backward could not step are stepped now, as step() would. The step stays open until
-    // they are, so that a failure can be finished by calling again: the parameters it stepped
-    // before the failure sit that call out (run_step marks them).
+    // Layers backward could not step are stepped now, as step() would. A failure part way says
+    // which parameters it stepped and asks for a checkpoint, as step()'s does (See Note [A failed
+    // step] in adam.cpp): the step stays open, and a call again would step those again.
     absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
     if (!rest.ok()) {
-      return absl::Status(rest.code(),
-                          str_cat("Adam: finish_step: the layers stepped during backward stand, "
-                                  "and so do the parameters stepped after them; call finish_step "
-                                  "again to step the others: ",
-                                  rest.message()));
+      return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
+                                               "backward stand; stepping the others failed: ",
+                                               rest.message()));
     }
     overlap_open_ = false;
     STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]

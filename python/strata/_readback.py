@@ -77,7 +77,9 @@ class StepClock:
     events are complete (queried, never waited on), oldest first. A label of None is not returned
     (See Note [When to step in backward]). begin_backward() and end_backward(), each once between
     two marks, split an iteration at its backward's first gradients and at step(), on the stream
-    of the last mark; forget_backward() drops them."""
+    of the last mark (a gradient hook may run on another: FSDP2's reduce-scatter stream; a loop
+    whose step() runs on another stream than its backward gets a wrong split); forget_backward()
+    drops them."""
 
     def __init__(self) -> None:
         self._last = None

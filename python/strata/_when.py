@@ -69,8 +69,8 @@ _KEPT = 5
 # share only matches the whole). So once steps wholly in backward and steps after it are timed, a
 # share below the whole is tried once, timed the same way, and the three medians decide: the
 # share stays while it is at most that of the steps after backward, the whole comes back where it
-# was faster than both, and otherwise the back-off above applies, its tries stepping the share in
-# backward. Each choice is one INFO line. No share is tried where backward uses the link itself
+# was faster than both, and otherwise the back-off above applies, its tries stepping in backward
+# the faster of the share and the whole. Each choice is one INFO line. No share is tried where backward uses the link itself
 # (parameters or gradients streamed), nor under strata.attach's hooks, where the optimizer does not
 # see the gradients arrive and cannot split the step.
 class StepChoice:
@@ -189,6 +189,7 @@ class StepChoice:
                 statistics.median(whole),
             )
             self._set_share(1.0)
+            self._slower_wait = 0
             return True
         if here <= there:
             self._slower_wait = 0
@@ -206,6 +207,10 @@ class StepChoice:
                 self._slower_wait,
             )
         self._times[mode] = []
+        if mode == "share" and len(whole) >= _TIMED and statistics.median(whole) < here:
+            # The back-off's tries step the faster of the two in backward, timed again.
+            self._set_share(1.0)
+            self._times["backward"] = []
         self.wait = self._slower_wait
         return False
 

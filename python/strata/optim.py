@@ -364,9 +364,8 @@ class Adam(torch.optim.Optimizer):
     @property
     def backward_share(self) -> float:
         """The share of the optimizer's states that a step taken in backward steps there: 1 (all of
-        them) until steps wholly in backward measured slower than steps after it and a share was
-        chosen (See Note [When to step in backward] in strata/_when.py). A step taken after
-        backward steps none there, whatever it says."""
+        them) unless a share of them measured faster (See Note [When to step in backward] in
+        strata/_when.py). A step taken after backward steps none there, whatever it says."""
         return self._overlap.share
 
     @property
