@@ -141,8 +141,9 @@ class Adam {
   // the same grad_scale. A layer stepped on the host is posted to a host thread and its parameters
   // reach the GPU in finish_step (See Note [Host steps in backward] in adam_host_speculation.cpp).
   // A layer with a tensor not on the GPU (a policy that keeps it on the host during backward),
-  // whose undo does not fit the host, or that rests wholly on the GPU without room there for its
-  // undo (See Note [Resting layers] in adam_overlap.cpp), is left for finish_step, not an error. A
+  // whose undo does not fit the host, that rests wholly on the GPU without room there for its
+  // undo (See Note [Resting layers] in adam_overlap.cpp), or past the share set_backward_share
+  // allows, is left for finish_step, not an error. A
   // failure leaves the layer unstepped and nothing held; finish_step still completes the step.
   [[nodiscard]] absl::Status step_layer(int layer, const float* grad_scale = nullptr);
   enum class StepOutcome {
