@@ -200,7 +200,8 @@ class Overlap:
 
     # step() was called: backward is over (See Note [When to step in backward]).
     def backward_ended(self) -> None:
-        self._choice.ended_backward()
+        if self._runtime.overlap == "backward":
+            self._choice.ended_backward()
 
     # The step's clip coefficient, on its way to the host (See Note [When to step in backward]).
     def _note_clip(self, coef: torch.Tensor) -> None:
