@@ -57,7 +57,8 @@ Each run is a process of its own, so that its device peak is its own: cudaMemGet
 5 ms by a thread (the driver's view, torch's and strata's included), beside torch's
 max_memory_reserved. The driver runs the approaches in rounds, interleaved (A B C ... A B C ...),
 and reports per approach the median step time over the rounds, min and max, the ratio to the
-resident run of the same batch, and the device peak.
+resident run of the same batch, and the device peak. A strata run's JSON also keeps what strata
+decided: its INFO lines, each with the step it came at (`strata_log`).
 
     python3 bench/users_script.py --batches 8 32 --rounds 2 --json out.json
     python3 bench/users_script.py --one strata --batch 8            # one run, JSON on stdout
@@ -68,6 +69,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -161,6 +163,22 @@ class Poller:
 # strata's byte and copy counters (Runtime.stats()) and its pools' segments taken from and given
 # back to CUDA (memory_stats(): a pool that still grows in the timed steps pays cudaMalloc or
 # cudaHostRegister inside them), or {} for a peer.
+class StrataLog(logging.Handler):
+    """strata's INFO lines of one run (what it decided, and when), each with the number of steps
+    the loop had begun when it came: `strata_log` in the run's JSON."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.steps = 0
+        self.lines: list = []
+        logger = logging.getLogger("strata")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append([self.steps, record.levelname, record.getMessage()])
+
+
 def strata_counters(opt) -> dict:
     runtime = getattr(opt, "runtime", None)
     if runtime is None or not hasattr(runtime, "stats"):
@@ -198,6 +216,7 @@ def one_run(args):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         dist.init_process_group("nccl", rank=0, world_size=1)
+    log = StrataLog()
     with Poller(torch) as poll:
         model = build_model(args, torch)
         clip_in_loop = True
@@ -334,6 +353,7 @@ def one_run(args):
             memory_trace.append(row)
 
         def step():
+            log.steps += 1
             if args.memory_trace:
                 trace_memory()
             if engine is not None:  # DeepSpeed's loop: the engine backward()s and step()s
@@ -429,6 +449,7 @@ def one_run(args):
         # The hybrid's split and prediction, host threads, moments and measured rates.
         out["strata_placement"] = opt.placement
         opt.close()
+        out["strata_log"] = log.lines
     print("RESULT " + json.dumps(out), flush=True)
     if fsdp or engine is not None:
         torch.distributed.destroy_process_group()
@@ -486,8 +507,10 @@ def driver(args):
 
 def summarize(results, args):
     lines = [
-        f"{'approach':<14} {'batch':>5} {'median ms':>10} {'min':>8} {'max':>8} "
-        f"{'x resident':>10} {'peak GiB':>9}"
+        (
+            f"{'approach':<14} {'batch':>5} {'median ms':>10} {'min':>8} {'max':>8} "
+            f"{'x resident':>10} {'peak GiB':>9}"
+        )
     ]
     for batch in args.batches:
         ok = [r for r in results if r.get("batch") == batch and "error" not in r]

@@ -153,12 +153,15 @@ class Adam {
   };
   // Completes the step step_layer began, with the true grad_scale and found_inf (as step() takes
   // them); without step_layer calls since the last step, it is step(). A failure rolls the step
-  // back when it can (the error says which), so that it can be taken again.
+  // back when it can (the error says which), so that it can be taken again. A failure after the
+  // step held and was committed leaves it open: a call again finishes it without validating it
+  // again, and cancel_step refuses it.
   [[nodiscard]] absl::StatusOr<StepOutcome> finish_step(const float* grad_scale = nullptr,
                                                         const float* found_inf = nullptr);
   // Takes back the step step_layer began, as if it had not run: every kept byte goes back and the
   // step counters too (for a backward that turned out not to be the step's last, or failed part
-  // way). Nothing to do without one. A failure leaves it open; call again.
+  // way). Nothing to do without one. A failure leaves it open; call again. kFailedPrecondition
+  // where finish_step committed the step and then failed: its undo is gone; finish it instead.
   [[nodiscard]] absl::Status cancel_step();
   // See Note [Step placement] in runtime/policy.h: the line the policy gave when it placed the
   // steps (empty for a policy that does not), or the last it gave when it moved them (See Note
@@ -545,6 +548,8 @@ class Adam {
   std::uint64_t checked_unregistrations_ = ~std::uint64_t{0};
   // The step step_layer began, its speculative scale and its layers (See Note [Overlapped step]).
   bool overlap_open_ = false;
+  // finish_step validated the open step and committed its undo; finishing the rest failed.
+  bool overlap_committed_ = false;
   // See Note [A share of the step in backward] in adam_overlap.cpp: the share, and in the open
   // step the bytes of states it allows (kEveryLayer: no limit), those its layers took so far, and
   // whether one passed it.
@@ -564,6 +569,9 @@ class Adam {
   absl::Status finish_release();
   // The undo log rolled back, and the step step_layer began taken back.
   absl::Status roll_back();
+  // After the commit: the host-stepped layers' parameters back to the GPU, the layers backward
+  // left stepped, and the step closed.
+  absl::StatusOr<StepOutcome> finish_committed(const float* grad_scale, const float* found_inf);
 };
 
 }  // namespace strata::optim

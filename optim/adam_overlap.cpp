@@ -271,6 +271,9 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   }
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(finish_release());
+  // Validated and committed by a call that then failed: what is left is finished, not validated
+  // again (its undo is gone).
+  if (overlap_committed_) return finish_committed(grad_scale, found_inf);
   // One host wait reads what the speculation assumed and what is true (See Note [Overlapped step]
   // in adam.h).
   STRATA_ASSIGN_OR_RETURN(const auto read,
@@ -282,21 +285,8 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
                     inf == 0.0f && host.ok();
   if (held) {
     STRATA_RETURN_IF_ERROR(rt.commit_undo());
-    // Their parameters go to the GPU now (See Note [Host steps in backward]); a failure leaves the
-    // step open, to be finished by calling again.
-    STRATA_RETURN_IF_ERROR(return_speculated_parameters());
-    // Layers backward could not step are stepped now, as step() would. A failure part way says
-    // which parameters it stepped and asks for a checkpoint, as step()'s does (See Note [A failed
-    // step] in adam.cpp): the step stays open, and a call again would step those again.
-    absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
-    if (!rest.ok()) {
-      return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
-                                               "backward stand; stepping the others failed: ",
-                                               rest.message()));
-    }
-    overlap_open_ = false;
-    STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]
-    return StepOutcome::kSpeculation;
+    overlap_committed_ = true;
+    return finish_committed(grad_scale, found_inf);
   }
   absl::Status back = roll_back();
   if (!back.ok()) {
@@ -311,6 +301,26 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
   STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]
   return StepOutcome::kRedone;
+}
+
+absl::StatusOr<Adam::StepOutcome> Adam::finish_committed(const float* grad_scale,
+                                                         const float* found_inf) {
+  // The host-stepped layers' parameters go to the GPU now (See Note [Host steps in backward]); a
+  // failure leaves the step open, to be finished by calling again.
+  STRATA_RETURN_IF_ERROR(return_speculated_parameters());
+  // Layers backward could not step are stepped now, as step() would. A failure part way says
+  // which parameters it stepped and asks for a checkpoint, as step()'s does (See Note [A failed
+  // step] in adam.cpp): the step stays open, and a call again would step those again.
+  absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
+  if (!rest.ok()) {
+    return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
+                                             "backward stand; stepping the others failed: ",
+                                             rest.message()));
+  }
+  overlap_open_ = false;
+  overlap_committed_ = false;
+  STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]
+  return StepOutcome::kSpeculation;
 }
 
 absl::Status Adam::roll_back() {
@@ -330,6 +340,13 @@ absl::Status Adam::roll_back() {
 
 absl::Status Adam::cancel_step() {
   if (!overlap_open_) return absl::OkStatus();
+  if (overlap_committed_) {
+    // Its undo is gone: what backward stepped stands, and taking the step back would leave those
+    // layers stepped with their step counts taken back.
+    return absl::FailedPreconditionError(
+        "Adam: cancel_step: the step taken during backward was validated and committed, and "
+        "finishing it failed; call finish_step again to finish it (or restore a checkpoint)");
+  }
   STRATA_RETURN_IF_ERROR(finish_release());
   absl::Status back = roll_back();
   if (!back.ok()) {

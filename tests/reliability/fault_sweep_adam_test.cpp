@@ -1,9 +1,11 @@
 // The Adam steps of the fault sweep (F1-F5 of RELIABILITY.md, fault_sweep_test.cpp has the
 // scenario): a step whose k-th device call fails, sequential
 // (AFailedAdamStepLeavesEveryLayerSteppedOrNot) and taken during backward
-// (AFailedOverlappedStepIsFinishedExactly), under every kind of device call failing once or as a
-// sticky error, on the deferred simulated device with random completion. Each prints its tally
-// ("Adam step faults: ...", "overlapped step faults: ...").
+// (AFailedOverlappedStepIsFinishedExactly), and a failed finish_step followed by cancel_step
+// (AFailedFinishStepIsTakenBackWholeOrFinished), under every kind of device call failing once or
+// as a sticky error, on the deferred simulated device with random completion. Each prints its
+// tally ("Adam step faults: ...", "overlapped step faults: ...", "failed finish_step then
+// cancel_step: ...").
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -435,6 +437,144 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
       "overlapped step faults: %d injections, %d failed calls, %d runs with a step taken part way, "
       "failures: %d\n",
       injections, failed_calls, partial, failures);
+}
+
+// A finish_step that fails, and then cancel_step, as a loop's zero_grad() or close() calls it
+// after a step() that raised (See Note [Overlapped step] in optim/adam.h). Before finish_step
+// committed the step, cancel_step takes all of it back and a sequential step() takes it again,
+// exactly. Once it committed (the speculation held, the undo dropped) and finishing the rest
+// failed, cancel_step refuses with kFailedPrecondition naming finish_step, changing nothing, and
+// finish_step again finishes the step, exactly. Every k-th call of every kind of device call in
+// the finish_step alone, once or sticky, under layer_prefetch with half of the states stepped in
+// backward (the rest after it) and hybrid with half the layers stepped on the host, each with a
+// true grad_scale equal to the speculation's (it holds) and not (a redo). Exact: the run ends
+// bitwise equal to the fault-free run, unless an error asked for a checkpoint.
+TEST(FaultSweepTest, AFailedFinishStepIsTakenBackWholeOrFinished) {
+  constexpr int kAdamLayers = 3;
+  constexpr std::size_t kNumel = 20000;
+  constexpr std::uint64_t kSeed = 17;
+  struct Setup {
+    std::string policy;
+    PolicyConfig config;
+    float true_scale;
+    double share = 1.0;
+  };
+  const PolicyConfig streamed{
+      .prefetch_depth = 1, .roles = RoleSet::all(), .overlap = Overlap::kBackward};
+  const PolicyConfig hybrid{
+      .prefetch_depth = 1, .overlap = Overlap::kBackward, .hybrid_fraction = 0.5};
+  const std::vector<Setup> setups = {{"layer_prefetch", streamed, 1.0f, 0.5},
+                                     {"layer_prefetch", streamed, 2.0f, 0.5},
+                                     {"hybrid", hybrid, 1.0f},
+                                     {"hybrid", hybrid, 2.0f}};
+  struct Outcome {
+    std::map<std::string, Bytes> end;
+    std::int64_t calls = 0;
+    bool failed = false, taken_back = false, refused = false, partial = false;
+    std::vector<std::string> problems;
+  };
+  auto run = [&](const Setup& setup, std::optional<Site> site, std::int64_t k) {
+    Outcome out;
+    AdamRig rig = make_adam_rig(setup.policy, setup.config, kSeed, kAdamLayers, kNumel);
+    Runtime& rt = *rig.rt;
+    optim::Adam& adam = *rig.adam;
+    EXPECT_TRUE(adam.set_backward_share(setup.share).ok());
+    auto scale = std::make_shared<float>(1.0f);
+    auto must = [&](const std::string& what, const absl::Status& s) {
+      if (!s.ok()) out.problems.push_back(str_cat(what, ": ", s.ToString()));
+    };
+    auto asks_checkpoint = [](const absl::Status& s) {
+      return s.message().find("restore a checkpoint") != std::string_view::npos;
+    };
+    // Forward and backward, each layer stepped in backward as it ends.
+    auto backward = [&] {
+      must("begin_step", rt.begin_step());
+      for (int l = 0; l < kAdamLayers; ++l) must("before_forward", rt.before_forward(l));
+      for (int l = kAdamLayers - 1; l >= 0; --l) {
+        must("after_backward", rt.after_backward(l));
+        must("step_layer", adam.step_layer(l));
+      }
+    };
+    backward();
+    must("finish_step", adam.finish_step(scale.get()).status());
+    must("end_step", rt.end_step());
+    backward();
+    *scale = setup.true_scale;
+    const DeviceCall counted = site ? site->call : DeviceCall::kCopy;
+    const std::int64_t before = rig.arm(site, k);
+    const absl::Status finished = adam.finish_step(scale.get()).status();
+    out.calls = rig.faults->calls(counted) - before;
+    rig.faults->disarm();
+    if (!finished.ok()) {
+      out.failed = true;
+      out.partial = asks_checkpoint(finished);
+      if (finished.message().find("injected failure") == std::string_view::npos) {
+        out.problems.push_back(str_cat("error without its cause: ", finished.ToString()));
+      }
+      const bool open = adam.overlapped_step_open();
+      const absl::Status cancelled = adam.cancel_step();
+      if (cancelled.ok()) {
+        out.taken_back = true;
+        if (adam.overlapped_step_open()) out.problems.push_back("cancel_step left the step open");
+        // The step untaken: taken again after backward, as the sequential step takes it.
+        const absl::Status again = adam.step(scale.get());
+        if (!again.ok()) out.problems.push_back(str_cat("step() again: ", again.ToString()));
+      } else {
+        out.refused = true;
+        if (!open || !absl::IsFailedPrecondition(cancelled) ||
+            cancelled.message().find("finish_step") == std::string_view::npos) {
+          out.problems.push_back(str_cat("cancel_step: ", cancelled.ToString()));
+        }
+        if (!adam.overlapped_step_open()) out.problems.push_back("a refused cancel closed it");
+        const absl::Status again = adam.finish_step(scale.get()).status();
+        if (!again.ok() && !asks_checkpoint(again)) {
+          out.problems.push_back(str_cat("finish_step again: ", again.ToString()));
+        }
+        out.partial = out.partial || asks_checkpoint(again);
+      }
+    }
+    if (absl::Status e = rt.end_step(); !e.ok()) must("end_step again", rt.end_step());
+    if (rt.undo_tensors() != 0) out.problems.push_back("tensors still kept for an undo");
+    *scale = 1.0f;
+    backward();
+    must("finish_step", adam.finish_step(scale.get()).status());
+    must("end_step", rt.end_step());
+    must("wait_all", rt.wait_all());
+    for (TensorHandle h : rt.tensors()) out.end[rt.info(h)->spec.name] = read_all(rt, h);
+    return out;
+  };
+
+  int injections = 0, failed = 0, taken_back = 0, refused = 0, partial = 0, failures = 0;
+  for (const Setup& setup : setups) {
+    const Outcome reference = run(setup, std::nullopt, 0);
+    ASSERT_TRUE(reference.problems.empty()) << setup.policy << ": " << reference.problems.front();
+    for (const Site& site : device_sites()) {
+      const std::int64_t n = run(setup, site, 0).calls;
+      for (std::int64_t k = 1; k <= n; ++k) {
+        Outcome o = run(setup, site, k);
+        ++injections;
+        failed += o.failed ? 1 : 0;
+        taken_back += o.taken_back ? 1 : 0;
+        refused += o.refused ? 1 : 0;
+        partial += o.partial ? 1 : 0;
+        if (!o.partial && o.end != reference.end) {
+          o.problems.push_back("bytes differ from the fault-free run");
+        }
+        if (!o.problems.empty()) {
+          ++failures;
+          ADD_FAILURE() << setup.policy << " (true scale " << setup.true_scale << "), " << site.name
+                        << " call " << k << " of " << n << ": " << o.problems.front();
+        }
+      }
+    }
+  }
+  std::printf(
+      "failed finish_step then cancel_step: %d injections, %d failed, %d taken back, %d refused "
+      "(committed), %d asked for a checkpoint, failures: %d\n",
+      injections, failed, taken_back, refused, partial, failures);
+  // Both paths ran: steps taken back whole, and committed steps refused and finished.
+  EXPECT_GT(taken_back, 0);
+  EXPECT_GT(refused, 0);
 }
 
 }  // namespace
