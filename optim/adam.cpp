@@ -363,6 +363,7 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
   // [Measured split] in policies/split_search.h).
   if (new_step && rt.places_steps()) STRATA_RETURN_IF_ERROR(follow_placement());
   const std::size_t stepped_before = last_step_.size();
+  stepped_every_layer_ = false;
   if (absl::Status begin = rt.begin_optimizer_step(); !begin.ok()) {
     // The runtime has put back what the policy staged.
     return absl::Status(begin.code(), str_cat("Adam step failed before any kernel ran (nothing "
@@ -383,6 +384,7 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
   std::vector<rt::TensorHandle> held;
   int failed_layer = -1;
   absl::Status status = step_layers(grad_scale, found_inf, held, failed_layer);
+  stepped_every_layer_ = status.ok();
   if (status.ok()) {
     // Every layer is stepped; the policy's end of step is resumable, so one failure is retried.
     absl::Status end = rt.end_optimizer_step();
@@ -400,10 +402,10 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
     if (rt.release(held, rt.compute_stream()).ok()) held.clear();
   }
   (void)rt.end_optimizer_step();  // what it cannot finish, the next hook does
-  if (last_step_.size() == stepped_before && new_step) {
-    return absl::Status(status.code(), str_cat("Adam step failed before any kernel ran (nothing "
-                                               "changed; it can be retried): ",
-                                               status.message()));
+  if (last_step_.size() == stepped_before) {
+    return absl::Status(status.code(), str_cat("Adam step failed before any kernel ran (nothing ",
+                                               new_step ? "" : "more ",
+                                               "changed; it can be retried): ", status.message()));
   }
   std::string layers;
   for (int l : last_step_layers()) str_append(&layers, layers.empty() ? "" : ", ", l);

@@ -161,8 +161,13 @@ class Adam {
   // Takes back the step step_layer began, as if it had not run: every kept byte goes back and the
   // step counters too (for a backward that turned out not to be the step's last, or failed part
   // way). Nothing to do without one. A failure leaves it open; call again. kFailedPrecondition
-  // where finish_step committed the step and then failed: its undo is gone; finish it instead.
+  // where finish_step committed the step and then failed: its undo is gone; finish it instead
+  // (step_layer refuses it too), or restore a checkpoint.
   [[nodiscard]] absl::Status cancel_step();
+  // A step finish_step committed and then failed to finish, forgotten where a checkpoint is
+  // restored (load, and strata.optim's load_state_dict, call it first): what it did not finish
+  // stays undone. Nothing to do without one.
+  [[nodiscard]] absl::Status drop_committed_step();
   // See Note [Step placement] in runtime/policy.h: the line the policy gave when it placed the
   // steps (empty for a policy that does not), or the last it gave when it moved them (See Note
   // [Measured split] in policies/split_search.h), and the layers stepped on the host, ascending.
@@ -572,6 +577,10 @@ class Adam {
   // After the commit: the host-stepped layers' parameters back to the GPU, the layers backward
   // left stepped, and the step closed.
   absl::StatusOr<StepOutcome> finish_committed(const float* grad_scale, const float* found_inf);
+  void close_committed();
+  // Whether the last run_step stepped every layer it was to (a failure after that is the policy's
+  // end of step only).
+  bool stepped_every_layer_ = false;
 };
 
 }  // namespace strata::optim

@@ -334,6 +334,10 @@ absl::Status Adam::load(std::istream& in) {
   in.read(reinterpret_cast<char*>(&sum), sizeof(sum));
   if (in.gcount() != sizeof(sum)) return truncated();
   if (sum != expect) return absl::DataLossError("Adam checkpoint: checksum mismatch (corrupt)");
+  // A checkpoint restored: a step committed and not finished is forgotten.
+  if (absl::Status d = drop_committed_step(); !d.ok()) {
+    return absl::Status(d.code(), str_cat("Adam checkpoint: nothing loaded: ", d.message()));
+  }
 
   // A float32 parameter's master is not in the checkpoint: it is the parameter's value (See Note
   // [Float32 masters follow the split] in adam_placement.cpp).

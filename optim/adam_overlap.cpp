@@ -83,6 +83,12 @@ bool Adam::layer_on_gpu(int layer) const {
 absl::Status Adam::step_layer(int layer, const float* grad_scale) {
   rt::Runtime& rt = runtime_;
   STRATA_RETURN_IF_ERROR(finish_release());
+  if (overlap_committed_) {
+    return absl::FailedPreconditionError(
+        str_cat("Adam: step_layer(", layer,
+                "): the last step, taken during backward and committed, is not finished; call "
+                "finish_step again to finish it (or restore a checkpoint)"));
+  }
   if (!overlap_open_) {
     // See Note [Measured split] in policies/split_search.h: each layer steps where the policy
     // steps it.
@@ -312,15 +318,36 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_committed(const float* grad_scale
   // which parameters it stepped and asks for a checkpoint, as step()'s does (See Note [A failed
   // step] in adam.cpp): the step stays open, and a call again would step those again.
   absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
-  if (!rest.ok()) {
+  if (!rest.ok() && !stepped_every_layer_) {
     return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
                                              "backward stand; stepping the others failed: ",
                                              rest.message()));
   }
-  overlap_open_ = false;
-  overlap_committed_ = false;
+  // Every layer stepped (only the policy's end of step may have failed: the next hook finishes
+  // it): the step is taken, and closed.
+  close_committed();
+  STRATA_RETURN_IF_ERROR(rest);
   STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]
   return StepOutcome::kSpeculation;
+}
+
+void Adam::close_committed() {
+  overlap_open_ = false;
+  overlap_committed_ = false;
+}
+
+absl::Status Adam::drop_committed_step() {
+  if (!overlap_committed_) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(finish_release());
+  // What finish_step did not finish is the checkpoint's to say now: the host layers' parameters
+  // stay where they are (the model's own state dict restores them), the layers left are not
+  // stepped.
+  end_host_speculation();
+  close_committed();
+  overlapped_.clear();
+  last_step_.clear();
+  clear_skipped();
+  return absl::OkStatus();
 }
 
 absl::Status Adam::roll_back() {

@@ -149,6 +149,10 @@ class Adam {
     py::gil_scoped_release release;
     bridge::check(adam_->cancel_step());
   }
+  void drop_committed_step() {
+    py::gil_scoped_release release;
+    bridge::check(adam_->drop_committed_step());
+  }
 
   // The step step_layer began (or a whole step): "sequential", "speculation" (it held) or
   // "redone" (clipping triggered or inf was found).

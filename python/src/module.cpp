@@ -269,6 +269,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("set_step_in_backward", &Adam::set_step_in_backward)
       .def("finish_step", &Adam::finish_step)
       .def("cancel_step", &Adam::cancel_step)
+      .def("drop_committed_step", &Adam::drop_committed_step)
       .def("overlapped_step_open", &Adam::overlapped_step_open)
       .def("overlapped_layers", &Adam::overlapped_layers)
       .def("set_backward_share", &Adam::set_backward_share)

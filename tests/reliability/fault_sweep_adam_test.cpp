@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -443,8 +444,10 @@ TEST(FaultSweepTest, AFailedOverlappedStepIsFinishedExactly) {
 // after a step() that raised (See Note [Overlapped step] in optim/adam.h). Before finish_step
 // committed the step, cancel_step takes all of it back and a sequential step() takes it again,
 // exactly. Once it committed (the speculation held, the undo dropped) and finishing the rest
-// failed, cancel_step refuses with kFailedPrecondition naming finish_step, changing nothing, and
-// finish_step again finishes the step, exactly. Every k-th call of every kind of device call in
+// failed, cancel_step and step_layer refuse with kFailedPrecondition naming finish_step, changing
+// nothing; then finish_step again finishes the step, exactly, or (every other k) a checkpoint of
+// the step's start is restored, which forgets it, and the step taken again from there is exact
+// even where finishing had stepped part of it. Every k-th call of every kind of device call in
 // the finish_step alone, once or sticky, under layer_prefetch with half of the states stepped in
 // backward (the rest after it) and hybrid with half the layers stepped on the host, each with a
 // true grad_scale equal to the speculation's (it holds) and not (a redo). Exact: the run ends
@@ -470,7 +473,7 @@ TEST(FaultSweepTest, AFailedFinishStepIsTakenBackWholeOrFinished) {
   struct Outcome {
     std::map<std::string, Bytes> end;
     std::int64_t calls = 0;
-    bool failed = false, taken_back = false, refused = false, partial = false;
+    bool failed = false, taken_back = false, refused = false, restored = false, partial = false;
     std::vector<std::string> problems;
   };
   auto run = [&](const Setup& setup, std::optional<Site> site, std::int64_t k) {
@@ -498,6 +501,13 @@ TEST(FaultSweepTest, AFailedFinishStepIsTakenBackWholeOrFinished) {
     backward();
     must("finish_step", adam.finish_step(scale.get()).status());
     must("end_step", rt.end_step());
+    // A checkpoint of the step's start: the parameters and the optimizer's own.
+    std::vector<std::pair<TensorHandle, Bytes>> params;
+    for (TensorHandle h : rt.tensors()) {
+      if (rt.info(h)->spec.role == Role::kParameter) params.emplace_back(h, read_all(rt, h));
+    }
+    std::stringstream checkpoint;
+    must("save", adam.save(checkpoint));
     backward();
     *scale = setup.true_scale;
     const DeviceCall counted = site ? site->call : DeviceCall::kCopy;
@@ -514,7 +524,7 @@ TEST(FaultSweepTest, AFailedFinishStepIsTakenBackWholeOrFinished) {
       const bool open = adam.overlapped_step_open();
       const absl::Status cancelled = adam.cancel_step();
       if (cancelled.ok()) {
-        out.taken_back = true;
+        out.taken_back = open;  // else finish_step had rolled it back itself
         if (adam.overlapped_step_open()) out.problems.push_back("cancel_step left the step open");
         // The step untaken: taken again after backward, as the sequential step takes it.
         const absl::Status again = adam.step(scale.get());
@@ -526,11 +536,27 @@ TEST(FaultSweepTest, AFailedFinishStepIsTakenBackWholeOrFinished) {
           out.problems.push_back(str_cat("cancel_step: ", cancelled.ToString()));
         }
         if (!adam.overlapped_step_open()) out.problems.push_back("a refused cancel closed it");
-        const absl::Status again = adam.finish_step(scale.get()).status();
-        if (!again.ok() && !asks_checkpoint(again)) {
-          out.problems.push_back(str_cat("finish_step again: ", again.ToString()));
+        if (absl::IsFailedPrecondition(adam.step_layer(0)) == false) {
+          out.problems.push_back("step_layer joined a committed step");
         }
-        out.partial = out.partial || asks_checkpoint(again);
+        if (k % 2 == 1) {
+          const absl::Status again = adam.finish_step(scale.get()).status();
+          if (!again.ok() && !asks_checkpoint(again)) {
+            out.problems.push_back(str_cat("finish_step again: ", again.ToString()));
+          }
+          out.partial = out.partial || asks_checkpoint(again);
+        } else {
+          // The checkpoint restored instead: the step is forgotten, and taken again from it.
+          out.restored = true;
+          out.partial = false;
+          if (absl::Status e = rt.end_step(); !e.ok()) must("end_step again", rt.end_step());
+          for (const auto& [h, bytes] : params) must("write", rt.write(h, bytes.data()));
+          must("load", adam.load(checkpoint));
+          if (adam.overlapped_step_open()) out.problems.push_back("load left the step open");
+          *scale = setup.true_scale;
+          backward();
+          must("finish_step after load", adam.finish_step(scale.get()).status());
+        }
       }
     }
     if (absl::Status e = rt.end_step(); !e.ok()) must("end_step again", rt.end_step());
@@ -544,7 +570,8 @@ TEST(FaultSweepTest, AFailedFinishStepIsTakenBackWholeOrFinished) {
     return out;
   };
 
-  int injections = 0, failed = 0, taken_back = 0, refused = 0, partial = 0, failures = 0;
+  int injections = 0, failed = 0, taken_back = 0, refused = 0, restored = 0, partial = 0;
+  int failures = 0;
   for (const Setup& setup : setups) {
     const Outcome reference = run(setup, std::nullopt, 0);
     ASSERT_TRUE(reference.problems.empty()) << setup.policy << ": " << reference.problems.front();
@@ -556,6 +583,7 @@ TEST(FaultSweepTest, AFailedFinishStepIsTakenBackWholeOrFinished) {
         failed += o.failed ? 1 : 0;
         taken_back += o.taken_back ? 1 : 0;
         refused += o.refused ? 1 : 0;
+        restored += o.restored ? 1 : 0;
         partial += o.partial ? 1 : 0;
         if (!o.partial && o.end != reference.end) {
           o.problems.push_back("bytes differ from the fault-free run");
@@ -570,11 +598,13 @@ TEST(FaultSweepTest, AFailedFinishStepIsTakenBackWholeOrFinished) {
   }
   std::printf(
       "failed finish_step then cancel_step: %d injections, %d failed, %d taken back, %d refused "
-      "(committed), %d asked for a checkpoint, failures: %d\n",
-      injections, failed, taken_back, refused, partial, failures);
+      "(committed; %d of them restored from a checkpoint), %d asked for a checkpoint, failures: "
+      "%d\n",
+      injections, failed, taken_back, refused, restored, partial, failures);
   // Both paths ran: steps taken back whole, and committed steps refused and finished.
   EXPECT_GT(taken_back, 0);
   EXPECT_GT(refused, 0);
+  EXPECT_GT(restored, 0);
 }
 
 }  // namespace
