@@ -341,8 +341,13 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
         "Adam: step() while a step begun by step_layer is open; complete it with finish_step");
   }
   overlapped_.clear();
-  STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  return end_step();  // See Note [Per-parameter steps]
+  const absl::Status stepped = run_step(grad_scale, found_inf, /*new_step=*/true);
+  // A step that stepped every layer is taken (only the policy's end of step failed): its lists
+  // are forgotten as after any step; one that did not keeps them for its retry.
+  if (!stepped.ok() && !stepped_every_layer_) return stepped;
+  const absl::Status ended = end_step();  // See Note [Per-parameter steps]
+  STRATA_RETURN_IF_ERROR(stepped);
+  return ended;
 }
 
 absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, bool new_step) {

@@ -578,6 +578,8 @@ class Adam {
   // left stepped, and the step closed.
   absl::StatusOr<StepOutcome> finish_committed(const float* grad_scale, const float* found_inf);
   void close_committed();
+  // drop_committed_step's part that cannot fail (Adam::load calls it once the checkpoint is in).
+  void forget_committed_step();
   // Whether the last run_step stepped every layer it was to (a failure after that is the policy's
   // end of step only).
   bool stepped_every_layer_ = false;

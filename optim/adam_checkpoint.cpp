@@ -334,9 +334,12 @@ absl::Status Adam::load(std::istream& in) {
   in.read(reinterpret_cast<char*>(&sum), sizeof(sum));
   if (in.gcount() != sizeof(sum)) return truncated();
   if (sum != expect) return absl::DataLossError("Adam checkpoint: checksum mismatch (corrupt)");
-  // A checkpoint restored: a step committed and not finished is forgotten.
-  if (absl::Status d = drop_committed_step(); !d.ok()) {
-    return absl::Status(d.code(), str_cat("Adam checkpoint: nothing loaded: ", d.message()));
+  // A checkpoint restored forgets a step committed and not finished (below, once it is loaded):
+  // what it still holds is let go first.
+  if (overlap_committed_) {
+    if (absl::Status d = finish_release(); !d.ok()) {
+      return absl::Status(d.code(), str_cat("Adam checkpoint: nothing loaded: ", d.message()));
+    }
   }
 
   // A float32 parameter's master is not in the checkpoint: it is the parameter's value (See Note
@@ -373,6 +376,7 @@ absl::Status Adam::load(std::istream& in) {
     }
     return absl::Status(s.code(), str_cat("Adam checkpoint: nothing loaded: ", s.message()));
   }
+  forget_committed_step();
   STRATA_RETURN_IF_ERROR(reset_skipped());
   for (std::size_t i = 0; i < slots_.size(); ++i) slots_[i].steps = slot_steps[i];
   for (std::uint32_t g = 0; g < groups; ++g) groups_[g].hyper = hypers[g];

@@ -326,8 +326,9 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_committed(const float* grad_scale
   // Every layer stepped (only the policy's end of step may have failed: the next hook finishes
   // it): the step is taken, and closed.
   close_committed();
+  const absl::Status ended = end_step();  // See Note [Per-parameter steps]
   STRATA_RETURN_IF_ERROR(rest);
-  STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]
+  STRATA_RETURN_IF_ERROR(ended);
   return StepOutcome::kSpeculation;
 }
 
@@ -339,6 +340,14 @@ void Adam::close_committed() {
 absl::Status Adam::drop_committed_step() {
   if (!overlap_committed_) return absl::OkStatus();
   STRATA_RETURN_IF_ERROR(finish_release());
+  // Parameters queued back to the GPU before the failure land before whatever restores them.
+  STRATA_RETURN_IF_ERROR(sync_host_streams());
+  forget_committed_step();
+  return absl::OkStatus();
+}
+
+void Adam::forget_committed_step() {
+  if (!overlap_committed_) return;
   // What finish_step did not finish is the checkpoint's to say now: the host layers' parameters
   // stay where they are (the model's own state dict restores them), the layers left are not
   // stepped.
@@ -347,7 +356,6 @@ absl::Status Adam::drop_committed_step() {
   overlapped_.clear();
   last_step_.clear();
   clear_skipped();
-  return absl::OkStatus();
 }
 
 absl::Status Adam::roll_back() {

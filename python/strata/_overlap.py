@@ -408,8 +408,17 @@ class Overlap:
 
     # Takes back what the step's backward stepped and ends the runtime's step with no optimizer
     # step, so that training can go on from the parameters as they were before it.
-    def _abandon_backward(self) -> None:
+    def checkpoint_restored(self) -> None:
+        """load_state_dict() with a step taken in backward open: taken back, as before a forward
+        (so that step() steps the loaded states), or forgotten where a failed step() had committed
+        it (Adam::drop_committed_step)."""
+        if self._adam is not None and self._adam.overlapped_step_open():
+            self._abandon_backward(restored=True)
+
+    def _abandon_backward(self, restored: bool = False) -> None:
         self._runtime._rt.join_step_stream()  # what is taken back must have been written
+        if restored:
+            self._adam.drop_committed_step()  # nothing to do unless it was committed
         self._adam.cancel_step()
         self._adam.clear_skipped()
         self._adam.set_step_in_backward(False)

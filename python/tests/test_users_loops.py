@@ -5,6 +5,7 @@ keywords, GradScaler, the loop's own clipping and gradient accumulation under ov
 torch.compile'd model, and a Hugging Face-shaped model attached with the layers found in its
 module tree."""
 
+import copy
 import logging
 
 import pytest
@@ -912,3 +913,29 @@ def test_census_of_bad_inputs_from_users_loops(capsys):
     assert opt.close() == []
     with capsys.disabled():
         print(f"\nstrata.optim bad inputs tried: {len(cases)} distinct")
+
+
+def resume_loop(model, opt, steps):
+    """A checkpoint of step 3 loaded between backward and step() at step 6 (a loop restoring
+    after a failed step, or resuming mid-iteration): step() steps the loaded states, as torch's."""
+    losses, saved = [], None
+    for step in range(steps):
+        opt.zero_grad()
+        losses.append(mse_step(model, step))
+        if step == 6:
+            opt.load_state_dict(saved)
+        opt.step()
+        if step == 3:
+            saved = copy.deepcopy(opt.state_dict())
+    return losses
+
+
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
+def test_a_state_dict_loaded_between_backward_and_step_is_the_one_stepped(policy):
+    want_losses, want_params, _ = run(Mlp, torch_opt, resume_loop)
+    seq = run(Mlp, strata_opt(policy, overlap="none"), resume_loop)
+    got = run(Mlp, strata_opt(policy, overlap="backward"), resume_loop)
+    assert_close([torch.tensor(got[0])], [torch.tensor(want_losses)], rel=1e-5)
+    assert_close(got[1], want_params, rel=1e-5)
+    assert got[0] == seq[0]
+    assert_bitwise(got[1], seq[1])
