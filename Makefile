@@ -105,7 +105,7 @@ test: build
 	python3 tools/check_notes.py --self-test
 	python3 tools/check_notes.py
 	ctest --test-dir $(BUILD) -LE gpu --output-on-failure
-	@grep -h -E "^(fault sweep seed|fault sites:|Adam step faults:|overlapped step faults:|bad inputs tried:)" $(BUILD)/Testing/Temporary/LastTest.log
+	@grep -h -E "^(fault sweep seed|fault sites:|Adam step faults:|overlapped step faults:|failed finish_step then cancel_step:|bad inputs tried:)" $(BUILD)/Testing/Temporary/LastTest.log
 	$(MAKE) --no-print-directory pytest
 	$(MAKE) --no-print-directory consumer
 	$(MAKE) --no-print-directory sanitize
