@@ -133,9 +133,6 @@ def load_state_dict(
                 values["master_param"] = local(p).detach().to("cpu", torch.float32)
             entries.append((p, int(step), values))
         plan.append((gi, entries, saved))
-    # Everything checked: a step committed and left unfinished by a failure is forgotten, as the
-    # checkpoint restores what it would have written (Adam::drop_committed_step).
-    adam.drop_committed_step()
     for gi, entries, saved in plan:
         for k, v in saved.items():
             if k != "params":

@@ -406,8 +406,6 @@ class Overlap:
         self._passes_now = self._passes_before = 0
         self._after_only = self._taken_back = False
 
-    # Takes back what the step's backward stepped and ends the runtime's step with no optimizer
-    # step, so that training can go on from the parameters as they were before it.
     def checkpoint_restored(self) -> None:
         """load_state_dict() with a step taken in backward open: taken back, as before a forward
         (so that step() steps the loaded states), or forgotten where a failed step() had committed
@@ -415,6 +413,8 @@ class Overlap:
         if self._adam is not None and self._adam.overlapped_step_open():
             self._abandon_backward(restored=True)
 
+    # Takes back what the step's backward stepped and ends the runtime's step with no optimizer
+    # step, so that training can go on from the parameters as they were before it.
     def _abandon_backward(self, restored: bool = False) -> None:
         self._runtime._rt.join_step_stream()  # what is taken back must have been written
         if restored:
