@@ -23,3 +23,7 @@ nproc >"$OUT/cpus.txt"
 free -g | head -2 >>"$OUT/cpus.txt"
 PYTHONUNBUFFERED=1 python3 bench/users_script.py --json "$OUT/users_script.json" "$@" 2>&1 |
   tee "$OUT/users_script.log"
+status=${PIPESTATUS[0]}
+# A device call returns 8 files at most, and this writes 9 (the JSON among them): pack them.
+pack_out "$OUT"
+exit "$status"
