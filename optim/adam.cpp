@@ -352,6 +352,9 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
 
 absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, bool new_step) {
   rt::Runtime& rt = runtime_;
+  // Before any check can fail: a refused step stepped no layer, whatever the last one did (step()
+  // and finish_committed keep the step's lists, and the step open, only when this is false).
+  stepped_every_layer_ = false;
   STRATA_RETURN_IF_ERROR(check_can_step());
   if (options_.gradients_given) {
     // The layers this call steps (not those stepped in backward) have their gradients.
@@ -368,7 +371,6 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
   // [Measured split] in policies/split_search.h).
   if (new_step && rt.places_steps()) STRATA_RETURN_IF_ERROR(follow_placement());
   const std::size_t stepped_before = last_step_.size();
-  stepped_every_layer_ = false;
   if (absl::Status begin = rt.begin_optimizer_step(); !begin.ok()) {
     // The runtime has put back what the policy staged.
     return absl::Status(begin.code(), str_cat("Adam step failed before any kernel ran (nothing "
@@ -385,7 +387,12 @@ absl::Status Adam::run_step(const float* grad_scale, const float* found_inf, boo
   // kernel was queued yet, the step counters go back too, so a retry is exact; otherwise the error
   // says which layers were stepped (restore a checkpoint to redo the step). Each parameter's step
   // count moves when its kernel is queued (See Note [Per-parameter steps]), so the counts always
-  // say which parameters took the step.
+  // say which parameters took the step. One limit: a kernel call on a GPU may be several launches
+  // (a layer of many tensors or chunks), and a launch that fails after an earlier one of the same
+  // call was queued leaves that call's tensors partly stepped and uncounted. cudaGetLastError
+  // reports such a failure only for an asynchronous fault of earlier work, which leaves the device
+  // unusable, so nothing is retried after it; a launch that fails for its own configuration fails
+  // the call's first launch too.
   std::vector<rt::TensorHandle> held;
   int failed_layer = -1;
   absl::Status status = step_layers(grad_scale, found_inf, held, failed_layer);

@@ -73,10 +73,13 @@ def load_state_dict(
     trainable_ids: set,
     state_dict: dict,
     states: tuple = ("exp_avg", "exp_avg_sq"),
+    before_writes=None,
 ) -> None:
     """strata.optim's load_state_dict(): everything is checked before anything changes. `states`
     are those the optimizer's step rule keeps for every parameter (max_exp_avg_sq added with
-    amsgrad); an entry must have each, and no other optimizer's."""
+    amsgrad); an entry must have each, and no other optimizer's. `before_writes` runs once the
+    checks pass, before any parameter is read or state written (a step taken in backward is taken
+    back there, so that masters start from the parameters as they were before it)."""
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
@@ -125,14 +128,18 @@ def load_state_dict(
                             + (" on this rank" if is_dtensor(p) else "")
                         )
                     values[state] = v.detach().to("cpu", torch.float32).reshape(want.shape)
+            entries.append((p, int(step), values))
+        plan.append((gi, entries, saved))
+    if before_writes is not None:
+        before_writes()
+    for _, entries, _ in plan:
+        for p, _, values in entries:
             # A low-precision parameter's master copy not in the dict starts as the parameter. A
             # float32 parameter's (on the host only) is always the parameter's value: See Note
             # [Float32 masters follow the split] in optim/adam_placement.cpp. A parameter without
             # one ignores the key.
             if "master_param" not in values or p.dtype == torch.float32:
                 values["master_param"] = local(p).detach().to("cpu", torch.float32)
-            entries.append((p, int(step), values))
-        plan.append((gi, entries, saved))
     for gi, entries, saved in plan:
         for k, v in saved.items():
             if k != "params":

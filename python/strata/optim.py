@@ -497,10 +497,10 @@ class Adam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state dict of torch.optim.Adam / AdamW (or of this class): hyperparameters of
         every group, step counters and states. Everything is checked before anything changes.
-        Between backward and step() under overlap, what backward stepped is taken back first, so
-        that step() steps the loaded states, as torch's would."""
+        Between backward and step() under overlap, once the checks pass, what backward stepped is
+        taken back, so that step() steps the loaded states, as torch's would; a dict the checks
+        refuse leaves that step as it was."""
         self._check_open()
-        self._overlap.checkpoint_restored()  # a step taken in backward: taken back first
         _checkpoint.load_state_dict(
             self._name,
             self._adam,
@@ -509,6 +509,7 @@ class Adam(torch.optim.Optimizer):
             self._trainable_ids,
             state_dict,
             self._states,
+            before_writes=self._overlap.checkpoint_restored,
         )
 
     def close(self) -> list:

@@ -939,3 +939,33 @@ def test_a_state_dict_loaded_between_backward_and_step_is_the_one_stepped(policy
     assert_close(got[1], want_params, rel=1e-5)
     assert got[0] == seq[0]
     assert_bitwise(got[1], seq[1])
+
+
+def refused_load_loop(model, opt, steps):
+    """strata's: a state dict that fails load_state_dict's checks (its last parameter's moments
+    short), tried between backward and step() at every step: refused, and training goes on as
+    torch's (which does not check, and is not given it)."""
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        losses.append(mse_step(model, step))
+        if isinstance(opt, strata.optim.Adam):
+            bad = copy.deepcopy(opt.state_dict())
+            bad["state"][list(bad["state"])[-1]]["exp_avg"] = torch.zeros(3)
+            before = params_of(model)  # under overlap, what backward stepped
+            with pytest.raises(ValueError, match="has 3 elements"):
+                opt.load_state_dict(bad)
+            assert_bitwise(params_of(model), before)  # nothing taken back, nothing written
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("policy", LOOP_POLICIES)
+def test_a_state_dict_refused_between_backward_and_step_leaves_that_step_as_it_was(policy):
+    want_losses, want_params, _ = run(Mlp, torch_opt, refused_load_loop)
+    seq = run(Mlp, strata_opt(policy, overlap="none"), refused_load_loop)
+    got = run(Mlp, strata_opt(policy, overlap="backward"), refused_load_loop)
+    assert_close([torch.tensor(got[0])], [torch.tensor(want_losses)], rel=1e-5)
+    assert_close(got[1], want_params, rel=1e-5)
+    assert got[0] == seq[0]
+    assert_bitwise(got[1], seq[1])

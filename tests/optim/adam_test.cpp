@@ -397,18 +397,32 @@ TEST(AdamBadInputTest, ALayerThatCannotFitTheBudgetIsRefusedBeforeAnyLaunch) {
   EXPECT_EQ(runtime->tensors().size(), before) << "nothing may be registered";
 
   // Room for it: made and stepped once. Then the budget shrinks below the layer (the allocator
-  // allows it: its blocks stay) and the next step is refused with nothing changed.
-  ASSERT_TRUE(runtime->allocator().set_budget(Tier::kGpu, 32 * kMiB).ok());
+  // allows it: its blocks stay) and the next step is refused with nothing changed, its list of
+  // parameters to skip kept for the retry (See Note [Per-parameter steps] in optim/adam.h).
+  ASSERT_TRUE(runtime->allocator().set_budget(Tier::kGpu, 40 * kMiB).ok());
+  TensorHandle q = *runtime->register_tensor(spec("q", 3, Role::kParameter, 16));
+  TensorHandle qg = *runtime->register_tensor(spec("q.grad", 3, Role::kGradient, 16));
+  o.groups[0].params.push_back({q, qg});
   std::unique_ptr<Adam> adam = *Adam::create(*runtime, o);
   std::vector<float> ones(kNumel, 1.0f);
   ASSERT_TRUE(runtime->write(g, ones.data()).ok());
+  ASSERT_TRUE(runtime->write(qg, ones.data()).ok());
   ASSERT_TRUE(adam->step().ok());
   const std::vector<unsigned char> params = rt::testing::read_all(*runtime, p);
+  const std::vector<unsigned char> q_params = rt::testing::read_all(*runtime, q);
   ASSERT_TRUE(runtime->allocator().set_budget(Tier::kGpu, 12 * kMiB).ok());
+  ASSERT_TRUE(adam->skip_parameters({q}).ok());
   s = adam->step();
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_EQ(adam->step_count(0), 1);
   EXPECT_EQ(rt::testing::read_all(*runtime, p), params);
+  EXPECT_TRUE(adam->skipped_this_step(q)) << "a refused step forgot the parameters it skips";
+  // The retry, with room again, skips the same parameter.
+  ASSERT_TRUE(runtime->allocator().set_budget(Tier::kGpu, 40 * kMiB).ok());
+  ASSERT_TRUE(adam->step().ok());
+  EXPECT_EQ(*adam->step_count_of(p), 2);
+  EXPECT_EQ(*adam->step_count_of(q), 1);
+  EXPECT_EQ(rt::testing::read_all(*runtime, q), q_params);
 }
 
 TEST(AdamBadInputTest, AnUnregisteredTensorStopsTheStepBeforeAnyLaunch) {
