@@ -915,6 +915,18 @@ def test_census_of_bad_inputs_from_users_loops(capsys):
         print(f"\nstrata.optim bad inputs tried: {len(cases)} distinct")
 
 
+def assert_overlapped_as_torch_and_sequential(policy, loop):
+    """`loop` under strata with overlap="backward": torch's results, and bitwise the same loop
+    under overlap="none"."""
+    want_losses, want_params, _ = run(Mlp, torch_opt, loop)
+    seq = run(Mlp, strata_opt(policy, overlap="none"), loop)
+    got = run(Mlp, strata_opt(policy, overlap="backward"), loop)
+    assert_close([torch.tensor(got[0])], [torch.tensor(want_losses)], rel=1e-5)
+    assert_close(got[1], want_params, rel=1e-5)
+    assert got[0] == seq[0]
+    assert_bitwise(got[1], seq[1])
+
+
 def resume_loop(model, opt, steps):
     """A checkpoint of step 3 loaded between backward and step() at step 6 (a loop restoring
     after a failed step, or resuming mid-iteration): step() steps the loaded states, as torch's."""
@@ -932,13 +944,7 @@ def resume_loop(model, opt, steps):
 
 @pytest.mark.parametrize("policy", LOOP_POLICIES)
 def test_a_state_dict_loaded_between_backward_and_step_is_the_one_stepped(policy):
-    want_losses, want_params, _ = run(Mlp, torch_opt, resume_loop)
-    seq = run(Mlp, strata_opt(policy, overlap="none"), resume_loop)
-    got = run(Mlp, strata_opt(policy, overlap="backward"), resume_loop)
-    assert_close([torch.tensor(got[0])], [torch.tensor(want_losses)], rel=1e-5)
-    assert_close(got[1], want_params, rel=1e-5)
-    assert got[0] == seq[0]
-    assert_bitwise(got[1], seq[1])
+    assert_overlapped_as_torch_and_sequential(policy, resume_loop)
 
 
 def refused_load_loop(model, opt, steps):
@@ -962,10 +968,4 @@ def refused_load_loop(model, opt, steps):
 
 @pytest.mark.parametrize("policy", LOOP_POLICIES)
 def test_a_state_dict_refused_between_backward_and_step_leaves_that_step_as_it_was(policy):
-    want_losses, want_params, _ = run(Mlp, torch_opt, refused_load_loop)
-    seq = run(Mlp, strata_opt(policy, overlap="none"), refused_load_loop)
-    got = run(Mlp, strata_opt(policy, overlap="backward"), refused_load_loop)
-    assert_close([torch.tensor(got[0])], [torch.tensor(want_losses)], rel=1e-5)
-    assert_close(got[1], want_params, rel=1e-5)
-    assert got[0] == seq[0]
-    assert_bitwise(got[1], seq[1])
+    assert_overlapped_as_torch_and_sequential(policy, refused_load_loop)
