@@ -2,7 +2,7 @@
 # bench/users_script.py on the GPU (issue 37): a user's script with strata's one line beside
 # torch resident, torchao's CPUOffloadOptimizer, DeepSpeed ZeRO-Offload and FSDP2 (resident,
 # CPUOffloadPolicy, strata), each run a process of its own with the device's memory polled,
-# interleaved in rounds.
+# interleaved in rounds. What it writes is packed in OUT_DIR/all.tgz (gpu.txt beside it).
 #   tools/gpu/run_users_script.sh OUT_DIR [users_script.py arguments, e.g. --batches 8 --rounds 2]
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_users_script.sh OUT_DIR [args]}
