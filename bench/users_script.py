@@ -30,6 +30,9 @@ zero_grad() after every step. The approaches (--approaches, all by default):
                   stored and streamed compressed (See Note [Compressed moments])
   NAME:dK         a strata approach with prefetch_depth=K given, e.g. strata_tuned_int8:d12
   NAME+undo       a strata_tuned approach with undo_on_gpu=True, e.g. strata_tuned_int8:d28+undo
+  NAME+torchcopies
+                  an fsdp2_strata approach with FSDP2's own copy kernels (STRATA_FSDP_COPIES=torch;
+                  See Note [FSDP2's copies and the link] in strata/_fsdp_copies.py)
   NAME@SIZE       a strata approach with layer_bytes=SIZE given, e.g. fsdp2_strata@1GiB (one layer
                   a unit, none cut)
   torchao_8bit    torchao's AdamW8bit, every state on the GPU (its 8-bit moments are GPU
@@ -574,8 +577,12 @@ def main():
                 f"--one {args.one}@{args.layer_bytes}: only strata's approaches take @SIZE"
             )
         args.one, _, extra = args.one.partition("+")
-        if extra not in ("", "undo"):
-            raise SystemExit(f"--one ...+{extra}: the only suffix is +undo")
+        if extra not in ("", "undo", "torchcopies"):
+            raise SystemExit(f"--one ...+{extra}: the suffixes are +undo and +torchcopies")
+        if extra == "torchcopies" and not args.one.startswith("fsdp2_strata"):
+            raise SystemExit(f"--one {args.one}: only fsdp2_strata approaches take +torchcopies")
+        if extra == "torchcopies":  # before strata is imported
+            os.environ["STRATA_FSDP_COPIES"] = "torch"
         args.undo_on_gpu = extra == "undo"
         if args.undo_on_gpu and not args.one.startswith("strata_tuned"):
             raise SystemExit(f"--one {args.one}: only strata_tuned approaches take +undo")

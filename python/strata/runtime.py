@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _strata
+from . import _fsdp_copies, _strata
 from .distributed import check_shardable, is_dtensor, local, make_grad, whole_storage
 
 _log = logging.getLogger("strata")
@@ -230,6 +230,8 @@ class Runtime:
                 continue
             if is_dtensor(p):
                 check_shardable(p, name)
+                if p.is_cuda and not self.simulated:
+                    _fsdp_copies.install()  # See Note [FSDP2's copies and the link]
                 if p.grad is None or not is_dtensor(p.grad) or local(p.grad).data_ptr() == 0:
                     p.grad = make_grad(p)
                 elif whole_storage(local(p.grad)).numel() != whole_storage(local(p)).numel():
