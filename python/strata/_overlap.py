@@ -125,7 +125,8 @@ class Overlap:
             # policies/state_streaming.cpp); strata.attach's hooks begin it before forward.
             for p in trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._begin_step))
-        if model is not None and not runtime._hooks and not fsdp_modules():
+        units = fsdp_modules()
+        if model is not None and not runtime._hooks and not any(id(p) in units for p in trainable):
             # Given the model, the step begins with its forward: the states come in while forward
             # runs too (FSDP2's units begin it so under overlap).
             self._hooks.append(model.register_forward_pre_hook(self._begin_from_forward))

@@ -1,11 +1,13 @@
 """strata's kernels for FSDP2's copy-in and copy-out (See Note [FSDP2's copies and the link] in
 strata/_fsdp_copies.py): bitwise torch's kernels on every shape FSDP2 gives them (padded chunks,
 casts, several ranks), on the CPU and on the GPU (mark gpu); registered in place of torch's, a
-one-rank FSDP2 model trains bitwise as with torch's; STRATA_FSDP_COPIES=torch keeps torch's."""
+one-rank FSDP2 model trains bitwise as with torch's; STRATA_FSDP_COPIES=torch keeps torch's. And an
+FSDP2 model alive in the process changes nothing for another model's optimizer."""
 
 import pytest
 import torch
 
+import strata
 from strata import _fsdp_copies
 
 # Rows fewer than the chunks, rows not a multiple of them, 1-D to 3-D.
@@ -135,3 +137,19 @@ def test_strata_fsdp_copies_torch_keeps_torchs_kernels(one_rank, monkeypatch):
     monkeypatch.setenv("STRATA_FSDP_COPIES", "torch")
     assert not _fsdp_copies.install("CPU")
     assert _fsdp_copies._library is None
+
+
+def test_an_fsdp2_model_alive_elsewhere_leaves_another_models_step_as_it_was(one_rank):
+    # A model given to the optimizer begins its step with its forward, unless its own parameters
+    # are FSDP2's (their units begin it): an FSDP2 model alive in the process, not this optimizer's,
+    # changes nothing.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fully_shard(other, mesh=init_device_mesh("cpu", (1,)))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = strata.optim.AdamW(model.parameters(), lr=1e-3, model=model)
+    model(torch.randn(2, 8)).sum()
+    assert opt.runtime._rt.in_step()
+    opt.close()
