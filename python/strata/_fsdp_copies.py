@@ -22,7 +22,8 @@ launch) where the pieces are contiguous, and strided copy_ of each piece otherwi
 host-to-device, so nothing queues behind strata's fetches. Only copies: the result is bitwise
 torch's, a cast (bfloat16 gradients reduced in float32) included, since both convert elements with
 the same rounding. A case the copies do not cover (a dimension other than 0, a tensor that is not
-contiguous, an empty one) goes to torch's kernel. STRATA_FSDP_COPIES=torch keeps torch's kernels for the process.
+contiguous, an empty one) goes to torch's kernel. STRATA_FSDP_COPIES=torch keeps torch's kernels
+for the process.
 """
 
 from __future__ import annotations
@@ -49,11 +50,8 @@ def chunk_cat(tensors: list, dim: int, num_chunks: int, out: torch.Tensor) -> No
     ):
         torch._chunk_cat(tensors, dim, num_chunks, out=out)
         return
-    sizes = []
-    for t in tensors:
-        rows = t.size(0)
-        per_chunk = -(-rows // num_chunks)  # rows a chunk, padded
-        sizes.append(per_chunk * (t.numel() // rows))
+    per_chunk = [-(-t.size(0) // num_chunks) for t in tensors]  # rows a chunk, padded
+    sizes = [rows * (t.numel() // t.size(0)) for rows, t in zip(per_chunk, tensors)]
     if out.numel() != num_chunks * sum(sizes):
         torch._chunk_cat(tensors, dim, num_chunks, out=out)
         return
@@ -63,19 +61,16 @@ def chunk_cat(tensors: list, dim: int, num_chunks: int, out: torch.Tensor) -> No
         torch._foreach_copy_(list(pieces), [t.view(-1) for t in tensors])
         return
     start = 0
-    for t, size in zip(tensors, sizes):
+    for t, rows, size in zip(tensors, per_chunk, sizes):
         column = grid[:, start : start + size]  # (num_chunks, size), every chunk i of t
         start += size
-        rows = t.size(0)
-        per_chunk = -(-rows // num_chunks)
-        trailing = size // per_chunk
-        full = rows // per_chunk  # chunks with all their rows
+        full = t.size(0) // rows  # chunks with all their rows
         if full:
-            column[:full].copy_(t[: full * per_chunk].reshape(full, size))
+            column[:full].copy_(t[: full * rows].reshape(full, size))
         if full < num_chunks:
-            left = (rows - full * per_chunk) * trailing  # the partly filled chunk's elements
+            left = t[full * rows :].numel()  # the partly filled chunk's elements
             if left:
-                column[full, :left].copy_(t[full * per_chunk :].reshape(-1))
+                column[full, :left].copy_(t[full * rows :].reshape(-1))
             column[full, left:].zero_()
             column[full + 1 :].zero_()
 

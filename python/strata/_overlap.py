@@ -22,7 +22,7 @@ import torch
 from . import _strata
 from ._read_gradients import ReadGradients
 from ._when import StepChoice
-from .distributed import all_reduce_norm, clip_coef, fsdp_modules, grad_norm, local
+from .distributed import all_reduce_norm, clip_coef, fsdp_modules, fsdp_units, grad_norm, local
 from .scalars import read_scalars
 
 _log = logging.getLogger("strata")
@@ -125,7 +125,7 @@ class Overlap:
             # policies/state_streaming.cpp); strata.attach's hooks begin it before forward.
             for p in trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._begin_step))
-        units = fsdp_modules()
+        units = fsdp_units()
         if model is not None and not runtime._hooks and not any(id(p) in units for p in trainable):
             # Given the model, the step begins with its forward: the states come in while forward
             # runs too (FSDP2's units begin it so under overlap).
