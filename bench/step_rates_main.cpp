@@ -46,10 +46,10 @@ struct Precision {
 std::string prediction_json(const policy::StepPrediction& p) {
   char line[300];
   std::snprintf(line, sizeof(line),
-                "{\"ms\": %.3f, \"link_ms\": %.3f, \"host_ms\": %.3f, \"host_memory_ms\": %.3f, "
-                "\"gpu_ms\": %.3f, \"bound\": \"%s\", \"host_params\": %lld}",
-                p.seconds * 1e3, p.link_s * 1e3, p.host_s * 1e3, p.host_memory_s * 1e3,
-                p.gpu_s * 1e3, p.bound.c_str(), static_cast<long long>(p.host_params));
+                "{\"ms\": %.3f, \"link_ms\": %.3f, \"host_ms\": %.3f, \"gpu_ms\": %.3f, "
+                "\"bound\": \"%s\", \"host_params\": %lld}",
+                p.seconds * 1e3, p.link_s * 1e3, p.host_s * 1e3, p.gpu_s * 1e3, p.bound.c_str(),
+                static_cast<long long>(p.host_params));
   return line;
 }
 
@@ -72,12 +72,14 @@ int run(const Args& args) {
   std::printf("device: %s\nrates: %s\n", (*runtime)->device().name().c_str(),
               rt::describe(*rates).c_str());
   std::string json = "{\"device\": \"" + (*runtime)->device().name() + "\", \"rates\": {";
-  char field[200];
+  char field[400];
   std::snprintf(field, sizeof(field),
                 "\"link_h2d_gbps\": %.2f, \"link_d2h_gbps\": %.2f, \"link_both_gbps\": %.2f, "
-                "\"host_params_per_s\": %.4g, \"host_params_per_s_alone\": %.4g, ",
+                "\"host_params_per_s\": %.4g, \"link_h2d_loaded_gbps\": %.2f, "
+                "\"link_d2h_loaded_gbps\": %.2f, \"host_params_per_s_alone\": %.4g, ",
                 rates->link_h2d_gbps, rates->link_d2h_gbps, rates->link_both_gbps,
-                rates->host_params_per_s, rates->host_params_per_s_alone);
+                rates->host_params_per_s, rates->link_h2d_loaded_gbps, rates->link_d2h_loaded_gbps,
+                rates->host_params_per_s_alone);
   json += field;
   std::snprintf(field, sizeof(field),
                 "\"host_memory_gbps\": %.2f, \"gpu_params_per_s\": %.4g, \"host_threads\": %d}, "
@@ -96,8 +98,7 @@ int run(const Args& args) {
                         .params = args.params / args.layers,
                         .state_bytes = p.state_bytes,
                         .grad_bytes = p.grad_bytes,
-                        .param_bytes = p.param_bytes,
-                        .host_touch_bytes = 28});
+                        .param_bytes = p.param_bytes});
     }
     std::printf("\n%s, %d layers of %lld parameters:\n", p.name, args.layers,
                 static_cast<long long>(args.params / args.layers));

@@ -20,16 +20,6 @@
 #include "optim/step_rates.h"
 
 namespace strata::optim {
-namespace {
-
-// Host memory the host kernel reads and writes a parameter: its gradient read, every state it keeps
-// on the host read and written (`state_bytes` together, as stored: See Note [Compressed moments] in
-// state_codec.h; its float32 master among them), and a low-precision parameter written.
-double host_touch_bytes(double grad_bytes, double param_bytes, double state_bytes) {
-  return grad_bytes + 2 * state_bytes + (param_bytes < 4 ? param_bytes : 0);
-}
-
-}  // namespace
 
 absl::Status Adam::place_steps() {
   std::map<int, rt::LayerCost> by_layer;
@@ -49,17 +39,11 @@ absl::Status Adam::place_steps() {
       // Weighted sums, divided by the parameters below: bytes a parameter over the layer.
       const StepRule& rule = *options_.rule;
       const auto numel = static_cast<std::int64_t>(n);
-      auto bytes_at = [&](rt::StepPlace place) {
-        return static_cast<double>(state_bytes(
-            rule.states(group.hyper, p.spec.dtype, place, options_.state_dtype), numel));
-      };
-      c.state_bytes += bytes_at(rt::StepPlace::kGpu);
-      const double grad_bytes = static_cast<double>(rt::dtype_size(grad_dtype));
-      const double param_bytes = static_cast<double>(rt::dtype_size(p.spec.dtype));
-      c.grad_bytes += n * grad_bytes;
-      c.param_bytes += n * param_bytes;
-      c.host_touch_bytes +=
-          n * host_touch_bytes(grad_bytes, param_bytes, bytes_at(rt::StepPlace::kHost) / n);
+      c.state_bytes += static_cast<double>(state_bytes(
+          rule.states(group.hyper, p.spec.dtype, rt::StepPlace::kGpu, options_.state_dtype),
+          numel));
+      c.grad_bytes += n * static_cast<double>(rt::dtype_size(grad_dtype));
+      c.param_bytes += n * static_cast<double>(rt::dtype_size(p.spec.dtype));
       // See Note [Measured split] in policies/split_search.h: a layer moves between steps only
       // where its states stay what they are, but for a float32 parameter's master (See Note
       // [Float32 masters follow the split]).
@@ -73,7 +57,6 @@ absl::Status Adam::place_steps() {
       c.state_bytes /= n;
       c.grad_bytes /= n;
       c.param_bytes /= n;
-      c.host_touch_bytes /= n;
     }
     c.movable = fixed.count(layer) == 0 && step_bytes_[layer] <= runtime_.gpu_budget();
     costs.layers.push_back(c);
@@ -82,8 +65,11 @@ absl::Status Adam::place_steps() {
   // figures say nothing about a GPU anyway.
   MeasureOptions measure;
   if (runtime_.device().is_simulated()) {
-    measure = {
-        .link_bytes = 1 << 20, .adam_params = 1 << 16, .memory_bytes = 1 << 20, .repeats = 1};
+    measure = {.link_bytes = 1 << 20,
+               .adam_params = 1 << 16,
+               .memory_bytes = 1 << 20,
+               .repeats = 1,
+               .loaded_seconds = 0};
   }
   measure.moments = options_.state_dtype;
   measure.rule = options_.rule.get();

@@ -31,6 +31,29 @@ absl::Status check_bytes(const LayerCost& l, const char* name, double bytes) {
 // Link bytes a parameter saves when its layer is stepped on the host.
 double host_savings(const LayerCost& l) { return 2 * l.state_bytes - l.grad_bytes - l.param_bytes; }
 
+// Seconds the link takes for h2d and d2h bytes with no host work (See Note [Hybrid cost model]):
+// overlapped while both directions copy, the rest alone.
+double link_seconds(const StepRates& r, double h2d, double d2h) {
+  const double both = std::min(h2d, d2h);
+  const double alone = std::max(h2d, d2h) - both;
+  const double alone_gbps = h2d > d2h ? r.link_h2d_gbps : r.link_d2h_gbps;
+  double s = both / (r.link_both_gbps * kBytesPerGb);
+  if (alone > 0) s += alone / (alone_gbps * kBytesPerGb);
+  return s;
+}
+
+// The same while the host kernel runs for `host_s` seconds: each direction at its loaded rate
+// until then, the rest as link_seconds has it.
+double link_seconds_beside_host(const StepRates& r, double h2d, double d2h, double host_s) {
+  if (host_s <= 0) return link_seconds(r, h2d, d2h);
+  const double h2d_rate = r.link_h2d_loaded_gbps * kBytesPerGb;
+  const double d2h_rate = r.link_d2h_loaded_gbps * kBytesPerGb;
+  const double h2d_left = std::max(0.0, h2d - h2d_rate * host_s);
+  const double d2h_left = std::max(0.0, d2h - d2h_rate * host_s);
+  if (h2d_left == 0 && d2h_left == 0) return std::max(h2d / h2d_rate, d2h / d2h_rate);
+  return host_s + link_seconds(r, h2d_left, d2h_left);
+}
+
 }  // namespace
 
 std::vector<std::size_t> host_order(const std::vector<LayerCost>& layers) {
@@ -51,7 +74,8 @@ absl::Status validate_cost_inputs(const StepRates& rates, const std::vector<Laye
   STRATA_RETURN_IF_ERROR(check_rate("link_d2h_gbps", rates.link_d2h_gbps, false));
   STRATA_RETURN_IF_ERROR(check_rate("link_both_gbps", rates.link_both_gbps, false));
   STRATA_RETURN_IF_ERROR(check_rate("host_params_per_s", rates.host_params_per_s, false));
-  STRATA_RETURN_IF_ERROR(check_rate("host_memory_gbps", rates.host_memory_gbps, false));
+  STRATA_RETURN_IF_ERROR(check_rate("link_h2d_loaded_gbps", rates.link_h2d_loaded_gbps, false));
+  STRATA_RETURN_IF_ERROR(check_rate("link_d2h_loaded_gbps", rates.link_d2h_loaded_gbps, false));
   STRATA_RETURN_IF_ERROR(check_rate("gpu_params_per_s", rates.gpu_params_per_s, true));
   for (const LayerCost& l : layers) {
     if (l.params < 0) {
@@ -61,7 +85,6 @@ absl::Status validate_cost_inputs(const StepRates& rates, const std::vector<Laye
     STRATA_RETURN_IF_ERROR(check_bytes(l, "state_bytes", l.state_bytes));
     STRATA_RETURN_IF_ERROR(check_bytes(l, "grad_bytes", l.grad_bytes));
     STRATA_RETURN_IF_ERROR(check_bytes(l, "param_bytes", l.param_bytes));
-    STRATA_RETURN_IF_ERROR(check_bytes(l, "host_touch_bytes", l.host_touch_bytes));
   }
   return absl::OkStatus();
 }
@@ -73,14 +96,12 @@ StepPrediction predict(const StepRates& rates, const std::vector<LayerCost>& lay
   StepPrediction p;
   double h2d = 0;
   double d2h = 0;
-  double host_touch = 0;
   for (std::size_t i = 0; i < layers.size(); ++i) {
     const LayerCost& l = layers[i];
     double n = static_cast<double>(l.params);
     if (on_host[i]) {
       h2d += n * l.param_bytes;
       d2h += n * l.grad_bytes;
-      host_touch += n * l.host_touch_bytes;
       p.host_params += l.params;
     } else {
       h2d += n * l.state_bytes;
@@ -88,20 +109,13 @@ StepPrediction predict(const StepRates& rates, const std::vector<LayerCost>& lay
       p.gpu_params += l.params;
     }
   }
-  // See Note [Hybrid cost model]: overlapped while both directions copy, the rest alone.
-  double both = std::min(h2d, d2h);
-  double alone = std::max(h2d, d2h) - both;
-  double alone_gbps = h2d > d2h ? rates.link_h2d_gbps : rates.link_d2h_gbps;
-  p.link_s = both / (rates.link_both_gbps * kBytesPerGb);
-  if (alone > 0) p.link_s += alone / (alone_gbps * kBytesPerGb);
   p.host_s = static_cast<double>(p.host_params) / rates.host_params_per_s;
-  p.host_memory_s = (h2d + d2h + host_touch) / (rates.host_memory_gbps * kBytesPerGb);
+  p.link_s = link_seconds_beside_host(rates, h2d, d2h, p.host_s);
   p.gpu_s =
       rates.gpu_params_per_s > 0 ? static_cast<double>(p.gpu_params) / rates.gpu_params_per_s : 0.0;
   p.seconds = p.link_s;
   p.bound = "link";
-  const std::pair<double, const char*> others[] = {
-      {p.host_s, "host"}, {p.host_memory_s, "host memory"}, {p.gpu_s, "gpu"}};
+  const std::pair<double, const char*> others[] = {{p.host_s, "host"}, {p.gpu_s, "gpu"}};
   for (const auto& [seconds, name] : others) {
     if (seconds > p.seconds) {
       p.seconds = seconds;

@@ -6,9 +6,10 @@
 // Example:
 //   StepCosts costs;
 //   costs.rates = {.link_h2d_gbps = 50, .link_d2h_gbps = 50, .link_both_gbps = 40,
-//                  .host_params_per_s = 2e9, .host_memory_gbps = 100};
+//                  .host_params_per_s = 2e9, .link_h2d_loaded_gbps = 30,
+//                  .link_d2h_loaded_gbps = 38};
 //   costs.layers.push_back({.layer = 0, .params = 1 << 24, .state_bytes = 8, .grad_bytes = 4,
-//                           .param_bytes = 4, .host_touch_bytes = 28});
+//                           .param_bytes = 4});
 #pragma once
 
 #include <cstdint>
@@ -25,20 +26,25 @@ struct StepRates {
   // The host Adam kernel with the threads it may use, while the link copies both ways (it shares
   // host memory with the copies).
   double host_params_per_s = 0;
-  double host_params_per_s_alone = 0;  // the same with the link idle (reported, not modelled)
-  double host_memory_gbps = 0;         // host memory bandwidth (read + write) of a parallel copy
-  double gpu_params_per_s = 0;         // the GPU Adam kernel; 0: not measured (not modelled)
-  int host_threads = 0;                // threads the host kernel ran on
+  // Each direction while both copy and the host kernel runs: host memory that the kernel takes is
+  // not there for DMA (See Note [Hybrid cost model] in policies/step_cost_model.h).
+  double link_h2d_loaded_gbps = 0;
+  double link_d2h_loaded_gbps = 0;
+  double host_params_per_s_alone =
+      0;  // the host kernel with the link idle (reported, not modelled)
+  double host_memory_gbps =
+      0;  // a parallel copy's bandwidth (read + write; reported, not modelled)
+  double gpu_params_per_s = 0;  // the GPU Adam kernel; 0: not measured (not modelled)
+  int host_threads = 0;         // threads the host kernel ran on
 };
 
 // One layer's share of an optimizer step. Byte figures are per parameter.
 struct LayerCost {
   int layer = 0;
   std::int64_t params = 0;
-  double state_bytes = 0;       // streamed each way: 8 for float32 moments, 12 with float32 masters
-  double grad_bytes = 0;        // the gradient sent GPU to host for a host step (its dtype's size)
-  double param_bytes = 0;       // the parameter sent host to GPU after a host step
-  double host_touch_bytes = 0;  // host memory the host kernel reads and writes (about 28 for Adam)
+  double state_bytes = 0;  // streamed each way: 8 for float32 moments, 12 with float32 masters
+  double grad_bytes = 0;   // the gradient sent GPU to host for a host step (its dtype's size)
+  double param_bytes = 0;  // the parameter sent host to GPU after a host step
   // Its states are the same wherever it steps but for a float32 parameter's master (See Note
   // [Float32 masters follow the split] in optim/adam_placement.cpp), and its step fits the GPU:
   // measured steps may move it between the GPU and the host (See Note [Measured split] in
@@ -51,8 +57,9 @@ struct StepCosts {
   std::vector<LayerCost> layers;
 };
 
-// One line: "link 53.1/54.0 GB/s (40.2 both ways), host Adam 1.9 G params/s on 16 threads (4.1
-// alone), host memory 118 GB/s, GPU Adam 40 G params/s".
+// One line: "link 53.1/54.0 GB/s host to GPU/GPU to host (40.2 each way both at once; 31.9/46.6
+// while host Adam runs), host Adam 1.90 G params/s on 16 threads while the link copies (4.10
+// alone), host memory 118.0 GB/s, GPU Adam 40.0 G params/s".
 std::string describe(const StepRates& rates);
 
 }  // namespace strata::rt

@@ -121,6 +121,8 @@ ABSL_FLAG(bool, strata_undo_on_gpu, false,
 ABSL_FLAG(double, strata_hybrid_fraction, -1,
           "hybrid: the share of parameters whose optimizer step runs on the GPU, in [0, 1] (the "
           "rest on the host); below 0: the cost model chooses");
+ABSL_FLAG(int, strata_host_threads, 0,
+          "hybrid: threads the host kernel steps host-placed layers on (0: one a core)");
 ABSL_FLAG(std::string, strata_step_stream, "own",
           "with the overlapped step: where each layer's step runs, own (a stream of its own, so "
           "that its wait for the layer's states does not hold up backward) or compute (the stream "
@@ -262,6 +264,8 @@ absl::StatusOr<TrainOptions> options_from_flags() {
     return absl::InvalidArgumentError("--phase_switch_every must be 0 or more");
   o.undo_on_gpu = absl::GetFlag(FLAGS_strata_undo_on_gpu);
   if (const double f = absl::GetFlag(FLAGS_strata_hybrid_fraction); f >= 0) o.hybrid_fraction = f;
+  o.host_threads = absl::GetFlag(FLAGS_strata_host_threads);
+  if (o.host_threads < 0) return absl::InvalidArgumentError("--strata_host_threads must be >= 0");
   if (absl::StatusOr<optim::StateType> t =
           optim::parse_state_dtype(absl::GetFlag(FLAGS_state_dtype));
       t.ok()) {

@@ -309,6 +309,8 @@ std::string rates_json(const std::optional<rt::StepRates>& r) {
                  ", \"link_d2h_gbps\": ", exact(r->link_d2h_gbps),
                  ", \"link_both_gbps\": ", exact(r->link_both_gbps),
                  ", \"host_params_per_s\": ", exact(r->host_params_per_s),
+                 ", \"link_h2d_loaded_gbps\": ", exact(r->link_h2d_loaded_gbps),
+                 ", \"link_d2h_loaded_gbps\": ", exact(r->link_d2h_loaded_gbps),
                  ", \"host_params_per_s_alone\": ", exact(r->host_params_per_s_alone),
                  ", \"host_memory_gbps\": ", exact(r->host_memory_gbps),
                  ", \"gpu_params_per_s\": ", exact(r->gpu_params_per_s),

@@ -85,6 +85,7 @@ std::unique_ptr<optim::Adam> make_adam(rt::Runtime& rt, bridge::TorchBinding& bi
   optim::AdamOptions ao;
   ao.state_dtype = o.state_dtype;
   ao.rule = o.rule;
+  ao.cpu_threads = o.host_threads;
   ao.groups.resize(2);
   ao.groups[0].hyper = {.lr = o.lr, .weight_decay = o.weight_decay, .decoupled = true};
   ao.groups[1].hyper = {.lr = o.lr, .weight_decay = 0.0, .decoupled = true};

@@ -66,6 +66,8 @@ struct TrainOptions {
   bool undo_on_gpu = false;
   // hybrid: the share of parameters stepped on the GPU, forced; unset: the cost model's choice.
   std::optional<double> hybrid_fraction;
+  // Threads of the host kernel (AdamOptions::cpu_threads); 0: one a core.
+  int host_threads = 0;
   // Real text to train on (--text_dir); null: synthetic_batch.
   std::shared_ptr<const TextCorpus> text;
   // How strata's Adam stores the moments (See Note [Compressed moments] in optim/state_codec.h).

@@ -245,6 +245,8 @@ class Adam {
     d["link_d2h_gbps"] = r->link_d2h_gbps;
     d["link_both_gbps"] = r->link_both_gbps;
     d["host_params_per_s"] = r->host_params_per_s;
+    d["link_h2d_loaded_gbps"] = r->link_h2d_loaded_gbps;
+    d["link_d2h_loaded_gbps"] = r->link_d2h_loaded_gbps;
     d["host_params_per_s_alone"] = r->host_params_per_s_alone;
     d["host_memory_gbps"] = r->host_memory_gbps;
     d["gpu_params_per_s"] = r->gpu_params_per_s;

@@ -307,14 +307,11 @@ StepCosts equal_layers(int layers, std::int64_t params) {
                  .link_d2h_gbps = 50,
                  .link_both_gbps = 40,
                  .host_params_per_s = 2e9,
-                 .host_memory_gbps = 100};
+                 .link_h2d_loaded_gbps = 30,
+                 .link_d2h_loaded_gbps = 38};
   for (int l = 0; l < layers; ++l) {
-    costs.layers.push_back({.layer = l,
-                            .params = params,
-                            .state_bytes = 8,
-                            .grad_bytes = 4,
-                            .param_bytes = 4,
-                            .host_touch_bytes = 28});
+    costs.layers.push_back(
+        {.layer = l, .params = params, .state_bytes = 8, .grad_bytes = 4, .param_bytes = 4});
   }
   return costs;
 }

@@ -1,7 +1,8 @@
 // The hybrid policy's cost model (See Note [Hybrid cost model] in policies/step_cost_model.h):
 // each component of a prediction against the formula worked out here, the link when the two
-// directions carry different bytes, the split chosen for fast, slow and balanced hosts, forced
-// fractions, the order in which layers go to the host, and the inputs refused.
+// directions carry different bytes and while the host kernel runs, the split chosen for fast, slow
+// and balanced hosts, forced fractions, the order in which layers go to the host, and the inputs
+// refused.
 #include "policies/step_cost_model.h"
 
 #include <cmath>
@@ -23,20 +24,20 @@ StepRates rates() {
   r.link_d2h_gbps = 40;
   r.link_both_gbps = 30;
   r.host_params_per_s = 2e9;
-  r.host_memory_gbps = 100;
+  r.link_h2d_loaded_gbps = 20;
+  r.link_d2h_loaded_gbps = 25;
   r.gpu_params_per_s = 1e12;
   return r;
 }
 
 LayerCost layer(int index, std::int64_t params, double state_bytes = 8, double grad_bytes = 2,
-                double param_bytes = 2, double host_touch_bytes = 28) {
+                double param_bytes = 2) {
   LayerCost l;
   l.layer = index;
   l.params = params;
   l.state_bytes = state_bytes;
   l.grad_bytes = grad_bytes;
   l.param_bytes = param_bytes;
-  l.host_touch_bytes = host_touch_bytes;
   return l;
 }
 
@@ -51,7 +52,6 @@ TEST(StepCostModelTest, PredictAllGpu) {
   const double each_way = 4e6 * 8;
   expect_close(p.link_s, each_way / 30e9);
   EXPECT_EQ(p.host_s, 0.0);
-  expect_close(p.host_memory_s, 2 * each_way / 100e9);
   expect_close(p.gpu_s, 4e6 / 1e12);
   expect_close(p.seconds, each_way / 30e9);
   EXPECT_EQ(p.bound, "link");
@@ -62,14 +62,8 @@ TEST(StepCostModelTest, PredictAllGpu) {
 TEST(StepCostModelTest, PredictNamesTheBound) {
   std::vector<LayerCost> layers = {layer(0, 1 * kM), layer(1, 3 * kM)};
   StepRates r = rates();
-  r.host_memory_gbps = 10;  // 64e6 B / 10 GB/s = 6.4 ms against the link's 1.07 ms
-  StepPrediction p = predict(r, layers, {false, false});
-  EXPECT_EQ(p.bound, "host memory");
-  expect_close(p.seconds, 2 * 4e6 * 8 / 10e9);
-
-  r = rates();
   r.gpu_params_per_s = 1e9;  // 4 ms
-  p = predict(r, layers, {false, false});
+  StepPrediction p = predict(r, layers, {false, false});
   EXPECT_EQ(p.bound, "gpu");
   expect_close(p.seconds, 4e6 / 1e9);
 
@@ -91,31 +85,53 @@ TEST(StepCostModelTest, PredictUnbalancedDirections) {
   // Layer 0 on the host with float32 gradients out and bfloat16 parameters back: D2H is busier.
   std::vector<LayerCost> layers = {layer(0, 1 * kM, 8, /*grad_bytes=*/4, /*param_bytes=*/2),
                                    layer(1, 3 * kM)};
-  StepPrediction p = predict(rates(), layers, {true, false});
-  double h2d = 3e6 * 8 + 1e6 * 2;  // 26e6
-  double d2h = 3e6 * 8 + 1e6 * 4;  // 28e6
-  expect_close(p.link_s, h2d / 30e9 + (d2h - h2d) / 40e9);
+  // 26e6 B host to GPU, 28e6 back.
+  StepRates r = rates();
+  StepPrediction p = predict(r, layers, {true, false});
+  // The host's 0.5 ms at the loaded rates: 10e6 B in, 12.5e6 out; then 16e6 in, 15.5e6 out
+  // overlapped for 15.5e6 and the rest of the busier direction (host to GPU) alone.
   expect_close(p.host_s, 1e6 / 2e9);
-  expect_close(p.host_memory_s, (h2d + d2h + 1e6 * 28) / 100e9);
+  expect_close(p.link_s, 0.5e-3 + 15.5e6 / 30e9 + 0.5e6 / 50e9);
   expect_close(p.gpu_s, 3e6 / 1e12);
 
-  // The other way round: H2D is busier and its excess runs at H2D's own rate.
+  // The other way round: 28e6 in, 26e6 out, so after the host's 0.5 ms 18e6 in and 13.5e6 out.
   layers[0] = layer(0, 1 * kM, 8, /*grad_bytes=*/2, /*param_bytes=*/4);
-  p = predict(rates(), layers, {true, false});
-  h2d = 3e6 * 8 + 1e6 * 4;
-  d2h = 3e6 * 8 + 1e6 * 2;
-  expect_close(p.link_s, d2h / 30e9 + (h2d - d2h) / 50e9);
+  p = predict(r, layers, {true, false});
+  expect_close(p.link_s, 0.5e-3 + 13.5e6 / 30e9 + 4.5e6 / 50e9);
 
-  // One direction only: nothing overlaps.
-  layers = {layer(0, 1 * kM, 8, /*grad_bytes=*/4, /*param_bytes=*/0)};
-  p = predict(rates(), layers, {true});
-  expect_close(p.link_s, 4e6 / 40e9);
+  // GPU to host busier after the host is done: out at the alone rate (40).
+  r.link_d2h_loaded_gbps = 2;  // 1e6 B out while the host runs
+  layers[0] = layer(0, 1 * kM, 8, /*grad_bytes=*/4, /*param_bytes=*/2);
+  p = predict(r, layers, {true, false});
+  expect_close(p.link_s, 0.5e-3 + 16e6 / 30e9 + (27e6 - 16e6) / 40e9);
+}
+
+TEST(StepCostModelTest, PredictLinkDoneWhileTheHostRuns) {
+  // One direction only, done inside the host's 0.5 ms at its loaded rate: the host bounds.
+  std::vector<LayerCost> layers = {layer(0, 1 * kM, 8, /*grad_bytes=*/4, /*param_bytes=*/0)};
+  StepPrediction p = predict(rates(), layers, {true});
+  expect_close(p.link_s, 4e6 / 25e9);
+  expect_close(p.seconds, 0.5e-3);
+  EXPECT_EQ(p.bound, "host");
+
+  // Both directions done inside a slow host's 10 ms: the slower of the two at its loaded rate.
+  StepRates r = rates();
+  r.host_params_per_s = 1e8;
+  layers = {layer(0, 1 * kM), layer(1, 3 * kM)};
+  p = predict(r, layers, {true, false});
+  expect_close(p.link_s, 26e6 / 20e9);
+  expect_close(p.seconds, 10e-3);
+  EXPECT_EQ(p.bound, "host");
+
+  // The loaded rates matter only while the host runs: with no host layer they are not used.
+  r.link_h2d_loaded_gbps = r.link_d2h_loaded_gbps = 1e-3;
+  p = predict(r, layers, {false, false});
+  expect_close(p.link_s, 32e6 / 30e9);
 }
 
 TEST(StepCostModelTest, FastHostMovesEveryLayerThatSaves) {
   StepRates r = rates();
   r.host_params_per_s = 1e15;
-  r.host_memory_gbps = 1e6;
   // Layer 2 moves more over the link on the host (2+2 bytes) than streamed (1+1).
   std::vector<LayerCost> layers = {layer(0, 1 * kM), layer(1, 2 * kM), layer(2, 1 * kM, 1)};
   absl::StatusOr<HybridSplit> split = choose_split(r, layers, std::nullopt);
@@ -123,8 +139,8 @@ TEST(StepCostModelTest, FastHostMovesEveryLayerThatSaves) {
   EXPECT_EQ(split->on_host, (std::vector<bool>{true, true, false}));
   EXPECT_LT(split->predicted.seconds, split->all_gpu.seconds);
   EXPECT_DOUBLE_EQ(split->gpu_fraction, 0.25);
-  // Each way: 3M * 2 B on the host path, 1M * 1 B streamed.
-  expect_close(split->predicted.link_s, (3e6 * 2 + 1e6 * 1) / 30e9);
+  // Each way: 3M * 2 B on the host path, 1M * 1 B streamed (the host's 3 ns hardly count).
+  EXPECT_NEAR(split->predicted.link_s, (3e6 * 2 + 1e6 * 1) / 30e9, 1e-8);
   expect_close(split->all_gpu.link_s, (3e6 * 8 + 1e6 * 1) / 30e9);
 }
 
@@ -146,7 +162,7 @@ TEST(StepCostModelTest, BalancedRatesGiveInteriorSplit) {
   r.link_d2h_gbps = 50;
   r.link_both_gbps = 40;
   r.host_params_per_s = 4e9;
-  r.host_memory_gbps = 1000;
+  r.link_h2d_loaded_gbps = r.link_d2h_loaded_gbps = 40;  // the host takes nothing from the link
   std::vector<LayerCost> layers;
   for (int l = 0; l < 8; ++l) layers.push_back(layer(l, 1 * kM));
   // With k layers on the host: link = (64 - 6k) MB / 40 GB/s = 1.6 - 0.15k ms, host Adam =
@@ -187,8 +203,10 @@ TEST(StepCostModelTest, ForcedFraction) {
   ASSERT_TRUE(split.ok()) << split.status();
   EXPECT_EQ(split->on_host, (std::vector<bool>{false, false, true, true}));
   EXPECT_EQ(split->gpu_fraction, 0.5);
-  // The prediction is that of the split taken, whatever it costs.
-  expect_close(split->predicted.link_s, (2e6 * 8 + 2e6 * 2) / 30e9);
+  // The prediction is that of the split taken, whatever it costs: 20e6 B each way, all of it
+  // inside the host's 1 ms, host to GPU the slower at its loaded rate.
+  expect_close(split->predicted.link_s, 20e6 / 20e9);
+  EXPECT_EQ(split->predicted.bound, "link");
 }
 
 TEST(StepCostModelTest, ForcedFractionTakesTheNearestPrefix) {
@@ -247,14 +265,15 @@ TEST(StepCostModelTest, InvalidInputs) {
   std::vector<LayerCost> layers = {layer(0, 1 * kM)};
   const double inf = std::numeric_limits<double>::infinity();
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  std::vector<StepRates> bad(7, rates());
+  std::vector<StepRates> bad(8, rates());
   bad[0].link_h2d_gbps = 0;
   bad[1].link_d2h_gbps = -1;
   bad[2].link_both_gbps = inf;
   bad[3].host_params_per_s = nan;
-  bad[4].host_memory_gbps = 0;
+  bad[4].link_h2d_loaded_gbps = 0;
   bad[5].gpu_params_per_s = -1;
   bad[6].gpu_params_per_s = inf;
+  bad[7].link_d2h_loaded_gbps = nan;
   for (std::size_t i = 0; i < bad.size(); ++i) {
     absl::StatusOr<HybridSplit> split = choose_split(bad[i], layers, std::nullopt);
     ASSERT_FALSE(split.ok()) << i;
@@ -269,7 +288,6 @@ TEST(StepCostModelTest, InvalidInputs) {
       {layer(0, kM, -8)},
       {layer(0, kM, 8, -2)},
       {layer(0, kM, 8, 2, nan)},
-      {layer(0, kM, 8, 2, 2, -28)},
   };
   for (std::size_t i = 0; i < bad_layers.size(); ++i) {
     absl::StatusOr<HybridSplit> split = choose_split(rates(), bad_layers[i], std::nullopt);
