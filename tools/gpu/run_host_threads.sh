@@ -8,7 +8,8 @@
 # --strata_host_threads), a pair a process, the order alternating between rounds;
 # summarize_split.py gives each run's medians over its last 10 steps. The hybrid's placement line
 # gives the cost model's prediction beside each.
-#   [PROBE=0] [SPLITS="0.65:16 0.65:8"] [STEPS=14] [ROUNDS=1] tools/gpu/run_host_threads.sh OUT_DIR
+#   [PROBE=0] [SPLITS="auto:16 0.65:8"] [STEPS=14] [AUTO_STEPS=30] [ROUNDS=1] \
+#     tools/gpu/run_host_threads.sh OUT_DIR
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_host_threads.sh OUT_DIR}
 STEPS=${STEPS:-14}
@@ -36,7 +37,7 @@ for round in $(seq 1 "$ROUNDS"); do
     runs="layer_prefetch,hybrid"
     ((round % 2 == 0)) && runs="hybrid,layer_prefetch"
     forced=(--strata_hybrid_fraction="$fraction")
-    [[ $fraction == auto ]] && forced=()
+    [[ $fraction == auto ]] && forced=(--steps="${AUTO_STEPS:-30}")  # the search takes ~20
     echo "== round $round: $runs, hybrid_fraction $fraction, host threads $threads" |
       tee -a "$OUT/train.log"
     "$BUILD/bin/strata-train" --compare $model --runs="$runs" "${forced[@]}" \
