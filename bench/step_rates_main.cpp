@@ -5,7 +5,8 @@
 // (every layer's states over the link), the best split, and a few forced splits; in float32 and in
 // bfloat16 with float32 masters.
 //
-//   strata_step_rates [--threads=16] [--layers=24] [--params=939524096] [--json=rates.json]
+//   strata_step_rates [--threads=16] [--layers=24] [--params=939524096] [--adam_params=67108864]
+//                     [--json=rates.json]
 //                     [--state_dtype=int8]   (the Adam kernels' rates with moments stored so)
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +29,7 @@ struct Args {
   int threads = static_cast<int>(std::thread::hardware_concurrency());
   int layers = 24;
   std::int64_t params = 939524096;  // the users' script: 24 blocks of 4096 x 4096 x 2 + biases
+  std::int64_t adam_params = 0;     // the host kernel's run (0: MeasureOptions' default)
   std::string json;
   optim::StateType moments = optim::StateType::kF32;
 };
@@ -63,8 +65,9 @@ int run(const Args& args) {
     return 1;
   }
   ThreadPool pool(args.threads);
-  absl::StatusOr<rt::StepRates> rates =
-      optim::measure_step_rates(**runtime, pool, {.moments = args.moments});
+  optim::MeasureOptions measure{.moments = args.moments};
+  if (args.adam_params > 0) measure.adam_params = args.adam_params;
+  absl::StatusOr<rt::StepRates> rates = optim::measure_step_rates(**runtime, pool, measure);
   if (!rates.ok()) {
     std::fprintf(stderr, "strata_step_rates: %s\n", rates.status().ToString().c_str());
     return 1;
@@ -149,6 +152,8 @@ int main(int argc, char** argv) {
       args.layers = std::atoi(value.c_str());
     } else if (strata::take(arg, "--params=", &value)) {
       args.params = std::atoll(value.c_str());
+    } else if (strata::take(arg, "--adam_params=", &value)) {
+      args.adam_params = std::atoll(value.c_str());
     } else if (strata::take(arg, "--json=", &value)) {
       args.json = value;
     } else if (strata::take(arg, "--state_dtype=", &value)) {
@@ -161,7 +166,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: strata_step_rates [--threads=N] [--layers=N] [--params=N] "
-                   "[--json=path] [--state_dtype=float32|bfloat16|int8]\n");
+                   "[--adam_params=N] [--json=path] [--state_dtype=float32|bfloat16|int8]\n");
       return 2;
     }
   }

@@ -280,9 +280,9 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
 
 #ifdef STRATA_HAS_CUDA
   if (!device.is_simulated()) {
-    // As many parameters as the host's run (2^24 by default, a layer of a 4096 x 4096 weight):
-    // fewer leave much of the GPU idle and understate its rate.
-    const std::int64_t gn = n;
+    // 2^24 parameters (a layer of a 4096 x 4096 weight) or the host's run if smaller: fewer
+    // leave much of the GPU idle and understate its rate, more take GPU memory for nothing.
+    const std::int64_t gn = std::min<std::int64_t>(n, std::int64_t{1} << 24);
     const std::size_t gpu_bytes = 4 * static_cast<std::size_t>(gn) * sizeof(float);
     Buffer on_gpu(runtime, rt::Tier::kGpu);
     STRATA_RETURN_IF_ERROR(on_gpu.allocate(gpu_bytes));

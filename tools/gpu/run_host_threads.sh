@@ -8,7 +8,7 @@
 # --strata_host_threads), a pair a process, the order alternating between rounds;
 # summarize_split.py gives each run's medians over its last 10 steps. The hybrid's placement line
 # gives the cost model's prediction beside each.
-#   [PROBE=0] [SPLITS="auto:16 0.65:8"] [STEPS=14] [AUTO_STEPS=30] [ROUNDS=1] \
+#   [PROBE=0] [PROBE_MODEL=bfloat16] [SPLITS="auto:16 0.65:8"] [STEPS=14] [AUTO_STEPS=30] [ROUNDS=1] \
 #     tools/gpu/run_host_threads.sh OUT_DIR
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_host_threads.sh OUT_DIR}
@@ -23,7 +23,7 @@ if [[ ${PROBE:-1} != 0 ]]; then
   echo "== link_host_adam"
   /usr/local/cuda/bin/nvcc -O3 -Xcompiler -O3,-march=native,-fno-math-errno,-pthread \
     tools/gpu/probes/link_host_adam.cu -o /tmp/link_host_adam || exit 1
-  /tmp/link_host_adam | tee "$OUT/link-host-adam.txt" || status=1
+  /tmp/link_host_adam "$(nproc)" ${PROBE_MODEL:-} | tee "$OUT/link-host-adam.txt" || status=1
 fi
 [[ -z ${SPLITS:-} ]] && exit $status
 gpu_build "$OUT" strata-train strata_step_rates || exit 1

@@ -15,7 +15,8 @@
 // 0.94 G float32 model (8 and 4): the fraction on the host where the link and the host finish
 // together, and that step over the streamed one (the link alone, T = 0).
 //   nvcc -O3 -Xcompiler -O3,-march=native,-fno-math-errno,-pthread \
-//     tools/gpu/probes/link_host_adam.cu -o /tmp/link_host_adam && /tmp/link_host_adam [THREADS]
+//     tools/gpu/probes/link_host_adam.cu -o /tmp/link_host_adam && /tmp/link_host_adam [THREADS
+//     [MODEL]]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -236,7 +238,9 @@ int main(int argc, char** argv) {
   };
   const Model models[] = {{"bfloat16 + float32 masters, 1.34 G", true, 1.34e9, 12, 2},
                           {"float32, 0.94 G", false, 0.94e9, 8, 4}};
+  const std::string only = argc > 2 ? argv[2] : "";  // "bfloat16" or "float32": that model only
   for (const Model& model : models) {
+    if (!only.empty() && only != (model.bf16 ? "bfloat16" : "float32")) continue;
     const double streamed_ms = model.n * model.streamed / (streamed_link * 1e9) * 1e3;
     std::printf("\n== %s: streamed over the link alone %.1f ms\n", model.name, streamed_ms);
     std::printf("%8s %14s %14s %14s %14s %10s %10s\n", "threads", "adam alone G/s", "adam+link G/s",
