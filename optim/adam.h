@@ -102,6 +102,10 @@ struct AdamOptions {
   // The update each layer's step applies: its states and kernels (See Note [Step rules] in
   // step_rule.h). Null: Adam / AdamW (adam_rule()).
   std::shared_ptr<const StepRule> rule;
+  // Under a policy that places steps: the rates its placement is made from, instead of measuring
+  // them at create (See Note [Measuring the step's rates] in step_rates.h), e.g. a machine's
+  // measured once, so that runs place alike.
+  std::optional<rt::StepRates> step_rates;
 };
 
 class Adam {

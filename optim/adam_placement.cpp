@@ -73,7 +73,11 @@ absl::Status Adam::place_steps() {
   }
   measure.moments = options_.state_dtype;
   measure.rule = options_.rule.get();
-  STRATA_ASSIGN_OR_RETURN(costs.rates, measure_step_rates(runtime_, pool(), measure));
+  if (options_.step_rates.has_value()) {
+    costs.rates = *options_.step_rates;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(costs.rates, measure_step_rates(runtime_, pool(), measure));
+  }
   step_rates_ = costs.rates;
   STRATA_ASSIGN_OR_RETURN(placement_, runtime_.place_steps(costs));
   host_layers_.clear();

@@ -141,13 +141,12 @@ double best_of(int repeats, const std::function<void()>& run) {
   return best;
 }
 
-// One run of the host kernel beside copies both ways: its seconds, and the bytes each direction
-// finished while it ran over the seconds since they were queued.
+// One run of the host kernel beside copies both ways: its seconds, and each direction's bytes
+// finished while it ran with the seconds since they were queued.
 struct Loaded {
   double kernel_s = 0;
-  double link_s = 0;
-  double h2d_bytes = 0;
-  double d2h_bytes = 0;
+  double h2d_bytes = 0, h2d_s = 0;
+  double d2h_bytes = 0, d2h_s = 0;
 };
 
 // How many of `done` (a stream's events, in its order) have happened.
@@ -192,11 +191,22 @@ absl::StatusOr<Loaded> host_step_beside_copies(rt::Device& device, const StepRul
   const Clock::time_point start = Clock::now();
   for (int p = 0; p < passes; ++p) host_step(rule, base, n, moments, pool);
   run.kernel_s = seconds_since(start);
-  run.link_s = seconds_since(queued);
-  STRATA_ASSIGN_OR_RETURN(int in_done, events_done(device, h2d));
-  STRATA_ASSIGN_OR_RETURN(int out_done, events_done(device, d2h));
-  run.h2d_bytes = static_cast<double>(in_done) * static_cast<double>(chunk);
-  run.d2h_bytes = static_cast<double>(out_done) * static_cast<double>(chunk);
+  const double link_s = seconds_since(queued);
+  // A direction with no piece done yet (a kernel shorter than one piece) is timed to its first.
+  auto bytes_and_seconds = [&](const std::vector<rt::EventHandle>& done, double& bytes,
+                               double& secs) -> absl::Status {
+    STRATA_ASSIGN_OR_RETURN(int k, events_done(device, done));
+    secs = link_s;
+    if (k == 0) {
+      STRATA_RETURN_IF_ERROR(device.synchronize(done.front()));
+      secs = seconds_since(queued);
+      k = 1;
+    }
+    bytes = static_cast<double>(k) * static_cast<double>(chunk);
+    return absl::OkStatus();
+  };
+  STRATA_RETURN_IF_ERROR(bytes_and_seconds(h2d, run.h2d_bytes, run.h2d_s));
+  STRATA_RETURN_IF_ERROR(bytes_and_seconds(d2h, run.d2h_bytes, run.d2h_s));
   STRATA_RETURN_IF_ERROR(device.stream_synchronize(s[0]));
   STRATA_RETURN_IF_ERROR(device.stream_synchronize(s[1]));
   return run;
@@ -275,8 +285,8 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
     if (r == 0 || run.kernel_s < best.kernel_s) best = run;
   }
   rates.host_params_per_s = static_cast<double>(n) * passes / best.kernel_s;
-  rates.link_h2d_loaded_gbps = best.h2d_bytes / best.link_s / 1e9;
-  rates.link_d2h_loaded_gbps = best.d2h_bytes / best.link_s / 1e9;
+  rates.link_h2d_loaded_gbps = best.h2d_bytes / best.h2d_s / 1e9;
+  rates.link_d2h_loaded_gbps = best.d2h_bytes / best.d2h_s / 1e9;
 
 #ifdef STRATA_HAS_CUDA
   if (!device.is_simulated()) {

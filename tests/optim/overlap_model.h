@@ -41,6 +41,7 @@ struct Case {
   std::size_t numel = 1024;                 // elements of each parameter
   StateType state_dtype = StateType::kF32;  // See Note [Compressed moments] in state_codec.h
   std::string rule = "adam";  // the step rule (See Note [Step rules] in optim/step_rule.h)
+  std::optional<rt::StepRates> step_rates;  // given to the hybrid's cost model; none: measured
 };
 
 // keep_on_gpu, bulk, layer_prefetch with every role and with the states only, in every dtype; then
@@ -196,6 +197,7 @@ inline std::unique_ptr<LoopModel> make_loop_model(rt::Runtime& runtime, const Ca
   const std::size_t esize = rt::dtype_size(c.dtype);
   AdamOptions o;
   o.state_dtype = c.state_dtype;
+  o.step_rates = c.step_rates;
   absl::StatusOr<std::shared_ptr<const StepRule>> rule = make_step_rule(c.rule);
   EXPECT_TRUE(rule.ok()) << rule.status();
   if (!rule.ok()) return nullptr;

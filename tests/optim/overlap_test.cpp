@@ -414,14 +414,21 @@ TEST(OverlapTest, HybridMeasuredSplitMovesStepsAndStaysBitwise) {
 TEST(OverlapTest, HybridMeasuredSplitThatCannotMoveStopsAndStaysBitwise) {
   constexpr int kSteps = 16;
   const rt::PolicyConfig states{.prefetch_depth = 1, .roles = RoleSet::optimizer_states()};
-  // The cost model's split, here none of the 4 layers on the host: the search walks up. A float32
-  // layer's move needs its masters too (See Note [Float32 masters follow the split] in
-  // optim/adam_placement.cpp).
+  // The cost model's split, none of the 4 layers on the host (rates given with a slow host): the
+  // search walks up. A float32 layer's move needs its masters too (See Note [Float32 masters
+  // follow the split] in optim/adam_placement.cpp).
+  const rt::StepRates slow_host{.link_h2d_gbps = 50,
+                                .link_d2h_gbps = 50,
+                                .link_both_gbps = 40,
+                                .host_params_per_s = 1,
+                                .link_h2d_loaded_gbps = 40,
+                                .link_d2h_loaded_gbps = 40};
   for (auto [dtype, overlapped] : {std::pair{DType::kBFloat16, false},
                                    {DType::kBFloat16, true},
                                    {DType::kFloat32, false},
                                    {DType::kFloat32, true}}) {
     Case setup{"hybrid", states, dtype, 1, alloc::kNoBudget, 256 << 10};
+    setup.step_rates = slow_host;
     SCOPED_TRACE(str_cat(describe(setup), overlapped ? " overlapped" : " sequential"));
     Outcomes ref, got;
     const Bytes want = train(reference(setup), /*overlap=*/false, kSteps, 1, &ref);
