@@ -262,10 +262,18 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
     rates.host_memory_gbps = 2.0 * static_cast<double>(n) / s / 1e9;
   }
 
-  // The host kernel, alone and then while copies run both ways for longer than it does.
-  const std::int64_t n = options.adam_params;
+  // The host kernel, alone and then while copies run both ways for longer than it does; over
+  // fewer parameters (down to 2^20) where the pinned tier has no room for adam_params.
+  std::int64_t n = options.adam_params;
   Buffer adam(runtime, rt::Tier::kPinnedHost);
-  STRATA_RETURN_IF_ERROR(adam.allocate(4 * static_cast<std::size_t>(n) * sizeof(float)));
+  for (;;) {
+    absl::Status got = adam.allocate(4 * static_cast<std::size_t>(n) * sizeof(float));
+    if (got.ok()) break;
+    if (got.code() != absl::StatusCode::kResourceExhausted || n / 2 < (std::int64_t{1} << 20)) {
+      return got;
+    }
+    n /= 2;
+  }
   std::fill(adam.floats(0), adam.floats(4 * n), 0.5f);
   const double alone =
       best_of(repeats, [&] { host_step(rule, adam.floats(0), n, options.moments, pool); });

@@ -42,7 +42,8 @@ namespace strata::optim {
 struct MeasureOptions {
   std::size_t link_bytes = std::size_t{64} << 20;  // per copy
   // The host kernel's run (2^26: 1 GiB of pinned float32, larger than the host's caches, as a
-  // model's states are); the GPU kernel's is 2^24 or this if smaller.
+  // model's states are; halved down to 2^20 while the pinned tier has no room for it); the GPU
+  // kernel's is 2^24 or this if smaller.
   std::int64_t adam_params = std::int64_t{1} << 26;
   std::size_t memory_bytes = std::size_t{256} << 20;  // host memory copy
   int repeats = 3;
