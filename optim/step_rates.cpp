@@ -142,7 +142,7 @@ double best_of(int repeats, const std::function<void()>& run) {
 }
 
 // One run of the host kernel beside copies both ways: its seconds, and each direction's bytes
-// finished while it ran with the seconds since they were queued.
+// finished while it ran with the seconds they took.
 struct Loaded {
   double kernel_s = 0;
   double h2d_bytes = 0, h2d_s = 0;
@@ -168,16 +168,21 @@ absl::StatusOr<Loaded> host_step_beside_copies(rt::Device& device, const StepRul
                                                ThreadPool& pool, int passes, char* g, char* h,
                                                std::size_t chunk, int copies, const Streams& s) {
   std::vector<rt::EventHandle> h2d, d2h;
+  // On every return the copies are done (the buffers they use go when measure returns) and the
+  // events released.
   struct Release {
     rt::Device& device;
+    const Streams& streams;
     std::vector<rt::EventHandle>& a;
     std::vector<rt::EventHandle>& b;
     ~Release() {
+      (void)device.stream_synchronize(streams[0]);
+      (void)device.stream_synchronize(streams[1]);
       for (auto* list : {&a, &b}) {
         for (rt::EventHandle e : *list) device.release(e);
       }
     }
-  } release{device, h2d, d2h};
+  } release{device, s, h2d, d2h};
   const Clock::time_point queued = Clock::now();
   for (int i = 0; i < copies; ++i) {
     STRATA_RETURN_IF_ERROR(device.copy_async(g, h, chunk, s[0]));
@@ -187,26 +192,32 @@ absl::StatusOr<Loaded> host_step_beside_copies(rt::Device& device, const StepRul
     STRATA_ASSIGN_OR_RETURN(rt::EventHandle out, device.record(s[1]));
     d2h.push_back(out);
   }
+  // Pieces done while the copies were queued ran beside no kernel: they are counted out.
+  STRATA_ASSIGN_OR_RETURN(const int h2d_before, events_done(device, h2d));
+  STRATA_ASSIGN_OR_RETURN(const int d2h_before, events_done(device, d2h));
   Loaded run;
   const Clock::time_point start = Clock::now();
   for (int p = 0; p < passes; ++p) host_step(rule, base, n, moments, pool);
   run.kernel_s = seconds_since(start);
-  const double link_s = seconds_since(queued);
-  // A direction with no piece done yet (a kernel shorter than one piece) is timed to its first.
-  auto bytes_and_seconds = [&](const std::vector<rt::EventHandle>& done, double& bytes,
+  // A direction with no piece done while the kernel ran (a kernel shorter than a piece) is timed
+  // to its next piece; one with every piece done before the kernel began, over all of them.
+  auto bytes_and_seconds = [&](const std::vector<rt::EventHandle>& done, int before, double& bytes,
                                double& secs) -> absl::Status {
     STRATA_ASSIGN_OR_RETURN(int k, events_done(device, done));
-    secs = link_s;
-    if (k == 0) {
-      STRATA_RETURN_IF_ERROR(device.synchronize(done.front()));
+    secs = run.kernel_s;
+    if (before == static_cast<int>(done.size())) {
+      before = 0;
       secs = seconds_since(queued);
-      k = 1;
+    } else if (k == before) {
+      STRATA_RETURN_IF_ERROR(device.synchronize(done[before]));
+      secs = seconds_since(start);
+      k = before + 1;
     }
-    bytes = static_cast<double>(k) * static_cast<double>(chunk);
+    bytes = static_cast<double>(k - before) * static_cast<double>(chunk);
     return absl::OkStatus();
   };
-  STRATA_RETURN_IF_ERROR(bytes_and_seconds(h2d, run.h2d_bytes, run.h2d_s));
-  STRATA_RETURN_IF_ERROR(bytes_and_seconds(d2h, run.d2h_bytes, run.d2h_s));
+  STRATA_RETURN_IF_ERROR(bytes_and_seconds(h2d, h2d_before, run.h2d_bytes, run.h2d_s));
+  STRATA_RETURN_IF_ERROR(bytes_and_seconds(d2h, d2h_before, run.d2h_bytes, run.d2h_s));
   STRATA_RETURN_IF_ERROR(device.stream_synchronize(s[0]));
   STRATA_RETURN_IF_ERROR(device.stream_synchronize(s[1]));
   return run;
@@ -281,10 +292,12 @@ absl::StatusOr<rt::StepRates> measure(rt::Runtime& runtime, ThreadPool& pool,
   // See Note [Measuring the step's rates]: the kernel's passes last loaded_seconds, the copies
   // come in quarters of a link copy, enough each way to outlast the kernel twice over at the rate
   // both directions get, and those done by the time the kernel is are the link's bytes meanwhile.
-  const int passes = std::clamp(static_cast<int>(std::ceil(options.loaded_seconds / alone)), 1, 64);
+  const int passes =
+      static_cast<int>(std::clamp(std::ceil(options.loaded_seconds / alone), 1.0, 64.0));
   const std::size_t chunk = std::max<std::size_t>(bytes / 4, 1);
   const double chunk_s = both * static_cast<double>(chunk) / static_cast<double>(bytes);
-  const int copies = std::clamp(static_cast<int>(2.0 * passes * alone / chunk_s) + 2, 2, 1024);
+  const int copies =
+      static_cast<int>(std::clamp(2.0 * passes * alone / chunk_s + 2.0, 2.0, 4096.0));
   Loaded best;
   for (int r = 0; r < repeats; ++r) {
     STRATA_ASSIGN_OR_RETURN(

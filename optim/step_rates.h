@@ -47,7 +47,7 @@ struct MeasureOptions {
   std::int64_t adam_params = std::int64_t{1} << 26;
   std::size_t memory_bytes = std::size_t{256} << 20;  // host memory copy
   int repeats = 3;
-  // How long the host kernel runs beside the copies (passes over its buffer, at least one).
+  // How long the host kernel runs beside the copies (passes over its buffer, 1 to 64).
   double loaded_seconds = 0.04;
   // The rule whose kernels are timed (null: Adam), their moments stored as `moments` says: the
   // step's rates are those of its own kernels.

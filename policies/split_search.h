@@ -13,9 +13,9 @@
 // Note [Measured split]
 // ~~~~~~~~~~~~~~~~~~~~~
 // The cost model predicts a step from rates measured apart (See Note [Hybrid cost model] in
-// step_cost_model.h), and on a host where DMA and host kernels contend for memory its host-memory
-// term misses by 10-20% either way: it can keep every layer on the GPU where a fifth on the host is
-// faster, or send half there where that is slower. The step itself is the better measure, and a
+// step_cost_model.h), and on a host where DMA and host kernels contend for memory it misses by
+// 10-40%: it can keep every layer on the GPU where a fifth on the host is faster, or send more
+// there than is fastest. The step itself is the better measure, and a
 // hybrid step's result does not depend on its split (each layer's update is bitwise the same on
 // either side: See Note [Host-stepped layers] in optim/adam_host_step.cpp), so the policy may try
 // splits on the steps of the run itself, at no cost to what they compute.

@@ -204,7 +204,8 @@ TEST(StepCostModelTest, ForcedFraction) {
   EXPECT_EQ(split->on_host, (std::vector<bool>{false, false, true, true}));
   EXPECT_EQ(split->gpu_fraction, 0.5);
   // The prediction is that of the split taken, whatever it costs: 20e6 B each way, all of it
-  // inside the host's 1 ms, host to GPU the slower at its loaded rate.
+  // inside the host's 1 ms, host to GPU the slower at its loaded rate; the link's 1 ms ties the
+  // host's, and a tie names the link.
   expect_close(split->predicted.link_s, 20e6 / 20e9);
   EXPECT_EQ(split->predicted.bound, "link");
 }

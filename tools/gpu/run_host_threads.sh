@@ -7,7 +7,7 @@
 # share stepped on the GPU, or auto for the cost model's choice and the measured search; and
 # --strata_host_threads), a pair a process, the order alternating between rounds;
 # summarize_split.py gives each run's medians over its last 10 steps. The hybrid's placement line
-# gives the cost model's prediction beside each.
+# gives the cost model's prediction beside each. Without SPLITS only the probe runs.
 #   [PROBE=0] [PROBE_MODEL=bfloat16] [SPLITS="auto:16 0.65:8"] [STEPS=14] [AUTO_STEPS=30] [ROUNDS=1] \
 #     tools/gpu/run_host_threads.sh OUT_DIR
 set -uo pipefail
@@ -33,6 +33,7 @@ model="--layers=24 --d_model=2048 --heads=16 --vocab=32000 --seq=512 --batch=8"
 model="$model --steps=$STEPS --lr=1e-4 --dtype=${DTYPE:-bfloat16} --clip_grad_norm=1.0"
 for round in $(seq 1 "$ROUNDS"); do
   for split in $SPLITS; do
+    [[ $split == *:* ]] || { echo "SPLITS entries are FRACTION:THREADS, not '$split'"; exit 2; }
     fraction=${split%%:*} threads=${split##*:}
     runs="layer_prefetch,hybrid"
     ((round % 2 == 0)) && runs="hybrid,layer_prefetch"

@@ -1,8 +1,8 @@
 // tools/gpu/probes/link_host_adam.cu: how much link and how much host Adam does this machine give
 // at once? A hybrid step (policies/hybrid.cpp) streams some layers' states both ways while the
-// host kernel steps the others, and both draw on host memory. strata_step_rates measures the host
-// kernel while copies run, but not what the copies still get meanwhile, nor how either moves with
-// the number of threads the host kernel runs on. This probe measures the pairs.
+// host kernel steps the others, and both draw on host memory. strata_step_rates measures the pair
+// for the threads the step will use; this probe measures it for every thread count, with a loop of
+// its own in the host kernel's memory pattern.
 //
 // Copies run both ways without a break (one thread a direction keeps 4 copies of 32 MiB in flight
 // between pinned memory and the GPU, waiting with blocking sync so that it burns no core), and T
@@ -40,7 +40,7 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kChunk = 32ull << 20;       // bytes a copy
 constexpr int kInFlight = 4;                 // copies queued a direction
 constexpr size_t kLinkBytes = 512ull << 20;  // each direction's buffers
-constexpr int64_t kParams = 160ll << 20;     // host Adam's parameters (4.7 GB of arrays)
+constexpr int64_t kParams = 160ll << 20;     // host Adam's parameters (3.4 GB of arrays)
 constexpr int64_t kBlock = 1 << 16;          // parameters a thread steps between checks
 constexpr double kWindow = 1.5;              // seconds measured
 
