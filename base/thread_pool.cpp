@@ -71,7 +71,8 @@ void parallel_ranges(ThreadPool* pool, std::int64_t total, std::int64_t min_part
                      std::int64_t align,
                      const std::function<void(std::int64_t, std::int64_t)>& fn) {
   const int threads = pool != nullptr ? pool->size() : 1;
-  const int n = static_cast<int>(std::clamp<std::int64_t>(total / min_part, 1, threads));
+  const int most = threads == 1 ? 1 : threads * kPartsPerThread;
+  const int n = static_cast<int>(std::clamp<std::int64_t>(total / min_part, 1, most));
   if (n == 1) {
     fn(0, total);
     return;

@@ -60,10 +60,14 @@ class ThreadPool {
   std::atomic<int> done_{0};
 };
 
-// Runs fn(begin, end) over [0, total) split into at most pool->size() ranges of at least
-// `min_part` elements each, every range but the last a multiple of `align` long (so that each
-// starts on a cache line of its data); on this thread alone for a null pool or a small total.
-// The host kernels split their elements this way.
+// Runs fn(begin, end) over [0, total) split into at most kPartsPerThread * pool->size() ranges of
+// at least `min_part` elements each, every range but the last a multiple of `align` long (so that
+// each starts on a cache line of its data); on this thread alone for a null pool or a small total.
+// The host kernels split their elements this way. The threads take the ranges from one counter,
+// so a thread the machine runs slower (another process, a core shared with the copies' driver
+// threads, memory further away) leaves the others more ranges, instead of holding up the job's end
+// by a whole thread's share.
+inline constexpr int kPartsPerThread = 4;
 void parallel_ranges(ThreadPool* pool, std::int64_t total, std::int64_t min_part,
                      std::int64_t align, const std::function<void(std::int64_t, std::int64_t)>& fn);
 

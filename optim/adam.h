@@ -50,6 +50,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <istream>
@@ -188,6 +190,15 @@ class Adam {
     std::int64_t h2d = 0;
   };
   HostStepBytes host_step_bytes() const { return host_step_bytes_; }
+  // Seconds the host-stepped layers' work took so far, on the host (a step in backward included):
+  // queued is from the step's start to the host's first wait for gradients, while the GPU layers'
+  // step is queued; waited is the host blocked on gradients; kernel is the host kernel itself.
+  struct HostStepSeconds {
+    double queued = 0;
+    double waited = 0;
+    double kernel = 0;
+  };
+  HostStepSeconds host_step_seconds() const;
   // Whether step_layer began a step that finish_step has not completed.
   bool overlapped_step_open() const { return overlap_open_; }
   // See Note [A share of the step in backward] in adam_overlap.cpp: of each step, the layers
@@ -495,6 +506,9 @@ class Adam {
   };
   std::vector<HostSlot> host_slots_;  // per slot; empty for a policy that places no steps
   HostStepBytes host_step_bytes_;
+  // host_step_seconds(), in nanoseconds: a step in backward adds from its host thread.
+  std::atomic<std::int64_t> host_queued_ns_{0}, host_waited_ns_{0}, host_kernel_ns_{0};
+  std::chrono::steady_clock::time_point host_began_;  // begin_host_steps' start
   std::map<int, void*> host_buffers_;  // per host layer: the pinned memory host_slots_ point into
   rt::StreamHandle host_d2h_ = nullptr, host_h2d_ = nullptr;
   // This step's: per host layer, the event its gradients arrived by.

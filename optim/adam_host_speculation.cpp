@@ -31,6 +31,8 @@
 // step_layer itself: its device runs queued work on whichever thread waits, under its own lock,
 // and the simulated device is for logic, not overlap.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 
 #ifdef STRATA_HAS_CUDA
@@ -158,8 +160,14 @@ absl::Status Adam::speculate_host_layer(int layer) {
     host_gpu_ = dev.cuda_device();
   }
   const int gpu = host_gpu_;
+  std::atomic<std::int64_t>* waited_ns = &host_waited_ns_;
+  std::atomic<std::int64_t>* kernel_ns = &host_kernel_ns_;
   auto job = [&dev, threads, out, per_group = std::move(per_group), kept = std::move(kept),
-              hypers = std::move(hypers), rule = options_.rule, scale, gpu] {
+              hypers = std::move(hypers), rule = options_.rule, scale, gpu, waited_ns, kernel_ns] {
+    using Clock = std::chrono::steady_clock;
+    auto ns = [](Clock::time_point from) {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count();
+    };
 #ifdef STRATA_HAS_CUDA
     if (gpu >= 0 && cudaSetDevice(gpu) != cudaSuccess) {
       out->status = absl::InternalError(str_cat("cudaSetDevice(", gpu, ") failed"));
@@ -168,8 +176,11 @@ absl::Status Adam::speculate_host_layer(int layer) {
 #else
     (void)gpu;
 #endif
+    Clock::time_point t = Clock::now();
     out->status = dev.synchronize(out->arrived);
+    *waited_ns += ns(t);
     if (!out->status.ok()) return;
+    t = Clock::now();
     for (const Kept& k : kept) parallel_copy(*threads, k.copy, k.data, k.bytes);
     out->kept = true;
     const float inv = 1.0f / (scale != nullptr ? *scale : 1.0f);  // as the CUDA kernel takes it
@@ -177,6 +188,7 @@ absl::Status Adam::speculate_host_layer(int layer) {
       if (per_group[g].empty()) continue;
       rule->step_host(per_group[g].data(), per_group[g].size(), hypers[g], inv, threads);
     }
+    *kernel_ns += ns(t);  // the undo copy included
   };
   if (dev.is_simulated()) {
     job();

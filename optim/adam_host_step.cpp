@@ -30,6 +30,7 @@
 // [Overlapped step] in adam.h) they are stepped during backward instead, speculatively (See Note
 // [Host steps in backward] in adam_host_speculation.cpp).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <iterator>
 #include <map>
@@ -81,6 +82,20 @@ absl::Status Adam::sync_host_streams() {
     if (s != nullptr) STRATA_RETURN_IF_ERROR(runtime_.device().stream_synchronize(s));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+std::int64_t ns_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t)
+      .count();
+}
+
+}  // namespace
+
+Adam::HostStepSeconds Adam::host_step_seconds() const {
+  return {host_queued_ns_.load() * 1e-9, host_waited_ns_.load() * 1e-9,
+          host_kernel_ns_.load() * 1e-9};
 }
 
 int Adam::host_threads() const {
@@ -202,6 +217,7 @@ absl::Status Adam::queue_host_scalars(const std::vector<int>& layers, const floa
 absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
                                     const float* found_inf) {
   rt::Device& dev = runtime_.device();
+  host_began_ = std::chrono::steady_clock::now();
   STRATA_RETURN_IF_ERROR(queue_host_scalars(layers, grad_scale, found_inf));
   for (int layer : layers) {
     STRATA_ASSIGN_OR_RETURN(rt::EventHandle arrived, queue_gradients_out(layer));
@@ -306,7 +322,10 @@ absl::Status Adam::wait_for_parameters_back() {
 }
 
 absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
+  using Clock = std::chrono::steady_clock;
   rt::Device& dev = runtime_.device();
+  host_queued_ns_ += ns_since(host_began_);
+  Clock::time_point t = Clock::now();
   // The scalars arrive with the last layer's gradients on the simulated device.
   STRATA_RETURN_IF_ERROR(
       dev.synchronize(dev.is_simulated() ? host_arrived_.back() : host_arrived_.front()));
@@ -316,6 +335,8 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
   std::vector<std::size_t> stepped;
   for (std::size_t k = 0; k < layers.size(); ++k) {
     STRATA_RETURN_IF_ERROR(dev.synchronize(host_arrived_[k]));
+    host_waited_ns_ += ns_since(t);
+    t = Clock::now();
     STRATA_RETURN_IF_ERROR(host_kernel_tensors(layers[k], per_group, stepped));
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       if (per_group[g].empty()) continue;
@@ -333,6 +354,8 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
       ++slots_[index].steps;
       last_step_.push_back(slots_[index].param);
     }
+    host_kernel_ns_ += ns_since(t);
+    t = Clock::now();
     if (!inf) STRATA_RETURN_IF_ERROR(queue_parameters_back(stepped));
   }
   return wait_for_parameters_back();

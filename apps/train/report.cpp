@@ -175,6 +175,10 @@ std::string progress_line(const RunResult& run, const StepRecord& s, int total_s
     str_append(&line, "  link ", fixed(s.h2d_gbps, 1), "/", fixed(s.d2h_gbps, 1), " GB/s",
                "  waited ", fixed(s.waited_ms, 2), " ms");
   }
+  if (s.host_kernel_ms > 0) {
+    str_append(&line, "  host queued/waited/kernel ", fixed(s.host_queued_ms, 1), "/",
+               fixed(s.host_waited_ms, 1), "/", fixed(s.host_kernel_ms, 1), " ms");
+  }
   if (s.peak_gpu_bytes > 0) str_append(&line, "  peak GPU ", format_bytes(s.peak_gpu_bytes));
   if (run.strata) {
     str_append(&line, "  frag gpu/pinned/pageable ", fixed(s.fragmentation[0], 3), "/",
@@ -407,6 +411,9 @@ std::string to_json(const Report& report) {
                  ", \"redone\": ", s.redone ? "true" : "false", ", \"h2d_bytes\": ", s.h2d_bytes,
                  ", \"d2h_bytes\": ", s.d2h_bytes, ", \"h2d_gbps\": ", exact(s.h2d_gbps),
                  ", \"d2h_gbps\": ", exact(s.d2h_gbps), ", \"waited_ms\": ", exact(s.waited_ms),
+                 ", \"host_queued_ms\": ", exact(s.host_queued_ms),
+                 ", \"host_waited_ms\": ", exact(s.host_waited_ms),
+                 ", \"host_kernel_ms\": ", exact(s.host_kernel_ms),
                  ", \"peak_gpu_bytes\": ", s.peak_gpu_bytes,
                  ", \"strata_gpu_bytes\": ", s.strata_gpu_bytes,
                  ", \"fragmentation\": {\"gpu\": ", exact(s.fragmentation[0]),

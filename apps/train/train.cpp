@@ -30,20 +30,26 @@ namespace strata::apps {
 namespace {
 
 // The traced step's copies and marks as CSV: kind (h2d or d2h for the link's copy streams, other
-// for copies on any other stream, such as the undo copies an overlapped step keeps on the GPU, or
-// mark), bytes (a mark's label), start and end in ms from the step's start.
+// for copies on any other stream, such as the undo copies an overlapped step keeps on the GPU or a
+// host-stepped layer's gradients and parameters, or mark), bytes (a mark's label), start and end
+// in ms from the step's start, and the stream (numbered in the order streams first copied; marks
+// have none).
 void write_trace(rt::CopyTracer& tracer, rt::Runtime& runtime, const std::string& path) {
   const std::vector<rt::CopySpan> spans = bridge::unwrap(tracer.finish());
   std::ofstream csv(path);
-  csv << "kind,bytes_or_label,start_ms,end_ms\n";
+  csv << "kind,bytes_or_label,start_ms,end_ms,stream\n";
+  std::vector<rt::StreamHandle> streams;
   for (const rt::CopySpan& c : spans) {
     const char* kind = c.stream == runtime.h2d_stream()   ? "h2d"
                        : c.stream == runtime.d2h_stream() ? "d2h"
                                                           : "other";
-    csv << kind << ',' << c.bytes << ',' << c.start_ms << ',' << c.end_ms << '\n';
+    auto it = std::find(streams.begin(), streams.end(), c.stream);
+    if (it == streams.end()) it = streams.insert(streams.end(), c.stream);
+    csv << kind << ',' << c.bytes << ',' << c.start_ms << ',' << c.end_ms << ','
+        << (it - streams.begin()) << '\n';
   }
   for (const auto& [label, at] : tracer.marks()) {
-    csv << "mark," << label << ',' << at << ',' << at << '\n';
+    csv << "mark," << label << ',' << at << ',' << at << ",\n";
   }
   if (!csv) bridge::check(absl::InternalError(str_cat("writing the trace ", path, " failed")));
   std::printf("wrote the copy trace %s (%zu copies)\n", path.c_str(), spans.size());
@@ -202,6 +208,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       }
       const rt::RuntimeStats before = rt.stats();
       const optim::Adam::HostStepBytes host_before = adam->host_step_bytes();
+      const optim::Adam::HostStepSeconds host_seconds_before = adam->host_step_seconds();
 
       // Gradient accumulation: each micro-batch's loss is divided by their number, as the mean
       // over the whole batch; the last micro-batch's hooks take the statistics (and overlap).
@@ -233,6 +240,7 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       const torch::Tensor step_scale = scaler.scale.clone();
       clock.wait();
       const Clock::time_point optimizer_start = Clock::now();
+      if (traced) bridge::check(tracer->mark(rt.compute_stream(), "optimizer step"));
       const optim::Adam::StepOutcome outcome = bridge::unwrap(
           adam->finish_step(grad_scale.defined() ? grad_scale.data_ptr<float>() : nullptr,
                             found_inf.defined() ? found_inf.data_ptr<float>() : nullptr));
@@ -280,6 +288,10 @@ void train_strata(const TrainOptions& o, const std::string& run_name, const Step
       if (h2d_ms > 0) r.h2d_gbps = (after.timed_bytes_h2d - before.timed_bytes_h2d) / h2d_ms / 1e6;
       if (d2h_ms > 0) r.d2h_gbps = (after.timed_bytes_d2h - before.timed_bytes_d2h) / d2h_ms / 1e6;
       r.waited_ms = (after.prefetch_stall_ns - before.prefetch_stall_ns) / 1e6;
+      const optim::Adam::HostStepSeconds host_seconds = adam->host_step_seconds();
+      r.host_queued_ms = (host_seconds.queued - host_seconds_before.queued) * 1e3;
+      r.host_waited_ms = (host_seconds.waited - host_seconds_before.waited) * 1e3;
+      r.host_kernel_ms = (host_seconds.kernel - host_seconds_before.kernel) * 1e3;
       r.strata_gpu_bytes = after.gpu_reserved_peak_bytes;
       r.peak_gpu_bytes = r.strata_gpu_bytes + torch_peak_bytes(o);
       for (rt::Tier tier : alloc::kAllTiers) {

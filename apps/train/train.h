@@ -100,6 +100,11 @@ struct StepRecord {
   double h2d_gbps = 0;  // over the time the copy streams were busy (0: nothing timed)
   double d2h_gbps = 0;
   double waited_ms = 0;  // time compute waited on prefetches, on the GPU
+  // The host-stepped layers' host time (optim::Adam::host_step_seconds), in ms: queueing the GPU
+  // layers before the host's first wait, waiting for gradients, and the host kernel.
+  double host_queued_ms = 0;
+  double host_waited_ms = 0;
+  double host_kernel_ms = 0;
   float grad_norm = 0;   // before clipping, as clip_grad_norm_ returns it
   float loss_scale = 1;  // the step's loss scale (float16)
   bool skipped = false;  // its gradients held inf/NaN: no parameter changed

@@ -4,10 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace strata {
@@ -67,6 +70,40 @@ TEST(ThreadPoolTest, CallersFromSeveralThreadsTakeTurns) {
   }
   for (std::thread& t : callers) t.join();
   EXPECT_EQ(sum.load(), 4L * 25 * 45);
+}
+
+// parallel_ranges covers [0, total) once, in ranges of at least min_part elements, each starting on
+// a multiple of align, at most kPartsPerThread a thread; on the caller alone without a pool.
+TEST(ParallelRanges, CoversEveryElementOnceInAlignedRanges) {
+  ThreadPool pool(4);
+  for (std::int64_t total :
+       {std::int64_t{1}, std::int64_t{1000}, std::int64_t{1} << 16, (std::int64_t{1} << 20) + 7}) {
+    std::mutex mu;
+    std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+    parallel_ranges(&pool, total, 1024, 16, [&](std::int64_t begin, std::int64_t end) {
+      std::lock_guard<std::mutex> lock(mu);
+      ranges.emplace_back(begin, end);
+    });
+    std::sort(ranges.begin(), ranges.end());
+    std::int64_t next = 0;
+    for (const auto& [begin, end] : ranges) {
+      EXPECT_EQ(begin, next) << "total " << total;
+      EXPECT_EQ(begin % 16, 0);
+      if (end < total) EXPECT_GE(end - begin, 1024);
+      next = end;
+    }
+    EXPECT_EQ(next, total);
+    EXPECT_LE(ranges.size(), static_cast<std::size_t>(kPartsPerThread * pool.size()));
+    if (total >= std::int64_t{1} << 20) {
+      EXPECT_GT(ranges.size(), static_cast<std::size_t>(pool.size()))
+          << "a large job is cut finer than one range a thread";
+    }
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> alone;
+  parallel_ranges(nullptr, 5000, 1024, 16,
+                  [&](std::int64_t begin, std::int64_t end) { alone.emplace_back(begin, end); });
+  ASSERT_EQ(alone.size(), 1u);
+  EXPECT_EQ(alone[0], std::make_pair(std::int64_t{0}, std::int64_t{5000}));
 }
 
 }  // namespace

@@ -7,9 +7,11 @@
 # share stepped on the GPU, or auto for the cost model's choice and the measured search; and
 # --strata_host_threads), a pair a process, the order alternating between rounds;
 # summarize_split.py gives each run's medians over its last 10 steps. The hybrid's placement line
-# gives the cost model's prediction beside each. Without SPLITS only the probe runs.
+# gives the cost model's prediction beside each. Without SPLITS only the probe runs. TRACE=1 traces
+# each run's last step (STRATA_TRACE_DIR) and prints, per stream, the optimizer step's copies
+# (tools/plot_trace.py); each step's line gives the host's queued/waited/kernel ms.
 #   [PROBE=0] [PROBE_MODEL=bfloat16] [SPLITS="auto:16 0.65:8"] [STEPS=14] [AUTO_STEPS=30] [ROUNDS=1] \
-#     tools/gpu/run_host_threads.sh OUT_DIR
+#     [DTYPE=float32] [TRACE=1] [EXTRA="--strata_overlap=backward"] tools/gpu/run_host_threads.sh OUT_DIR
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_host_threads.sh OUT_DIR}
 STEPS=${STEPS:-14}
@@ -41,9 +43,17 @@ for round in $(seq 1 "$ROUNDS"); do
     [[ $fraction == auto ]] && forced=(--steps="${AUTO_STEPS:-30}")  # the search takes ~20
     echo "== round $round: $runs, hybrid_fraction $fraction, host threads $threads" |
       tee -a "$OUT/train.log"
-    "$BUILD/bin/strata-train" --compare $model --runs="$runs" "${forced[@]}" \
-      --strata_host_threads="$threads" --json="$OUT/train-$fraction-$threads-$round.json" \
+    tag="$fraction-$threads-$round"
+    trace=()
+    [[ ${TRACE:-0} != 0 ]] && mkdir -p "$OUT/trace-$tag" && trace=(env STRATA_TRACE_DIR="$OUT/trace-$tag")
+    "${trace[@]}" "$BUILD/bin/strata-train" --compare $model --runs="$runs" "${forced[@]}" \
+      --strata_host_threads="$threads" ${EXTRA:-} --json="$OUT/train-$tag.json" \
       >>"$OUT/train.log" 2>&1 || status=1
+    for csv in "$OUT/trace-$tag"/*.csv; do
+      [[ -f $csv ]] || continue
+      echo "== trace $csv" | tee -a "$OUT/traces.txt"
+      python3 tools/plot_trace.py "$csv" "${csv%.csv}.svg" | tee -a "$OUT/traces.txt"
+    done
   done
 done
 grep -aE "^== |\] hybrid: |^(layer_prefetch|hybrid)[+a-z]* +ok|identical" "$OUT/train.log"
