@@ -497,8 +497,8 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
                                std::vector<rt::TensorHandle>& held, int& failed_layer) {
   rt::Runtime& rt = runtime_;
   const rt::StreamHandle stream = rt.compute_stream();
-  // Layers stepped on the host: their gradients leave first, the GPU layers are queued, then the
-  // host steps them (See Note [Host-stepped layers] in adam_host_step.cpp).
+  // Layers stepped on the host, in turn with the GPU layers (See Note [Host layers between GPU
+  // layers] in adam_host_step.cpp).
   std::vector<int> host;
   for (int layer : host_layers_) {
     if (by_layer_.count(layer) != 0 &&
@@ -511,10 +511,23 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     ~EndHostSteps() { adam->end_host_steps(); }
   } end_host_steps_on_return{this};
   if (!host.empty()) STRATA_RETURN_IF_ERROR(begin_host_steps(host, grad_scale, found_inf));
+  auto stepped_before = [&](int layer) {
+    return std::find(overlapped_.begin(), overlapped_.end(), layer) != overlapped_.end();
+  };
+  std::size_t gpu_layers = 0, gpu_queued = 0;
+  for (int layer : rt.optimizer_layer_order()) {
+    if (!stepped_before(layer) && !steps_on_host(layer)) ++gpu_layers;
+  }
+  // After the q-th GPU layer, the host layers up to (q / gpu_layers of them) - 1.
+  auto step_host_until = [&](std::size_t n) -> absl::Status {
+    if (n <= host_stepped_ || host_stepped_ >= host.size()) return absl::OkStatus();
+    failed_layer = host[host_stepped_];
+    return step_host_layers(n);
+  };
 
   for (int layer : rt.optimizer_layer_order()) {
     // Stepped during backward already (See Note [Overlapped step] in adam.h).
-    if (std::find(overlapped_.begin(), overlapped_.end(), layer) != overlapped_.end()) continue;
+    if (stepped_before(layer)) continue;
     if (steps_on_host(layer)) continue;
     auto it = by_layer_.find(layer);
     // Note [Per-parameter pipelining]
@@ -562,10 +575,13 @@ absl::Status Adam::step_layers(const float* grad_scale, const float* found_inf,
     held.clear();
     // Tell the policy the layer is done (write-back, next prefetch); its tensors are released.
     STRATA_RETURN_IF_ERROR(rt.release_layer(layer, rt::RoleSet(), stream));
+    const std::size_t share = ++gpu_queued * host.size() / gpu_layers;
+    STRATA_RETURN_IF_ERROR(step_host_until(share > 0 ? share - 1 : 0));
   }
   if (!host.empty()) {
-    failed_layer = host.front();
-    STRATA_RETURN_IF_ERROR(finish_host_steps(host));
+    STRATA_RETURN_IF_ERROR(step_host_until(host.size()));
+    failed_layer = host.back();
+    STRATA_RETURN_IF_ERROR(finish_host_steps());
   }
   return absl::OkStatus();
 }

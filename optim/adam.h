@@ -443,15 +443,18 @@ class Adam {
   ThreadPool& pool();
   // Waits for the host steps' copy streams (gradients out, parameters back).
   absl::Status sync_host_streams();
-  // step_layers() around the GPU layers: queues the host layers' gradient copies (and what the host
-  // kernel reads from the device) before, and steps them on the host and queues their parameters
-  // back after.
+  // step_layers() around and between the GPU layers (See Note [Host layers between GPU layers] in
+  // adam_host_step.cpp): begin queues what the host kernel reads from the device and the first
+  // host layers' gradient copies; step_host_layers(n) steps the host layers up to the n-th (in
+  // `layers`' order), queueing gradients ahead and parameters back; finish steps the rest and
+  // makes the compute stream wait for the parameters.
   absl::Status begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
                                 const float* found_inf);
-  absl::Status finish_host_steps(const std::vector<int>& layers);
-  // `layer`'s gradients queued to their pinned buffers on host_d2h_ behind the compute stream;
-  // the event they have arrived by.
-  absl::StatusOr<rt::EventHandle> queue_gradients_out(int layer);
+  absl::Status step_host_layers(std::size_t upto);
+  absl::Status finish_host_steps();
+  // `layer`'s gradients queued to their pinned buffers on host_d2h_ once the compute stream
+  // reaches `ready` (null: where it is now); the event they have arrived by.
+  absl::StatusOr<rt::EventHandle> queue_gradients_out(int layer, rt::EventHandle ready = nullptr);
   // What the host kernel reads from the device for the slots of `layers` (grad_scale, found_inf
   // and bias corrections; null: 1 and 0), queued on the compute stream into host_scalars_.
   absl::Status queue_host_scalars(const std::vector<int>& layers, const float* grad_scale,
@@ -511,8 +514,19 @@ class Adam {
   std::chrono::steady_clock::time_point host_began_;  // begin_host_steps' start
   std::map<int, void*> host_buffers_;  // per host layer: the pinned memory host_slots_ point into
   rt::StreamHandle host_d2h_ = nullptr, host_h2d_ = nullptr;
-  // This step's: per host layer, the event its gradients arrived by.
+  // This step's (begin_host_steps to end_host_steps): the host layers, in the order stepped; per
+  // layer whose gradients are queued, the event they arrive by; the compute stream's point where
+  // every gradient is final; on the simulated device, the event the scalars are read by; how many
+  // layers are stepped; the kernel's 1 / grad_scale and found_inf; and whether parameters were
+  // queued back.
+  std::vector<int> host_pending_;
   std::vector<rt::EventHandle> host_arrived_;
+  rt::EventHandle host_grads_ready_ = nullptr;
+  rt::EventHandle host_scalars_read_ = nullptr;
+  std::size_t host_stepped_ = 0;
+  float host_inv_ = 1.0f;
+  bool host_inf_ = false;
+  bool host_params_queued_ = false;
   // Pinned: the step's grad_scale and found_inf as the host kernel reads them, then the rule's
   // scalars per request (See Note [Scalars from the device] in step_rule.h), room for one a slot.
   float* host_scalars_ = nullptr;

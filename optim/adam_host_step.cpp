@@ -5,13 +5,13 @@
 // Note [Host-stepped layers]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A layer stepped on the host keeps its states where they rest, in pinned memory, and moves only
-// its gradients out and its parameters back: at the start of the step its gradients are copied to
-// pinned buffers on a stream of their own, once the compute stream has produced them; then the GPU
-// layers' step is queued (their states stream as under layer_prefetch); then, on the host, layer
-// after layer as its gradients arrive, the host kernel steps the layer's states on the pool's
-// threads and its parameters are queued back to the GPU on another stream, which the compute
-// stream waits for before anything that follows the step. So the host kernel runs while the GPU
-// layers stream, and the step returns once the host is done.
+// its gradients out and its parameters back: its gradients are copied to pinned buffers on a
+// stream of their own, once the compute stream has produced them; the host kernel steps the
+// layer's states on the pool's threads as they arrive; and its parameters are queued back to the
+// GPU on another stream, which the compute stream waits for before anything that follows the step.
+// The GPU layers' step (their states stream as under layer_prefetch) is queued in between (See
+// Note [Host layers between GPU layers]). So the host kernel runs while the GPU layers stream, and
+// the step returns once the host is done.
 //
 // A float32 parameter stepped on the host keeps a float32 master copy there (master_param, as a
 // bfloat16 or float16 parameter does everywhere), which the host kernel steps and the GPU's
@@ -37,6 +37,7 @@
 #include <set>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include "allocator/cuda_status.h"
 #include "base/status.h"
@@ -214,37 +215,65 @@ absl::Status Adam::queue_host_scalars(const std::vector<int>& layers, const floa
 #endif
 }
 
+// Note [Host layers between GPU layers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// One host thread queues the GPU layers' step and runs the host kernel, and each copy engine
+// serves its direction's copies in the order they were queued, whatever their stream. So the
+// order of the host's work is the step's schedule:
+// - Queueing every GPU layer first kept the host kernel waiting for it (a few ms a step, on the
+//   critical path when the host is the slower side), so step_layers queues the GPU layers and
+//   steps the host layers in turn, in proportion to their counts, the GPU a layer or two ahead: a
+//   GPU layer takes the link about as long as a host layer takes the host, and its prefetches are
+//   queued as the layers before it are released.
+// - Queueing every host layer's gradients first put them all ahead of the first GPU layers'
+//   write-backs on the device-to-host engine, and the refills those write-backs free waited too.
+//   The gradients go kGradientsAhead host layers ahead of the host kernel instead, each behind
+//   the compute stream's point where the step began (where every gradient is final), not where
+//   it is when queued (behind the GPU layers' kernels).
+// A host layer's parameters are queued back as its kernel ends; what follows the step on the
+// compute stream waits for them, also when the step fails part way (end_host_steps).
+constexpr std::size_t kGradientsAhead = 2;
+
 absl::Status Adam::begin_host_steps(const std::vector<int>& layers, const float* grad_scale,
                                     const float* found_inf) {
   rt::Device& dev = runtime_.device();
   host_began_ = std::chrono::steady_clock::now();
+  host_pending_ = layers;
+  host_stepped_ = 0;
+  host_params_queued_ = false;
   STRATA_RETURN_IF_ERROR(queue_host_scalars(layers, grad_scale, found_inf));
-  for (int layer : layers) {
-    STRATA_ASSIGN_OR_RETURN(rt::EventHandle arrived, queue_gradients_out(layer));
-    host_arrived_.push_back(arrived);
-  }
+  // The gradients are final once the compute stream reaches here.
+  STRATA_ASSIGN_OR_RETURN(host_grads_ready_, dev.record(runtime_.compute_stream()));
   if (dev.is_simulated()) {
     // Read in stream order on the simulated device too: after the gradients, the compute stream's
     // scalars are final.
+    STRATA_RETURN_IF_ERROR(dev.stream_wait(host_d2h_, host_grads_ready_));
     float* scalars = host_scalars_;
     STRATA_RETURN_IF_ERROR(dev.enqueue_host(host_d2h_, [scalars, grad_scale, found_inf] {
       scalars[0] = grad_scale != nullptr ? *grad_scale : 1.0f;
       scalars[1] = found_inf != nullptr ? *found_inf : 0.0f;
     }));
-    STRATA_ASSIGN_OR_RETURN(rt::EventHandle read, dev.record(host_d2h_));
-    dev.release(host_arrived_.back());
-    host_arrived_.back() = read;
+    STRATA_ASSIGN_OR_RETURN(host_scalars_read_, dev.record(host_d2h_));
+  }
+  for (std::size_t k = 0; k < std::min(kGradientsAhead, layers.size()); ++k) {
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle arrived,
+                            queue_gradients_out(layers[k], host_grads_ready_));
+    host_arrived_.push_back(arrived);
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<rt::EventHandle> Adam::queue_gradients_out(int layer) {
+absl::StatusOr<rt::EventHandle> Adam::queue_gradients_out(int layer, rt::EventHandle ready) {
   rt::Device& dev = runtime_.device();
-  // The gradients are final once the compute stream reaches here.
-  STRATA_ASSIGN_OR_RETURN(rt::EventHandle ready, dev.record(runtime_.compute_stream()));
-  absl::Status waited = dev.stream_wait(host_d2h_, ready);
-  dev.release(ready);
-  STRATA_RETURN_IF_ERROR(waited);
+  if (ready != nullptr) {
+    STRATA_RETURN_IF_ERROR(dev.stream_wait(host_d2h_, ready));
+  } else {
+    // The gradients are final once the compute stream reaches here.
+    STRATA_ASSIGN_OR_RETURN(rt::EventHandle now, dev.record(runtime_.compute_stream()));
+    absl::Status waited = dev.stream_wait(host_d2h_, now);
+    dev.release(now);
+    STRATA_RETURN_IF_ERROR(waited);
+  }
   for (std::size_t index : by_layer_.at(layer)) {
     if (skip_[index]) continue;
     const Slot& slot = slots_[index];
@@ -321,30 +350,44 @@ absl::Status Adam::wait_for_parameters_back() {
   return waited;
 }
 
-absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
+absl::Status Adam::step_host_layers(std::size_t upto) {
   using Clock = std::chrono::steady_clock;
   rt::Device& dev = runtime_.device();
-  host_queued_ns_ += ns_since(host_began_);
-  Clock::time_point t = Clock::now();
-  // The scalars arrive with the last layer's gradients on the simulated device.
-  STRATA_RETURN_IF_ERROR(
-      dev.synchronize(dev.is_simulated() ? host_arrived_.back() : host_arrived_.front()));
-  const float inv = 1.0f / host_scalars_[0];  // as the CUDA kernel takes it
-  const bool inf = host_scalars_[1] != 0.0f;
+  upto = std::min(upto, host_pending_.size());
+  if (host_stepped_ >= upto) return absl::OkStatus();
+  if (host_stepped_ == 0) {
+    host_queued_ns_ += ns_since(host_began_);
+    // The scalars arrive before the first layer's gradients (on the simulated device, with a host
+    // function of their own).
+    const Clock::time_point t = Clock::now();
+    STRATA_RETURN_IF_ERROR(
+        dev.synchronize(dev.is_simulated() ? host_scalars_read_ : host_arrived_.front()));
+    host_waited_ns_ += ns_since(t);
+    host_inv_ = 1.0f / host_scalars_[0];  // as the CUDA kernel takes it
+    host_inf_ = host_scalars_[1] != 0.0f;
+  }
   std::vector<std::vector<StepTensor>> per_group;
   std::vector<std::size_t> stepped;
-  for (std::size_t k = 0; k < layers.size(); ++k) {
+  for (; host_stepped_ < upto; ++host_stepped_) {
+    const std::size_t k = host_stepped_;
+    while (host_arrived_.size() < std::min(host_pending_.size(), k + 1 + kGradientsAhead)) {
+      STRATA_ASSIGN_OR_RETURN(
+          rt::EventHandle arrived,
+          queue_gradients_out(host_pending_[host_arrived_.size()], host_grads_ready_));
+      host_arrived_.push_back(arrived);
+    }
+    Clock::time_point t = Clock::now();
     STRATA_RETURN_IF_ERROR(dev.synchronize(host_arrived_[k]));
     host_waited_ns_ += ns_since(t);
     t = Clock::now();
-    STRATA_RETURN_IF_ERROR(host_kernel_tensors(layers[k], per_group, stepped));
+    STRATA_RETURN_IF_ERROR(host_kernel_tensors(host_pending_[k], per_group, stepped));
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       if (per_group[g].empty()) continue;
-      if (inf) {
+      if (host_inf_) {
         options_.rule->count_skipped_host(per_group[g].data(), per_group[g].size());
       } else {
-        options_.rule->step_host(per_group[g].data(), per_group[g].size(), groups_[g].hyper, inv,
-                                 &pool());
+        options_.rule->step_host(per_group[g].data(), per_group[g].size(), groups_[g].hyper,
+                                 host_inv_, &pool());
       }
     }
     // The layer is stepped: its states are. Its parameters go back to the GPU, unless inf skipped
@@ -355,16 +398,33 @@ absl::Status Adam::finish_host_steps(const std::vector<int>& layers) {
       last_step_.push_back(slots_[index].param);
     }
     host_kernel_ns_ += ns_since(t);
-    t = Clock::now();
-    if (!inf) STRATA_RETURN_IF_ERROR(queue_parameters_back(stepped));
+    if (!host_inf_ && !stepped.empty()) {
+      host_params_queued_ = true;
+      STRATA_RETURN_IF_ERROR(queue_parameters_back(stepped));
+    }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Adam::finish_host_steps() {
+  STRATA_RETURN_IF_ERROR(step_host_layers(host_pending_.size()));
+  host_params_queued_ = false;
   return wait_for_parameters_back();
 }
 
 void Adam::end_host_steps() {
   rt::Device& dev = runtime_.device();
+  // A step that failed part way: what follows on the compute stream still waits for the
+  // parameters queued back (See Note [Host layers between GPU layers]).
+  if (std::exchange(host_params_queued_, false)) (void)wait_for_parameters_back();
   for (rt::EventHandle e : host_arrived_) dev.release(e);
   host_arrived_.clear();
+  for (rt::EventHandle* e : {&host_grads_ready_, &host_scalars_read_}) {
+    if (*e != nullptr) dev.release(*e);
+    *e = nullptr;
+  }
+  host_pending_.clear();
+  host_stepped_ = 0;
 }
 
 }  // namespace strata::optim

@@ -86,6 +86,7 @@ class CopyTracer final : public rt::Device {
 
   std::string name() const override { return inner_->name(); }
   bool is_simulated() const override { return inner_->is_simulated(); }
+  int cuda_device() const override { return inner_->cuda_device(); }
   absl::StatusOr<rt::StreamHandle> create_stream() override { return inner_->create_stream(); }
   void destroy_stream(rt::StreamHandle stream) override { inner_->destroy_stream(stream); }
   absl::Status copy_async(void* dst, const void* src, std::size_t bytes,
