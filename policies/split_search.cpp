@@ -10,7 +10,9 @@ SplitSearch::SplitSearch(int movable, int start, SplitSearchOptions options)
       start_(std::clamp(start, 0, std::max(movable, 0))),
       options_(options),
       stride_(options.stride > 0 ? options.stride : (movable_ + 9) / 10),
-      current_(start_) {
+      step_(stride_),
+      current_(start_),
+      walk_start_(start_) {
   if (options_.samples < 1) options_.samples = 1;
   done_ = movable_ == 0;
 }
@@ -43,19 +45,23 @@ void SplitSearch::add(double seconds) {
   std::nth_element(samples_.begin(), mid, samples_.end());
   measured_[current_] = *mid;
 
-  // See Note [Measured split]: on while the newest split is the best; up from the start, else
-  // (the first split up was slower, or there is none) down from it, once. A step past either end
-  // stops at it.
-  auto neighbor = [&](int k, int direction) {
-    const int n = std::clamp(k + direction * stride_, 0, movable_);
-    return n == k || measured_.count(n) != 0 ? -1 : n;
-  };
+  // See Note [Measured split]: on while the newest split is the best; up from the walk's start,
+  // else (the first split up was slower, or there is none) down from it, once. A step past either
+  // end stops at it. The coarse walk is followed by one a layer at a time from its best.
   const bool improving = best() == current_;
-  int next = improving ? neighbor(current_, direction_) : -1;
-  const bool first_up_slower = measured_.size() == 2 && !improving;
-  if (next < 0 && direction_ > 0 && (current_ == start_ || first_up_slower)) {
+  int next = -1;
+  if (current_ == walk_start_) {  // only the first walk measures its start
+    next = first_move();
+  } else if (improving) {
+    next = neighbor(current_, direction_);
+  } else if (current_ == first_up_) {
     direction_ = -1;
-    next = neighbor(start_, -1);
+    next = neighbor(walk_start_, -1);
+  }
+  if (next < 0 && step_ > 1) {
+    step_ = 1;
+    walk_start_ = best();
+    next = first_move();
   }
   if (next < 0) {
     done_ = true;
@@ -63,6 +69,19 @@ void SplitSearch::add(double seconds) {
     return;
   }
   go_to(next);
+}
+
+int SplitSearch::neighbor(int k, int direction) const {
+  const int n = std::clamp(k + direction * step_, 0, movable_);
+  return n == k || measured_.count(n) != 0 ? -1 : n;
+}
+
+int SplitSearch::first_move() {
+  direction_ = +1;
+  first_up_ = neighbor(walk_start_, +1);
+  if (first_up_ >= 0) return first_up_;
+  direction_ = -1;
+  return neighbor(walk_start_, -1);
 }
 
 }  // namespace strata::policy

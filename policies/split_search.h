@@ -27,7 +27,9 @@
 // measures each split over `samples` steps after one it discards (the step after a move pays for
 // the move). It walks up, `stride` layers at a time (the last step stopping at all of them), while
 // each new split is the best so far; if the first split up is not, or there is none, it walks down
-// from the start the same way, down to none on the host. The best is the one with the fewest host
+// from the start the same way, down to none on the host. Then, where the stride was more than one
+// layer, it walks again from the best so far the same way, one layer at a time, over the splits
+// the stride stepped over, where the fastest may lie. The best is the one with the fewest host
 // layers among those within `margin` of the fastest: more host layers cost host memory and host
 // threads, and must pay for themselves. A split's time is the median of its samples, so one slow
 // step (an evaluation, a checkpoint, a redone overlapped step) does not decide. Once done, the
@@ -69,11 +71,19 @@ class SplitSearch {
  private:
   // Starts the samples of split k.
   void go_to(int k);
+  // The split step_ layers from k in `direction`, clamped to the ends; -1 where that is k itself or
+  // a split already measured.
+  int neighbor(int k, int direction) const;
+  // The first split of a walk from walk_start_: up, else down; -1 where neither is left.
+  int first_move();
   int movable_;
   int start_;
   SplitSearchOptions options_;
-  int stride_;
+  int stride_;  // the first walk's
+  int step_;    // the walk's now: stride_, then 1
   int current_;
+  int walk_start_;
+  int first_up_ = -1;  // the walk's first split up from its start, -1 before or without one
   int direction_ = +1;
   bool done_ = false;
   bool discarded_ = false;  // the current split's first step is behind it

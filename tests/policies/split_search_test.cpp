@@ -26,34 +26,39 @@ std::vector<int> run(SplitSearch& search, const std::function<double(int)>& seco
   return stepped;
 }
 
-// A step time with its best at k = `best`: 1 ms a layer away from it, over 100 ms.
+// A step time with its best at k = `best`: 5 ms a layer away from it, over 100 ms (a layer is
+// past the 1% margin).
 std::function<double(int)> valley(int best) {
-  return [best](int k) { return (100.0 + std::abs(k - best)) / 1e3; };
+  return [best](int k) { return (100.0 + 5.0 * std::abs(k - best)) / 1e3; };
 }
 
 TEST(SplitSearchTest, WalksUpToTheFastestSplit) {
   SplitSearch search(20, 0, {.samples = 3, .stride = 2});
   const std::vector<int> stepped = run(search, valley(7));
   ASSERT_TRUE(search.done());
-  // 0, 2, 4, 6 each better than the last; 8 is no better than 6 by the margin, so the walk ends
-  // and 6 stays (fewer host layers on equal times).
-  EXPECT_EQ(search.best(), 6);
-  EXPECT_EQ(search.current(), 6);
-  EXPECT_EQ(search.measured().size(), 5u);
-  EXPECT_EQ(stepped.size(), 5u * 4);  // four steps a split: one discarded, three measured
-  EXPECT_DOUBLE_EQ(search.measured().at(4), 0.103);
+  // 0, 2, 4, 6 each better than the last; 8 is no better than 6, so the walk by twos ends at 6
+  // (fewer host layers on equal times). The walk by ones from 6 goes up to 7, the fastest, and
+  // ends there, 8 being measured.
+  EXPECT_EQ(search.best(), 7);
+  EXPECT_EQ(search.current(), 7);
+  EXPECT_EQ(search.measured().size(), 6u);
+  EXPECT_EQ(stepped.size(), 6u * 4);  // four steps a split: one discarded, three measured
+  EXPECT_DOUBLE_EQ(search.measured().at(4), 0.115);
 }
 
 TEST(SplitSearchTest, WalksDownWhenTheFirstSplitUpIsSlower) {
   SplitSearch search(24, 12, {.samples = 2, .stride = 3});
   run(search, valley(4));
   ASSERT_TRUE(search.done());
-  // 12, then 15 (slower), then down: 9, 6, 3 (each better), 0 (slower).
-  EXPECT_EQ(search.best(), 3);
-  EXPECT_EQ(search.current(), 3);
+  // 12, then 15 (slower), then down: 9, 6, 3 (each better), 0 (slower); then by ones from 3: 4
+  // (better), 5 (slower).
+  EXPECT_EQ(search.best(), 4);
+  EXPECT_EQ(search.current(), 4);
   EXPECT_EQ(search.measured().count(15), 1u);
   EXPECT_EQ(search.measured().count(0), 1u);
+  EXPECT_EQ(search.measured().count(5), 1u);
   EXPECT_EQ(search.measured().count(18), 0u);
+  EXPECT_EQ(search.measured().count(2), 0u);
 }
 
 TEST(SplitSearchTest, DiscardsTheStepAfterEachMove) {
@@ -68,7 +73,7 @@ TEST(SplitSearchTest, DiscardsTheStepAfterEachMove) {
     return steps_here == 0 ? 10.0 : valley(10)(k);
   });
   EXPECT_EQ(search.best(), 10);
-  EXPECT_DOUBLE_EQ(search.measured().at(0), 0.110);
+  EXPECT_DOUBLE_EQ(search.measured().at(0), 0.150);
 }
 
 TEST(SplitSearchTest, OneSlowStepDoesNotDecide) {
@@ -89,7 +94,7 @@ TEST(SplitSearchTest, MoreHostLayersMustWinByTheMargin) {
   run(search, [](int k) { return k == 0 ? 0.1000 : 0.0995; });  // 0.5% faster: not enough
   EXPECT_EQ(search.best(), 0);
   EXPECT_EQ(search.current(), 0);
-  EXPECT_EQ(search.measured().size(), 2u);
+  EXPECT_EQ(search.measured().size(), 3u);  // 0, 2, then 1 by ones
 }
 
 TEST(SplitSearchTest, NothingMovableIsDoneFromTheStart) {
@@ -107,17 +112,31 @@ TEST(SplitSearchTest, StaysWithinItsLayers) {
   SplitSearch top(6, 6, {.samples = 1, .stride = 4});
   run(top, valley(0));
   EXPECT_EQ(top.best(), 0);
-  EXPECT_EQ(top.measured().size(), 3u);  // 6, 2, 0
+  EXPECT_EQ(top.measured().size(), 4u);  // 6, 2, 0, then 1 by ones
   SplitSearch wide(3, 0, {.samples = 1, .stride = 4});
   run(wide, valley(3));
   EXPECT_TRUE(wide.done());
   EXPECT_EQ(wide.best(), 3);
   SplitSearch near_bottom(24, 7, {.samples = 1, .stride = 3});
   run(near_bottom, valley(0));
-  EXPECT_EQ(near_bottom.best(), 0);  // 7, 10 (slower), 4, 1, 0
+  EXPECT_EQ(near_bottom.best(), 0);  // 7, 10 (slower), 4, 1, 0; by ones, nothing is left
   // The default stride is a tenth of the layers, rounded up.
   EXPECT_EQ(SplitSearch(26, 0, {}).stride(), 3);
   EXPECT_EQ(SplitSearch(5, 0, {}).stride(), 1);
+}
+
+TEST(SplitSearchTest, WalksByOnesOverWhatTheStrideSteppedOver) {
+  // The model starts it at 16 of 26; the fastest split is 14, between the stride's splits.
+  SplitSearch search(26, 16, {.samples = 3});
+  ASSERT_EQ(search.stride(), 3);
+  run(search, valley(14));
+  ASSERT_TRUE(search.done());
+  // 16, 19 (slower), then down: 13 (better), 10 (slower); by ones from 13: 14 (better), 15.
+  EXPECT_EQ(search.best(), 14);
+  EXPECT_EQ(search.current(), 14);
+  EXPECT_EQ(search.measured().size(), 6u);
+  EXPECT_EQ(search.measured().count(12), 0u);
+  EXPECT_EQ(search.stride(), 3);
 }
 
 TEST(SplitSearchTest, EndsOnAnyTimes) {
