@@ -11,9 +11,18 @@
 // baseline, and the loader picks the one the machine runs (GCC's target_clones); the baseline
 // clone gives the same bits through the library's fmaf, only slower. The arithmetic is
 // adam_element's, operation for operation, so the results stay the CUDA kernel's (See Note [No
-// contraction] in adam_math.h); amsgrad takes the generic element-by-element path. Compressed
-// moments' codec (state_codec.h) is branch-free, and the file is compiled without floating-point
-// traps (optim/CMakeLists.txt), so that its selects need no branches either.
+// contraction] in adam_math.h); amsgrad takes the generic element-by-element path.
+//
+// Note [A float32 parameter as its own master]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A float32 parameter stepped on the host is its own master there: the step's parameter and master
+// are one buffer (See Note [Host-stepped layers] in adam_host_step.cpp). The kernels step it in
+// place, by the loop for a float32 parameter without a master, whose arithmetic is the same
+// (the master's value is the parameter's, read once and written once). The loop with a master
+// would write the same element twice through two pointers, and GCC does not vectorize it (five
+// float arrays it cannot tell apart), so the host step of a float32 layer ran element by element.
+// Compressed moments' codec (state_codec.h) is branch-free, and the file is compiled without
+// floating-point traps (optim/CMakeLists.txt), so that its selects need no branches either.
 #include <algorithm>
 
 #include "optim/adam_kernels.h"
@@ -193,7 +202,8 @@ STRATA_HOST_CLONES void run_tensor(const AdamTensor& x, std::int64_t lo, std::in
   if (!s.amsgrad || x.state_type != StateType::kF32) {  // amsgrad needs float32 moments
     const ElemType p = x.param_type, g = x.grad_type;
     using E = ElemType;
-    if (!master && p == E::kF32 && g == E::kF32)
+    // See Note [A float32 parameter as its own master].
+    if ((!master || x.param == x.master) && p == E::kF32 && g == E::kF32)
       return run_typed<E::kF32, E::kF32, false>(x, lo, hi, s, inv);
     if (master && p == E::kF32 && g == E::kF32)
       return run_typed<E::kF32, E::kF32, true>(x, lo, hi, s, inv);

@@ -37,7 +37,8 @@ STRATA_LION_CLONES void run_tensor(const StepTensor& x, std::int64_t lo, std::in
   using E = ElemType;
   const bool master = x.master != nullptr;
   const E p = x.param_type, g = x.grad_type;
-  if (!master && p == E::kF32 && g == E::kF32)
+  // See Note [A float32 parameter as its own master] in adam_cpu.cpp.
+  if ((!master || x.param == x.master) && p == E::kF32 && g == E::kF32)
     return run_loop<E::kF32, E::kF32, false>(x, lo, hi, s, inv);
   if (master && p == E::kF32 && g == E::kF32)
     return run_loop<E::kF32, E::kF32, true>(x, lo, hi, s, inv);

@@ -127,6 +127,51 @@ TEST(AdamCpuKernelTest, GradScaleDividesGradients) {
   EXPECT_EQ(a.p, b.p);  // scaling by a power of two is exact
 }
 
+// See Note [A float32 parameter as its own master] in optim/adam_cpu.cpp: a float32 parameter
+// whose master is the parameter's own buffer (a host step's layout) steps to the bits of one
+// without a master, and of one with a master of its own beside it.
+TEST(AdamCpuKernelTest, AFloat32ParameterAsItsOwnMasterStepsAsOneWithout) {
+  for (const AdamHyper& h : hypers()) {
+    const std::size_t n = 70'001;  // past one part of a thread split, with a tail
+    Buffers plain = random_buffers(n, 11), own = plain, apart = plain;
+    std::vector<float> apart_master = apart.p;
+    ThreadPool three(3);
+    for (std::int64_t step = 1; step <= 3; ++step) {
+      AdamTensor tp{plain.p.data(),
+                    plain.g.data(),
+                    plain.m.data(),
+                    plain.v.data(),
+                    h.amsgrad ? plain.vmax.data() : nullptr,
+                    static_cast<std::int64_t>(n)};
+      AdamTensor to{own.p.data(),
+                    own.g.data(),
+                    own.m.data(),
+                    own.v.data(),
+                    h.amsgrad ? own.vmax.data() : nullptr,
+                    static_cast<std::int64_t>(n)};
+      to.master = own.p.data();
+      AdamTensor ta{apart.p.data(),
+                    apart.g.data(),
+                    apart.m.data(),
+                    apart.v.data(),
+                    h.amsgrad ? apart.vmax.data() : nullptr,
+                    static_cast<std::int64_t>(n)};
+      ta.master = apart_master.data();
+      tp.step = to.step = ta.step = step;
+      const AdamScalars s = adam_scalars(h, step);
+      adam_step_cpu(&tp, 1, s, 1.0f, &three);
+      adam_step_cpu(&to, 1, s, 1.0f, &three);
+      adam_step_cpu(&ta, 1, s, 1.0f, &three);
+    }
+    EXPECT_EQ(own.p, plain.p) << "lr=" << h.lr << " amsgrad=" << h.amsgrad;
+    EXPECT_EQ(own.m, plain.m);
+    EXPECT_EQ(own.v, plain.v);
+    EXPECT_EQ(apart.p, plain.p);
+    EXPECT_EQ(apart_master, plain.p);
+    EXPECT_EQ(apart.v, plain.v);
+  }
+}
+
 #ifdef STRATA_HAS_CUDA
 class GpuAdamKernelTest : public ::testing::Test {
  protected:
