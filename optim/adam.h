@@ -69,6 +69,7 @@
 #include "base/serial_worker.h"
 #include "base/thread_pool.h"
 #include "optim/adam_math.h"
+#include "optim/adam_slot.h"
 #include "optim/state_decl.h"
 #include "optim/step_rule.h"
 #include "runtime/runtime.h"
@@ -124,7 +125,7 @@ class Adam {
   // states out under the GPU budget (Runtime::prepare), so a budget too small is an error here
   // (kResourceExhausted naming what does not fit), not at the first step. The Adam unregisters them
   // when it is destroyed, so the runtime must outlive it (See Note [Adam owns its states] in
-  // adam.cpp).
+  // adam_create.cpp).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Adam>> create(rt::Runtime& runtime,
                                                                     AdamOptions options);
   // Unregisters the states this optimizer registered (the runtime must outlive it).
@@ -302,40 +303,8 @@ class Adam {
       const std::vector<std::pair<std::string, std::vector<float>>>& values);
 
  private:
-  struct Slot {
-    rt::TensorHandle param, grad;
-    // The declared states (the rule's states()), in declaration order, which is checkpoint order;
-    // invalid past the last. `master` is the one declared from the parameter, if any.
-    std::array<rt::TensorHandle, kMaxStates> declared;
-    std::array<std::string, kMaxStates> suffixes;  // for messages
-    rt::TensorHandle master;
-    int master_at = -1;  // its index in `declared`
-    std::size_t group = 0;
-    int layer = 0;
-    std::int64_t numel = 0;
-    ElemType param_type = ElemType::kF32;
-    ElemType grad_type = ElemType::kF32;
-    std::string param_name, grad_name;  // for messages: handles outlive their tensors
-    // Steps queued for this parameter, skipped ones included (See Note [Per-parameter steps]).
-    std::int64_t steps = 0;
-    // This step's gradient, when grad is not registered (See Note [Gradients given at each step]).
-    const void* given_grad = nullptr;
-    // The key of its compressed moments' rounding (state_seed of the parameter's name).
-    std::uint32_t seed = 0;
-    // Whether `h` is a float32 parameter's master, which checkpoints and state dicts leave out
-    // (See Note [Float32 masters follow the split] in adam_placement.cpp).
-    bool float32_master(rt::TensorHandle h) const {
-      return param_type == ElemType::kF32 && master.valid() && h.id == master.id;
-    }
-    // The optimizer's state tensors of this parameter, valid or not, in checkpoint order.
-    const std::array<rt::TensorHandle, kMaxStates>& states() const { return declared; }
-    // Every tensor the kernel takes, valid or not: the parameter, the gradient, then the states.
-    std::array<rt::TensorHandle, 2 + kMaxStates> kernel_tensors() const {
-      std::array<rt::TensorHandle, 2 + kMaxStates> out = {param, grad};
-      for (int j = 0; j < kMaxStates; ++j) out[2 + j] = declared[j];
-      return out;
-    }
-  };
+  // One parameter's registration (See optim/adam_slot.h).
+  using Slot = AdamSlot;
   // The rule's view of slots_[index] for the step being queued, from the addresses of its
   // kernel_tensors().
   StepTensor kernel_tensor(std::size_t index, const std::array<void*, 2 + kMaxStates>& ptrs) const;
