@@ -4,13 +4,8 @@
 #include "optim/adam.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstdio>
 #include <map>
-#include <optional>
-#include <set>
 #include <string>
-#include <string_view>
 
 #include "allocator/cuda_status.h"
 #include "base/status.h"
@@ -49,8 +44,6 @@ std::string Adam::name_of_state(rt::TensorHandle h) const {
   return it == slot_of_state_.end() ? str_cat("handle ", h.id) : name_in(slots_[it->second], h);
 }
 
-// Checks every group, parameter and gradient before anything is registered, so that a bad input
-// registers nothing; adds up each layer's step bytes on the GPU.
 absl::Status Adam::set_lr(std::size_t group, double lr) {
   if (group >= groups_.size()) {
     return absl::InvalidArgumentError(str_cat("Adam: no parameter group ", group));

@@ -377,7 +377,7 @@ class Adam {
     return std::binary_search(host_layers_.begin(), host_layers_.end(), layer);
   }
   // create(): every input checked before anything is registered, then the declared states
-  // registered (See adam.cpp).
+  // registered (See adam_create.cpp).
   absl::Status check_groups();
   absl::Status register_states();
   // Registers state j of slots_[index] as `decl` declares it (a master from the parameter).

@@ -11,7 +11,9 @@
 // baseline, and the loader picks the one the machine runs (GCC's target_clones); the baseline
 // clone gives the same bits through the library's fmaf, only slower. The arithmetic is
 // adam_element's, operation for operation, so the results stay the CUDA kernel's (See Note [No
-// contraction] in adam_math.h); amsgrad takes the generic element-by-element path.
+// contraction] in adam_math.h); amsgrad takes the generic element-by-element path. Compressed
+// moments' codec (state_codec.h) is branch-free, and the file is compiled without floating-point
+// traps (optim/CMakeLists.txt), so that its selects need no branches either.
 //
 // Note [A float32 parameter as its own master]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -21,8 +23,6 @@
 // (the master's value is the parameter's, read once and written once). The loop with a master
 // would write the same element twice through two pointers, and GCC does not vectorize it (five
 // float arrays it cannot tell apart), so the host step of a float32 layer ran element by element.
-// Compressed moments' codec (state_codec.h) is branch-free, and the file is compiled without
-// floating-point traps (optim/CMakeLists.txt), so that its selects need no branches either.
 #include <algorithm>
 
 #include "optim/adam_kernels.h"

@@ -4,7 +4,6 @@
 // adam.cpp's.
 #include <algorithm>
 #include <cstdio>
-#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -93,6 +92,9 @@ Adam::~Adam() {
     }
   }
 }
+
+// Checks every group, parameter and gradient before anything is registered, so that a bad input
+// registers nothing; adds up each layer's step bytes on the GPU.
 absl::Status Adam::check_groups() {
   std::set<std::uint64_t> seen;
   const StateType moments = options_.state_dtype;

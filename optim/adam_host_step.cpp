@@ -299,7 +299,8 @@ absl::Status Adam::host_kernel_tensors(int layer, std::vector<std::vector<StepTe
     const Slot& s = slots_[index];
     // In kernel_tensors()' order: the parameter and gradient in their pinned buffers, the states
     // where they rest. A float32 parameter is its master here (every rule declares one for a
-    // host-stepped layer): the kernel writes it twice, the same value.
+    // host-stepped layer): one buffer, stepped in place (See Note [A float32 parameter as its own
+    // master] in adam_cpu.cpp).
     std::array<void*, 2 + kMaxStates> ptrs = {};
     ptrs[1] = host_slots_[index].grad;
     const std::array<rt::TensorHandle, 2 + kMaxStates> hs = s.kernel_tensors();

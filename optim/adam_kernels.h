@@ -42,7 +42,9 @@ struct AdamTensor {
   float* max_exp_avg_sq = nullptr;  // amsgrad only (float32 moments only)
   std::int64_t numel = 0;
   // A bfloat16 or float16 parameter's float32 master copy, which the step updates and the parameter
-  // is rounded from (See Note [Mixed precision] in adam_math.h); null for float32.
+  // is rounded from (See Note [Mixed precision] in adam_math.h); null for float32, or the parameter
+  // itself for a float32 parameter stepped on the host (See Note [A float32 parameter as its own
+  // master] in adam_cpu.cpp).
   float* master = nullptr;
   ElemType param_type = ElemType::kF32;
   ElemType grad_type = ElemType::kF32;

@@ -2,7 +2,8 @@
 // the parameter's and gradient's handles, the states its rule declared (See Note [Declared states]
 // in state_decl.h), its group, layer, element types and its own step count (See Note
 // [Per-parameter steps] in adam.h). Adam holds one a parameter, by index; the host-stepped layers'
-// buffers and the overlapped step's state are Adam's own.
+// buffers and the overlapped step's state are Adam's own. Internal to Adam: installed because
+// adam.h includes it, not an interface of its own.
 //
 //   const AdamSlot& s = ...;   // one of Adam's
 //   for (rt::TensorHandle h : s.kernel_tensors()) {...}   // parameter, gradient, then the states

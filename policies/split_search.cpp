@@ -1,3 +1,5 @@
+// policies/split_search.cpp: SplitSearch's walk over measured splits (See Note [Measured split] in
+// split_search.h).
 #include "policies/split_search.h"
 
 #include <algorithm>

@@ -2,8 +2,11 @@
 // label (skipped without a GPU). Covers Adam and AdamW, amsgrad, maximize, weight decay, numel 0,
 // tails, thread splits (bitwise equal), lists longer than one launch holds and a tensor of more
 // than 2^31 elements on the GPU.
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "allocator/upstream.h"
@@ -129,46 +132,66 @@ TEST(AdamCpuKernelTest, GradScaleDividesGradients) {
 
 // See Note [A float32 parameter as its own master] in optim/adam_cpu.cpp: a float32 parameter
 // whose master is the parameter's own buffer (a host step's layout) steps to the bits of one
-// without a master, and of one with a master of its own beside it.
+// without a master, and of one with a master of its own beside it, for every way of storing the
+// moments.
 TEST(AdamCpuKernelTest, AFloat32ParameterAsItsOwnMasterStepsAsOneWithout) {
-  for (const AdamHyper& h : hypers()) {
-    const std::size_t n = 70'001;  // past one part of a thread split, with a tail
-    Buffers plain = random_buffers(n, 11), own = plain, apart = plain;
-    std::vector<float> apart_master = apart.p;
-    ThreadPool three(3);
-    for (std::int64_t step = 1; step <= 3; ++step) {
-      AdamTensor tp{plain.p.data(),
-                    plain.g.data(),
-                    plain.m.data(),
-                    plain.v.data(),
-                    h.amsgrad ? plain.vmax.data() : nullptr,
-                    static_cast<std::int64_t>(n)};
-      AdamTensor to{own.p.data(),
-                    own.g.data(),
-                    own.m.data(),
-                    own.v.data(),
-                    h.amsgrad ? own.vmax.data() : nullptr,
-                    static_cast<std::int64_t>(n)};
-      to.master = own.p.data();
-      AdamTensor ta{apart.p.data(),
-                    apart.g.data(),
-                    apart.m.data(),
-                    apart.v.data(),
-                    h.amsgrad ? apart.vmax.data() : nullptr,
-                    static_cast<std::int64_t>(n)};
-      ta.master = apart_master.data();
-      tp.step = to.step = ta.step = step;
-      const AdamScalars s = adam_scalars(h, step);
-      adam_step_cpu(&tp, 1, s, 1.0f, &three);
-      adam_step_cpu(&to, 1, s, 1.0f, &three);
-      adam_step_cpu(&ta, 1, s, 1.0f, &three);
+  const std::size_t n = 70'001;  // past one part of a thread split, with a tail and a part block
+  ThreadPool three(3);
+  for (StateType moments : {StateType::kF32, StateType::kBF16, StateType::kI8}) {
+    for (const AdamHyper& h : hypers()) {
+      if (h.amsgrad && moments != StateType::kF32) continue;  // amsgrad takes float32 moments
+      const std::size_t moment_bytes = moments == StateType::kF32    ? 4 * n
+                                       : moments == StateType::kBF16 ? 2 * n
+                                                                     : int8_state_bytes(n);
+      // Three layouts of the same values: no master, the parameter as its master, a master apart.
+      struct Layout {
+        Buffers b;
+        std::vector<unsigned char> m, v;
+        std::vector<float> master;
+      };
+      std::array<Layout, 3> runs;
+      for (Layout& r : runs) {
+        r.b = random_buffers(n, 11);
+        r.m.assign(moment_bytes, 0);  // zero codes: zero moments in every storage
+        r.v.assign(moment_bytes, 0);
+        if (moments == StateType::kF32) {
+          std::memcpy(r.m.data(), r.b.m.data(), 4 * n);
+          std::memcpy(r.v.data(), r.b.v.data(), 4 * n);
+        }
+      }
+      runs[2].master = runs[2].b.p;
+      for (std::int64_t step = 1; step <= 3; ++step) {
+        const AdamScalars s = adam_scalars(h, step);
+        for (std::size_t k = 0; k < runs.size(); ++k) {
+          Layout& r = runs[k];
+          AdamTensor t{r.b.p.data(),
+                       r.b.g.data(),
+                       r.m.data(),
+                       r.v.data(),
+                       h.amsgrad ? r.b.vmax.data() : nullptr,
+                       static_cast<std::int64_t>(n)};
+          t.state_type = moments;
+          t.seed = 77;
+          t.step = step;
+          if (k == 1) t.master = r.b.p.data();
+          if (k == 2) t.master = r.master.data();
+          adam_step_cpu(&t, 1, s, 1.0f, &three);
+        }
+      }
+      const std::string what = std::string("moments ") +
+                               (moments == StateType::kF32    ? "float32"
+                                : moments == StateType::kBF16 ? "bfloat16"
+                                                              : "int8") +
+                               " lr=" + std::to_string(h.lr) +
+                               " amsgrad=" + std::to_string(h.amsgrad);
+      for (std::size_t k = 1; k < runs.size(); ++k) {
+        EXPECT_EQ(runs[k].b.p, runs[0].b.p) << what << ", layout " << k;
+        EXPECT_EQ(runs[k].m, runs[0].m) << what << ", layout " << k;
+        EXPECT_EQ(runs[k].v, runs[0].v) << what << ", layout " << k;
+        EXPECT_EQ(runs[k].b.vmax, runs[0].b.vmax) << what << ", layout " << k;
+      }
+      EXPECT_EQ(runs[2].master, runs[0].b.p) << what;
     }
-    EXPECT_EQ(own.p, plain.p) << "lr=" << h.lr << " amsgrad=" << h.amsgrad;
-    EXPECT_EQ(own.m, plain.m);
-    EXPECT_EQ(own.v, plain.v);
-    EXPECT_EQ(apart.p, plain.p);
-    EXPECT_EQ(apart_master, plain.p);
-    EXPECT_EQ(apart.v, plain.v);
   }
 }
 

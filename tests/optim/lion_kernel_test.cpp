@@ -142,6 +142,22 @@ TEST(LionKernelTest, LowPrecisionParametersStepTheirMasterAsFloat32Ones) {
   for (std::size_t i = 0; i < low.size(); ++i) ASSERT_EQ(low[i], float_to_bf16(master[i])) << i;
 }
 
+// See Note [A float32 parameter as its own master] in optim/adam_cpu.cpp: Lion's host kernel too.
+TEST(LionKernelTest, AFloat32ParameterAsItsOwnMasterStepsAsOneWithout) {
+  const AdamHyper h = hypers()[1];
+  Buffers plain = random_buffers(70'001, 6), own = plain;
+  const StepTensor tp = plain.tensor();
+  StepTensor to = own.tensor();
+  to.master = static_cast<float*>(to.param);
+  ThreadPool three(3);
+  for (int step = 0; step < 3; ++step) {
+    lion_step_cpu(&tp, 1, lion_scalars(h), 1.0f, &three);
+    lion_step_cpu(&to, 1, lion_scalars(h), 1.0f, &three);
+  }
+  EXPECT_EQ(std::memcmp(own.p.data(), plain.p.data(), plain.p.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(own.m.data(), plain.m.data(), plain.m.size() * 4), 0);
+}
+
 TEST(StepRuleTest, RulesDeclareTheirStatesAndRefuseWhatTheyDoNotTake) {
   const std::shared_ptr<const StepRule> lion = lion_rule();
   const std::shared_ptr<const StepRule> adam = adam_rule();

@@ -10,7 +10,7 @@
 # gives the cost model's prediction beside each. Without SPLITS only the probe runs. TRACE=1 traces
 # each run's last step (STRATA_TRACE_DIR) and prints, per stream, the optimizer step's copies
 # (tools/plot_trace.py); each step's line gives the host's queued/waited/kernel ms.
-#   [PROBE=0] [PROBE_MODEL=bfloat16] [SPLITS="auto:16 0.65:8"] [STEPS=14] [AUTO_STEPS=44] [ROUNDS=1] \
+#   [PROBE=0] [PROBE_MODEL=bfloat16] [SPLITS="auto:16 0.65:8"] [STEPS=14] [AUTO_STEPS=56] [ROUNDS=1] \
 #     [DTYPE=float32] [TRACE=1] [EXTRA="--strata_overlap=backward"] tools/gpu/run_host_threads.sh OUT_DIR
 set -uo pipefail
 OUT=${1:?usage: tools/gpu/run_host_threads.sh OUT_DIR}
@@ -40,7 +40,7 @@ for round in $(seq 1 "$ROUNDS"); do
     runs="layer_prefetch,hybrid"
     ((round % 2 == 0)) && runs="hybrid,layer_prefetch"
     forced=(--strata_hybrid_fraction="$fraction")
-    [[ $fraction == auto ]] && forced=(--steps="${AUTO_STEPS:-44}")  # the search takes ~20-32
+    [[ $fraction == auto ]] && forced=(--steps="${AUTO_STEPS:-56}")  # the search: 28-32 steps, up to 52
     echo "== round $round: $runs, hybrid_fraction $fraction, host threads $threads" |
       tee -a "$OUT/train.log"
     tag="$fraction-$threads-$round"
