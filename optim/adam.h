@@ -468,8 +468,10 @@ class Adam {
   AdamOptions options_;
   std::string placement_;
   std::vector<int> host_layers_;
-  // measure_step's: the event the last step ended at, on the compute stream.
+  // measure_step's: the event the last step ended at, on the compute stream, and host_kernel_ns_
+  // then.
   rt::EventHandle step_end_ = nullptr;
+  std::int64_t step_end_kernel_ns_ = 0;
   std::optional<rt::StepRates> step_rates_;
   struct HostSlot {
     void* grad = nullptr;   // pinned: the gradient, copied from the GPU

@@ -116,12 +116,19 @@ absl::Status Adam::time_step() {
     dev.release_timed(end);
     return s;
   }
+  // The host kernel of this step has run by now: its parameters' copies precede the end.
+  const std::int64_t kernel_ns = host_kernel_ns_.load();
+  const std::int64_t kernel_ns_before = std::exchange(step_end_kernel_ns_, kernel_ns);
   const rt::EventHandle start = std::exchange(step_end_, end);
   if (start == nullptr) return absl::OkStatus();
   absl::StatusOr<double> ms = dev.elapsed_ms(start, end);
   dev.release_timed(start);
   STRATA_RETURN_IF_ERROR(ms.status());
-  STRATA_ASSIGN_OR_RETURN(std::string line, rt.step_measured(*ms / 1e3));
+  STRATA_ASSIGN_OR_RETURN(
+      std::string line,
+      rt.step_measured(
+          {.seconds = *ms / 1e3,
+           .host_kernel_seconds = static_cast<double>(kernel_ns - kernel_ns_before) * 1e-9}));
   STRATA_RETURN_IF_ERROR(follow_placement());
   if (line.empty()) return absl::OkStatus();
   placement_ = std::move(line);

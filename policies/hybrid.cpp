@@ -68,16 +68,66 @@ std::vector<int> LayerPrefetch::host_layers_for(int k) const {
   return host;
 }
 
-absl::StatusOr<std::string> LayerPrefetch::on_step_measured(rt::PolicyContext& rt, double seconds) {
+double LayerPrefetch::predicted_seconds(int k) const {
+  const std::vector<rt::LayerCost>& layers = split_.costs.layers;
+  const std::vector<int> host = host_layers_for(k);
+  std::vector<bool> on_host(layers.size());
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    on_host[i] = std::binary_search(host.begin(), host.end(), layers[i].layer);
+  }
+  return predict(split_.costs.rates, layers, on_host).seconds;
+}
+
+// Note [Host rate in the step]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The cost model's host Adam rate is measured at setup, beside the link's copies over a buffer
+// larger than the host's caches (See Note [Measuring the step's rates] in optim/step_rates.h).
+// Inside a step the host kernel does other work around it (the streamed layers' copies share host
+// memory with it, and it steps layer by layer as their gradients arrive), and where it runs slower
+// than at setup the model is optimistic for a host split by about the ratio of the two rates, and
+// chooses more host layers than is fastest. The first measured step gives the rate in the step: the
+// host layers' parameters over the seconds the host kernel ran. The model takes it in place of the
+// setup's and chooses again over the layers that may move; if its choice differs, the search starts
+// there instead (the step measured belonged to a split the search would have discarded anyway, and
+// a move costs one more). The predictions beside the measured splits in the search's line are then
+// the refit model's, and the line names both rates.
+std::optional<int> LayerPrefetch::refit_host_rate(const rt::StepTimes& times) {
+  std::int64_t host_params = 0;
+  for (const rt::LayerCost& c : split_.costs.layers) {
+    if (on_host(c.layer)) host_params += c.params;
+  }
+  if (host_params == 0 || !(times.host_kernel_seconds > 0)) return std::nullopt;
+  split_.setup_host_params_per_s = split_.costs.rates.host_params_per_s;
+  split_.costs.rates.host_params_per_s =
+      static_cast<double>(host_params) / times.host_kernel_seconds;
+  int best = 0;
+  double best_seconds = predicted_seconds(0);
+  for (int k = 1; k <= static_cast<int>(split_.movable.size()); ++k) {
+    const double s = predicted_seconds(k);
+    if (s < best_seconds) {
+      best = k;
+      best_seconds = s;
+    }
+  }
+  return best;
+}
+
+absl::StatusOr<std::string> LayerPrefetch::on_step_measured(rt::PolicyContext& rt,
+                                                            const rt::StepTimes& times) {
   if (!wants_step_times()) return std::string();
-  SplitSearch& search = *split_.search;
-  const int before = search.current();
-  search.add(seconds);
+  const int before = split_.search->current();
+  std::optional<int> refit;
+  if (split_.steps == 0) refit = refit_host_rate(times);  // See Note [Host rate in the step]
+  if (refit.has_value() && *refit != before) {
+    split_.search.emplace(static_cast<int>(split_.movable.size()), *refit, SplitSearchOptions{});
+  } else {
+    split_.search->add(times.seconds);
+  }
   ++split_.steps;
   split_.moved_last = false;
-  if (search.current() != before) {
+  if (split_.search->current() != before) {
     split_.before_move = host_layers_;
-    absl::Status moved = move_steps(rt, host_layers_for(search.current()));
+    absl::Status moved = move_steps(rt, host_layers_for(split_.search->current()));
     if (!moved.ok()) {
       split_.search.reset();  // it stops with the split it had (move_steps put it back)
       return absl::Status(
@@ -85,7 +135,7 @@ absl::StatusOr<std::string> LayerPrefetch::on_step_measured(rt::PolicyContext& r
     }
     split_.moved_last = true;
   }
-  return search.done() ? describe_search() : std::string();
+  return split_.search->done() ? describe_search() : std::string();
 }
 
 absl::Status LayerPrefetch::on_move_refused(rt::PolicyContext& rt) {
@@ -97,15 +147,6 @@ absl::Status LayerPrefetch::on_move_refused(rt::PolicyContext& rt) {
 std::string LayerPrefetch::describe_search() const {
   const SplitSearch& search = *split_.search;
   const std::vector<rt::LayerCost>& layers = split_.costs.layers;
-  // The cost model's prediction for the first k movable layers on the host.
-  auto predicted_ms = [&](int k) {
-    const std::vector<int> host = host_layers_for(k);
-    std::vector<bool> on_host(layers.size());
-    for (std::size_t i = 0; i < layers.size(); ++i) {
-      on_host[i] = std::binary_search(host.begin(), host.end(), layers[i].layer);
-    }
-    return predict(split_.costs.rates, layers, on_host).seconds * 1e3;
-  };
   std::int64_t host_params = 0;
   std::int64_t total = 0;
   for (const rt::LayerCost& c : layers) {
@@ -122,8 +163,18 @@ std::string LayerPrefetch::describe_search() const {
               "end to the next (the cost model's optimizer step):");
   for (const auto& [k, seconds] : search.measured()) {
     char item[64];
-    std::snprintf(item, sizeof(item), " %d: %.1f (%.1f)", k, seconds * 1e3, predicted_ms(k));
+    std::snprintf(item, sizeof(item), " %d: %.1f (%.1f)", k, seconds * 1e3,
+                  predicted_seconds(k) * 1e3);
     line += item;
+  }
+  if (split_.setup_host_params_per_s > 0) {
+    // See Note [Host rate in the step].
+    char rates[160];
+    std::snprintf(rates, sizeof(rates),
+                  "; the model's host Adam: %.2f G params/s, measured in the first step (%.2f at "
+                  "setup)",
+                  split_.costs.rates.host_params_per_s / 1e9, split_.setup_host_params_per_s / 1e9);
+    line += rates;
   }
   return line;
 }

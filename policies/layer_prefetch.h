@@ -74,7 +74,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   bool wants_step_times() const override {
     return split_.search.has_value() && !split_.search->done();
   }
-  absl::StatusOr<std::string> on_step_measured(rt::PolicyContext& rt, double seconds) override;
+  absl::StatusOr<std::string> on_step_measured(rt::PolicyContext& rt,
+                                               const rt::StepTimes& times) override;
   absl::Status on_move_refused(rt::PolicyContext& rt) override;
 
   rt::Tier placement(const rt::TensorSpec& spec) const override {
@@ -278,12 +279,21 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     std::vector<int> fixed_host;
     std::optional<SplitSearch> search;
     int steps = 0;
+    // See Note [Host rate in the step] in hybrid.cpp: the host rate measured at setup where the
+    // first measured step refit it (costs.rates then holds the step's), else 0.
+    double setup_host_params_per_s = 0;
     std::vector<int> before_move;  // host_layers_ before the last move
     bool moved_last = false;       // the last on_step_measured moved steps
   };
   Split split_;
   // The layers stepped on the host with the first k movable ones there, ascending.
   std::vector<int> host_layers_for(int k) const;
+  // The cost model's optimizer step with the first k movable layers on the host, from split_'s
+  // costs.
+  double predicted_seconds(int k) const;
+  // See Note [Host rate in the step] in hybrid.cpp: from the first measured step's host kernel,
+  // the split the cost model then predicts fastest; none where no layer stepped on the host.
+  std::optional<int> refit_host_rate(const rt::StepTimes& times);
   // Steps `host` (ascending) on the host from the next step on: their resident states go home,
   // and the ring and the resident layers are laid out again. A failure leaves the layers stepping
   // where they did.

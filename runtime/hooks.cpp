@@ -239,7 +239,7 @@ bool Runtime::wants_step_times() const {
   return impl_->policy->wants_step_times();
 }
 
-absl::StatusOr<std::string> Runtime::step_measured(double seconds) {
+absl::StatusOr<std::string> Runtime::step_measured(const StepTimes& times) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const Impl::StepState& step = impl_->step;
   if (impl_->undo.size() != 0 || step.in_optimizer_step || step.optimizer_unfinished ||
@@ -249,7 +249,7 @@ absl::StatusOr<std::string> Runtime::step_measured(double seconds) {
         "hand step times in between steps");
   }
   PolicyContext ctx(*this);
-  return impl_->policy->on_step_measured(ctx, seconds);
+  return impl_->policy->on_step_measured(ctx, times);
 }
 
 absl::Status Runtime::refuse_step_move() {

@@ -199,13 +199,13 @@ class ResidencyPolicy {
   // Where the optimizer steps `layer`.
   virtual StepPlace step_place(int layer) const { return StepPlace::kGpu; }
   // Whether the policy wants the optimizer's step times now (See Note [Measured split] in
-  // policies/split_search.h); the optimizer then hands it each step's seconds, between steps,
+  // policies/split_search.h); the optimizer then hands it each step's times, between steps,
   // and it may move layers' steps there (step_place changes; a failed move leaves them where they
   // were and stops measuring). Returns a line saying what it decided once its search ends, empty
   // otherwise.
   virtual bool wants_step_times() const { return false; }
   [[nodiscard]] virtual absl::StatusOr<std::string> on_step_measured(PolicyContext& rt,
-                                                                     double seconds) {
+                                                                     const StepTimes& times) {
     return std::string();
   }
   // The optimizer could not measure a step or follow what on_step_measured moved (no host memory

@@ -320,11 +320,11 @@ class Runtime {
   [[nodiscard]] absl::StatusOr<std::string> place_steps(const StepCosts& costs);
   StepPlace step_place(int layer) const;
   // See Note [Measured split] in policies/split_search.h. Whether the policy wants step times;
-  // handing it one step's seconds (between steps: kFailedPrecondition during an optimizer step,
+  // handing it one step's times (between steps: kFailedPrecondition during an optimizer step,
   // while anything is kept for undo, or while offloaded) returns its line when it ended its
   // search, else empty.
   bool wants_step_times() const;
-  [[nodiscard]] absl::StatusOr<std::string> step_measured(double seconds);
+  [[nodiscard]] absl::StatusOr<std::string> step_measured(const StepTimes& times);
   // The optimizer could not measure a step or follow what step_measured moved: the policy stops
   // measuring and moves back what the last step_measured moved.
   [[nodiscard]] absl::Status refuse_step_move();

@@ -57,6 +57,14 @@ struct StepCosts {
   std::vector<LayerCost> layers;
 };
 
+// One measured optimizer step, for a policy that wants step times (See Note [Measured split] in
+// policies/split_search.h): the seconds from the last step's end to this one's on the compute
+// stream, and the seconds the host kernel ran in it (0 with no layer stepped on the host).
+struct StepTimes {
+  double seconds = 0;
+  double host_kernel_seconds = 0;
+};
+
 // One line: "link 53.1/54.0 GB/s host to GPU/GPU to host (40.2 each way both at once; 31.9/46.6
 // while host Adam runs), host Adam 1.90 G params/s on 16 threads while the link copies (4.10
 // alone), host memory 118.0 GB/s, GPU Adam 40.0 G params/s".

@@ -365,6 +365,49 @@ TEST(PlacementTest, OnlyHybridPlacesStepsAndItsHostLayersNeverStream) {
   }
 }
 
+// See Note [Host rate in the step] in policies/hybrid.cpp: the cost model, told of a fast host,
+// steps every layer there; the first measured step's host kernel says the host is a thousandth as
+// fast, and the model then keeps every layer on the GPU, where the search starts. A host kernel as
+// fast as the setup's leaves the split where it was. The search's line names both rates.
+TEST(PlacementTest, HybridRefitsItsHostRateFromTheFirstMeasuredStep) {
+  StepCosts costs = equal_layers(4, 1000);
+  costs.rates.host_params_per_s = 1e12;
+  for (LayerCost& c : costs.layers) c.movable = true;
+  for (double host_rate : {1e12, 1e9}) {
+    SCOPED_TRACE(host_rate);
+    auto [rt, dev] = make_runtime("hybrid", PolicyConfig{.prefetch_depth = 1});
+    absl::StatusOr<std::string> line = rt->place_steps(costs);
+    ASSERT_TRUE(line.ok()) << line.status();
+    EXPECT_NE(line->find("4 of 4 layers"), std::string::npos) << *line;
+    for (int l = 0; l < 4; ++l) {
+      ASSERT_TRUE(
+          rt->register_tensor(spec(str_cat("l", l, ".m"), l, Role::kOptimizerState, 1000)).ok());
+    }
+    ASSERT_TRUE(rt->prepare().ok());
+    ASSERT_TRUE(rt->wants_step_times());
+    absl::StatusOr<std::string> first =
+        rt->step_measured({.seconds = 1e-3, .host_kernel_seconds = 4000 / host_rate});
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(*first, "");
+    const bool slow = host_rate < 1e12;
+    for (int l = 0; l < 4; ++l) {
+      EXPECT_EQ(rt->step_place(l), slow ? StepPlace::kGpu : StepPlace::kHost) << l;
+    }
+    std::string last;
+    for (int step = 0; step < 40 && rt->wants_step_times(); ++step) {
+      absl::StatusOr<std::string> measured = rt->step_measured({.seconds = 1e-3});
+      ASSERT_TRUE(measured.ok()) << measured.status();
+      last = *measured;
+    }
+    EXPECT_FALSE(rt->wants_step_times());
+    EXPECT_NE(last.find(slow ? "host Adam: 1.00 G params/s, measured in the first step (1000.00 at "
+                               "setup)"
+                             : "host Adam: 1000.00 G params/s, measured in the first step"),
+              std::string::npos)
+        << last;
+  }
+}
+
 TEST(PlacementTest, HybridRefusesWhatItCannotDo) {
   auto refused = [](std::string policy, PolicyConfig config, std::string_view want) {
     RuntimeOptions options;
