@@ -469,9 +469,11 @@ class Adam {
   std::string placement_;
   std::vector<int> host_layers_;
   // measure_step's: the event the last step ended at, on the compute stream, and host_kernel_ns_
-  // then.
+  // and host_speculated_ then; host layers posted in backward so far.
   rt::EventHandle step_end_ = nullptr;
   std::int64_t step_end_kernel_ns_ = 0;
+  std::int64_t step_end_speculated_ = 0;
+  std::int64_t host_speculated_ = 0;
   std::optional<rt::StepRates> step_rates_;
   struct HostSlot {
     void* grad = nullptr;   // pinned: the gradient, copied from the GPU

@@ -146,6 +146,7 @@ absl::Status Adam::speculate_host_layer(int layer) {
     last_step_.push_back(slots_[index].param);
   }
   overlapped_.push_back(layer);
+  ++host_speculated_;
   // The loss scale as the speculation takes it: the simulated device's is a host pointer, read
   // once the gradients are in (the compute stream is past it); a GPU's was read into the pinned
   // scalars in stream order (queue_host_scalars).

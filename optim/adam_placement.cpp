@@ -116,9 +116,13 @@ absl::Status Adam::time_step() {
     dev.release_timed(end);
     return s;
   }
-  // The host kernel of this step has run by now: its parameters' copies precede the end.
+  // The host kernel of this step has run by now: its parameters' copies precede the end. Its time
+  // goes to the policy only for a step whose host layers all stepped after backward: one in
+  // backward copies their undo too, and one redone runs the kernel twice (See Note [Host rate in
+  // the step] in policies/hybrid.cpp).
   const std::int64_t kernel_ns = host_kernel_ns_.load();
   const std::int64_t kernel_ns_before = std::exchange(step_end_kernel_ns_, kernel_ns);
+  const bool speculated = std::exchange(step_end_speculated_, host_speculated_) != host_speculated_;
   const rt::EventHandle start = std::exchange(step_end_, end);
   if (start == nullptr) return absl::OkStatus();
   absl::StatusOr<double> ms = dev.elapsed_ms(start, end);
@@ -128,7 +132,8 @@ absl::Status Adam::time_step() {
       std::string line,
       rt.step_measured(
           {.seconds = *ms / 1e3,
-           .host_kernel_seconds = static_cast<double>(kernel_ns - kernel_ns_before) * 1e-9}));
+           .host_kernel_seconds =
+               speculated ? 0.0 : static_cast<double>(kernel_ns - kernel_ns_before) * 1e-9}));
   STRATA_RETURN_IF_ERROR(follow_placement());
   if (line.empty()) return absl::OkStatus();
   placement_ = std::move(line);

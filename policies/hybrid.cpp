@@ -85,12 +85,14 @@ double LayerPrefetch::predicted_seconds(int k) const {
 // Inside a step the host kernel does other work around it (the streamed layers' copies share host
 // memory with it, and it steps layer by layer as their gradients arrive), and where it runs slower
 // than at setup the model is optimistic for a host split by about the ratio of the two rates, and
-// chooses more host layers than is fastest. The first measured step gives the rate in the step: the
-// host layers' parameters over the seconds the host kernel ran. The model takes it in place of the
-// setup's and chooses again over the layers that may move; if its choice differs, the search starts
-// there instead (the step measured belonged to a split the search would have discarded anyway, and
-// a move costs one more). The predictions beside the measured splits in the search's line are then
-// the refit model's, and the line names both rates.
+// chooses more host layers than is fastest. The first measured step whose host layers all stepped
+// after backward gives the rate in the step (a step in backward also copies their undo, and one
+// redone runs the kernel twice; the optimizer hands no host time for those): the host layers'
+// parameters over the seconds the host kernel ran. If the search has measured no split yet, the
+// model takes that rate in place of the setup's, once, and chooses again over the layers that may
+// move; if its choice differs, the search starts there instead (the samples of the split it had
+// were few, and a move costs one more step). The predictions beside the measured splits in the
+// search's line are then the refit model's, and the line names both rates.
 std::optional<int> LayerPrefetch::refit_host_rate(const rt::StepTimes& times) {
   std::int64_t host_params = 0;
   for (const rt::LayerCost& c : split_.costs.layers) {
@@ -117,7 +119,9 @@ absl::StatusOr<std::string> LayerPrefetch::on_step_measured(rt::PolicyContext& r
   if (!wants_step_times()) return std::string();
   const int before = split_.search->current();
   std::optional<int> refit;
-  if (split_.steps == 0) refit = refit_host_rate(times);  // See Note [Host rate in the step]
+  if (split_.setup_host_params_per_s == 0 && split_.search->measured().empty()) {
+    refit = refit_host_rate(times);  // See Note [Host rate in the step]
+  }
   if (refit.has_value() && *refit != before) {
     split_.search.emplace(static_cast<int>(split_.movable.size()), *refit, SplitSearchOptions{});
   } else {

@@ -279,8 +279,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
     std::vector<int> fixed_host;
     std::optional<SplitSearch> search;
     int steps = 0;
-    // See Note [Host rate in the step] in hybrid.cpp: the host rate measured at setup where the
-    // first measured step refit it (costs.rates then holds the step's), else 0.
+    // See Note [Host rate in the step] in hybrid.cpp: the host rate measured at setup once a
+    // measured step refit it (costs.rates then holds the step's), else 0.
     double setup_host_params_per_s = 0;
     std::vector<int> before_move;  // host_layers_ before the last move
     bool moved_last = false;       // the last on_step_measured moved steps
@@ -291,8 +291,8 @@ class LayerPrefetch final : public rt::ResidencyPolicy {
   // The cost model's optimizer step with the first k movable layers on the host, from split_'s
   // costs.
   double predicted_seconds(int k) const;
-  // See Note [Host rate in the step] in hybrid.cpp: from the first measured step's host kernel,
-  // the split the cost model then predicts fastest; none where no layer stepped on the host.
+  // See Note [Host rate in the step] in hybrid.cpp: from a measured step's host kernel, the split
+  // the cost model then predicts fastest; none where the step gives no host kernel time.
   std::optional<int> refit_host_rate(const rt::StepTimes& times);
   // Steps `host` (ascending) on the host from the next step on: their resident states go home,
   // and the ring and the resident layers are laid out again. A failure leaves the layers stepping

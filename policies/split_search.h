@@ -24,7 +24,7 @@
 // copy exists on the host only and is the parameter's value, made and dropped as the layer moves
 // (See Note [Float32 masters follow the split] in optim/adam_placement.cpp); in the cost model's
 // order, a split is the first k of them on the host. The search starts at the cost model's k, as
-// the first measured step's host kernel corrects it (See Note [Host rate in the step] in
+// a measured step's host kernel corrects it (See Note [Host rate in the step] in
 // hybrid.cpp), and measures each split over `samples` steps after one it discards (the step after a
 // move pays for the move). It walks up, `stride` layers at a time (the last step stopping at all of
 // them), while each new split is the best so far; if the first split up is not, or there is none,

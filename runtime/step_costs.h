@@ -59,7 +59,8 @@ struct StepCosts {
 
 // One measured optimizer step, for a policy that wants step times (See Note [Measured split] in
 // policies/split_search.h): the seconds from the last step's end to this one's on the compute
-// stream, and the seconds the host kernel ran in it (0 with no layer stepped on the host).
+// stream, and the seconds the host kernel ran in it (0 with no layer stepped on the host, or where
+// the optimizer gives none: See Note [Host rate in the step] in policies/hybrid.cpp).
 struct StepTimes {
   double seconds = 0;
   double host_kernel_seconds = 0;
