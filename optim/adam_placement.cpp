@@ -138,7 +138,11 @@ absl::Status Adam::time_step() {
   if (line.empty()) return absl::OkStatus();
   placement_ = std::move(line);
   // The search is over: the host buffers of the splits it tried go back to the system, not to
-  // the pinned pool's cache for the rest of the run (a failure only keeps them cached).
+  // the pinned pool's cache for the rest of the run (a failure only keeps them cached). Not in a
+  // run that has stepped in backward: its next step there writes states back to fresh pinned
+  // blocks and keeps the old ones for a redo (See Note [Undo log] in runtime/undo_log.cpp), which
+  // the cache serves, where taking gigabytes from the system again stalls that step for seconds.
+  if (host_speculated_ > 0 || rt.stats().undo_peak_bytes > 0) return absl::OkStatus();
   if (absl::StatusOr<std::size_t> trimmed = rt.allocator().trim(rt::Tier::kPinnedHost);
       !trimmed.ok()) {
     std::fprintf(stderr, "strata: hybrid: keeping the pinned pool's cached segments: %s\n",

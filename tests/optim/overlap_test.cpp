@@ -407,6 +407,32 @@ TEST(OverlapTest, HybridMeasuredSplitMovesStepsAndStaysBitwise) {
   }
 }
 
+// See Note [Measured split]: when the search ends, a run that steps in backward keeps the pinned
+// pool's cached segments (its steps there write states back to fresh pinned blocks and keep the
+// old ones for a redo: See Note [Undo log] in runtime/undo_log.cpp), so its steps after the search
+// take no pinned memory from the system. Tensors of a million elements, so that the blocks have
+// segments of their own.
+TEST(OverlapTest, HybridSearchEndKeepsThePinnedCacheForStepsInBackward) {
+  constexpr int kSteps = 32;
+  const rt::PolicyConfig states{.prefetch_depth = 1, .roles = RoleSet::optimizer_states()};
+  Case setup{"hybrid", states, DType::kBFloat16, 1, alloc::kNoBudget, std::size_t{1} << 20};
+  Outcomes got;
+  int ended_at = 0;
+  std::int64_t segments_at_end = 0, segments_last = 0;
+  train(setup, /*overlapped=*/true, kSteps, 7, &got, true,
+        [&](int step, rt::Runtime& runtime, Adam& adam) {
+          segments_last = runtime.allocator().stats(rt::Tier::kPinnedHost).num_segment_allocs;
+          if (ended_at == 0 && adam.placement().find("measured steps chose") != std::string::npos) {
+            ended_at = step;
+            segments_at_end = segments_last;
+          }
+        });
+  ASSERT_GT(ended_at, 0) << got.placement;
+  ASSERT_LT(ended_at, kSteps - 4) << "too few steps after the search";
+  EXPECT_EQ(segments_last, segments_at_end)
+      << "steps in backward after the search took pinned segments from the system";
+}
+
 // See Note [Measured split]: a move the optimizer cannot follow (no pinned memory for the host
 // buffers of the layers moved, the pinned budget held at what the first step left) stops the
 // search, and the policy moves back. Every step still succeeds, the optimizer and the policy step
