@@ -23,21 +23,21 @@
 // Layers whose states are the same wherever they step move, and so do float32 ones, whose master
 // copy exists on the host only and is the parameter's value, made and dropped as the layer moves
 // (See Note [Float32 masters follow the split] in optim/adam_placement.cpp); in the cost model's
-// order, a split is the first k of them on the host. The search starts at the cost model's k, as
-// a measured step's host kernel corrects it (See Note [Host rate in the step] in
-// hybrid.cpp), and measures each split over `samples` steps after one it discards (the step after a
-// move pays for the move). It walks up, `stride` layers at a time (the last step stopping at all of
-// them), while each new split is the best so far; if the first split up is not, or there is none,
-// it walks down from the start the same way, down to none on the host. Then, where the stride was
-// more than one layer, it walks again from the best so far the same way, one layer at a time, over
-// the splits the stride stepped over, where the fastest may lie. The best is the one with the
-// fewest host layers among those within `margin` of the fastest: more host layers cost host memory
-// and host threads, and must pay for themselves. A split's time is the median of its samples, so
-// one slow step (an evaluation, a checkpoint, a redone overlapped step) does not decide. Once done,
-// the best split stays for the rest of the run. The search only ever makes a step faster or slower,
-// never wrong, so a failure while it measures or moves (no pinned memory for the host buffers of
-// the layers moved, a device error) ends it where the policy can put the last move back; the step
-// already taken stands (See Adam::measure_step in optim/adam.h).
+// order, a split is the first k of them on the host. The search starts at the cost model's k, as a
+// measured step's host kernel corrects it (See Note [Host rate in the step] in hybrid.cpp), and
+// measures each split over `samples` steps after one it discards (the step after a move pays for
+// the move). It walks up, `stride` layers at a time (the last step stopping at all of them), while
+// each new split is the best so far; if the first split up is not, or there is none, it walks down
+// from the start the same way, down to none on the host. Then, where the stride was more than one
+// layer, it walks again from the best so far the same way, one layer at a time, over the splits the
+// stride stepped over, where the fastest may lie. The best is the one with the fewest host layers
+// among those within `margin` of the fastest: more host layers cost host memory and host threads,
+// and must pay for themselves. A split's time is the median of its samples, so one slow step (an
+// evaluation, a checkpoint, a redone overlapped step) does not decide. Once done, the best split
+// stays for the rest of the run. The search only ever makes a step faster or slower, never wrong,
+// so a failure while it measures or moves (no pinned memory for the host buffers of the layers
+// moved, a device error) ends it where the policy can put the last move back; the step already
+// taken stands (See Adam::measure_step in optim/adam.h).
 #pragma once
 
 #include <map>
