@@ -409,28 +409,30 @@ TEST(OverlapTest, HybridMeasuredSplitMovesStepsAndStaysBitwise) {
 
 // See Note [Measured split]: when the search ends, a run that steps in backward keeps the pinned
 // pool's cached segments (its steps there write states back to fresh pinned blocks and keep the
-// old ones for a redo: See Note [Undo log] in runtime/undo_log.cpp), so its steps after the search
-// take no pinned memory from the system. Tensors of a million elements, so that the blocks have
-// segments of their own.
+// old ones for a redo: See Note [Undo log] in runtime/undo_log.cpp, which the cache serves), so no
+// segment goes back to the system after the first step. States of a little over 1 MiB, so that
+// their blocks have segments of their own, which a trim would free.
 TEST(OverlapTest, HybridSearchEndKeepsThePinnedCacheForStepsInBackward) {
   constexpr int kSteps = 32;
   const rt::PolicyConfig states{.prefetch_depth = 1, .roles = RoleSet::optimizer_states()};
-  Case setup{"hybrid", states, DType::kBFloat16, 1, alloc::kNoBudget, std::size_t{1} << 20};
+  Case setup{"hybrid", states, DType::kBFloat16, 1, alloc::kNoBudget, (std::size_t{1} << 18) + 128};
   Outcomes got;
   int ended_at = 0;
-  std::int64_t segments_at_end = 0, segments_last = 0;
+  // Segments freed since the first step (the setup's rate measurement gives its buffers back).
+  std::int64_t freed_at_first = 0, freed_at_end = 0, freed_last = 0;
   train(setup, /*overlapped=*/true, kSteps, 7, &got, true,
         [&](int step, rt::Runtime& runtime, Adam& adam) {
-          segments_last = runtime.allocator().stats(rt::Tier::kPinnedHost).num_segment_allocs;
+          freed_last = runtime.allocator().stats(rt::Tier::kPinnedHost).num_segment_frees;
+          if (step == 1) freed_at_first = freed_last;
           if (ended_at == 0 && adam.placement().find("measured steps chose") != std::string::npos) {
             ended_at = step;
-            segments_at_end = segments_last;
+            freed_at_end = freed_last;
           }
         });
   ASSERT_GT(ended_at, 0) << got.placement;
   ASSERT_LT(ended_at, kSteps - 4) << "too few steps after the search";
-  EXPECT_EQ(segments_last, segments_at_end)
-      << "steps in backward after the search took pinned segments from the system";
+  EXPECT_EQ(freed_at_end, freed_at_first) << "the search's end gave pinned segments back";
+  EXPECT_EQ(freed_last, freed_at_first) << "pinned segments went back to the system";
 }
 
 // See Note [Measured split]: a move the optimizer cannot follow (no pinned memory for the host

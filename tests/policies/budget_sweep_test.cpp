@@ -1,14 +1,15 @@
 // The GPU budget is a promise (issue "The GPU budget is a promise"): for every policy, role set
 // (optimizer states, or every role), prefetch depth (0, 1, 2, 5) and budget from below one layer
-// to everything resident in steps of 512 KiB, a model of five layers of uneven sizes is set up
-// (parameters and gradients registered on the GPU, as the bridge does, then Adam) and trained two
-// steps through every hook, on the simulated device:
+// to everything resident in steps of 512 KiB (2 MiB under the sanitizers), a model of five layers
+// of uneven sizes is set up (parameters and gradients registered on the GPU, as the bridge does,
+// then Adam) and trained two steps through every hook, on the simulated device:
 //   - strata's GPU memory (the GPU tier's segments and the staging ring, one Budget) never passes
 //     the budget: its peak statistic, kept at every reservation, is checked;
 //   - a budget too small fails at setup, with kResourceExhausted or kInvalidArgument and a message
 //     that names the budget; never half way through a step;
 //   - once a budget trains, every larger one trains.
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -28,6 +29,15 @@ using testing::spec;
 constexpr int kLayers = 5;
 // Floats per tensor of each layer: 256 KiB to 1 MiB tensors, 1 to 4 MiB a layer of four roles.
 constexpr std::size_t kNumel[kLayers] = {64 * 1024, 256 * 1024, 128 * 1024, 192 * 1024, 96 * 1024};
+
+// Budgets go up in steps of 512 KiB; STRATA_BUDGET_SWEEP_STEP_KIB sets a coarser step (the
+// sanitizer builds, where each run costs 10-20 times more, take 2 MiB steps).
+std::size_t budget_step() {
+  if (const char* env = std::getenv("STRATA_BUDGET_SWEEP_STEP_KIB")) {
+    return static_cast<std::size_t>(std::stoull(env)) * 1024;
+  }
+  return kMiB / 2;
+}
 
 struct Outcome {
   bool trained = false;
@@ -111,7 +121,8 @@ TEST(BudgetSweepTest, NeverPassedAnErrorOnlyAtSetupAndMonotone) {
     const std::string name = str_cat(c.policy, " ", c.roles.to_string(), " K=", c.depth);
     std::size_t first_trained = 0;
     std::string line;
-    for (std::size_t budget = kMiB / 2; budget <= everything + 4 * kMiB; budget += kMiB / 2) {
+    const std::size_t step = budget_step();
+    for (std::size_t budget = step; budget <= everything + 4 * kMiB; budget += step) {
       const Outcome o = run(c.policy, c.roles, c.depth, budget);
       ++runs;
       EXPECT_LE(o.peak, static_cast<std::int64_t>(budget))
