@@ -444,6 +444,7 @@ class Adam {
   struct Written {
     void* data;
     std::size_t bytes;
+    StateLayout layout;
   };
   absl::StatusOr<std::vector<Written>> host_written(std::size_t index) const;
   // Returns once no host step posted in backward still runs (what reads or writes states waits

@@ -251,7 +251,10 @@ void run_range(const AdamTensor* tensors, std::size_t count, const AdamScalars& 
       } else {
         bias_corrections(own, settled.step);
       }
-      run_tensor(settled, lo, hi, own, inv);
+      // See Note [Undo in the host kernel] in kept_states.h.
+      keep_then_step(x.keep, x.numel, lo, hi, [&](std::int64_t from, std::int64_t to) {
+        run_tensor(settled, from, to, own, inv);
+      });
     }
     base += x.numel;
   }

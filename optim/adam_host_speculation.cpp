@@ -9,9 +9,10 @@
 // like the GPU's layers, instead of after backward. step_layer queues its gradients' copy to the
 // pinned buffers behind the compute stream (the first such layer of a step also queues the reads
 // of the speculative loss scale and of every host slot's bias corrections) and posts the rest to
-// one host thread (SerialWorker), so that backward goes on: that thread waits for the gradients,
-// copies the states the kernel writes (moments, masters) into a pageable undo buffer, and runs the
-// host kernel on the pool, dividing by the loss scale alone, as the GPU's speculative kernels do
+// one host thread (SerialWorker), so that backward goes on: that thread waits for the gradients
+// and runs the host kernel on the pool, which keeps the states it writes (moments, masters) in a
+// pageable undo buffer as it goes (See Note [Undo in the host kernel] in kept_states.h), dividing
+// by the loss scale alone, as the GPU's speculative kernels do
 // (a low-precision parameter's pinned copy needs no undo: a redo writes it again, and a step that
 // inf skips sends nothing back). The thread makes the runtime's GPU its current device first.
 // Backward's link and host memory are mostly idle in that time. The layer's parameters stay as
@@ -69,7 +70,18 @@ absl::StatusOr<std::vector<Adam::Written>> Adam::host_written(std::size_t index)
     if (!h.valid()) continue;
     STRATA_ASSIGN_OR_RETURN(rt::TensorInfo info, runtime_.info(h));
     STRATA_ASSIGN_OR_RETURN(void* data, resting_address(h, rt::Tier::kPinnedHost));
-    out.push_back({data, info.bytes});
+    StateLayout layout = StateLayout::kF32;
+    if (info.spec.dtype == rt::DType::kBFloat16) {
+      layout = StateLayout::kBF16;
+    } else if (info.spec.dtype == rt::DType::kUInt8 &&
+               static_cast<std::int64_t>(info.bytes) == int8_state_bytes(slots_[index].numel)) {
+      layout = StateLayout::kInt8Blocks;
+    } else if (info.spec.dtype != rt::DType::kFloat32) {
+      return absl::InternalError(str_cat("Adam: the host step cannot keep state '", info.spec.name,
+                                         "' (", rt::dtype_name(info.spec.dtype), ", ", info.bytes,
+                                         " bytes) for a redo"));
+    }
+    out.push_back({data, info.bytes, layout});
   }
   return out;
 }
@@ -122,20 +134,23 @@ absl::Status Adam::speculate_host_layer(int layer) {
   if (absl::Status s = host_kernel_tensors(layer, per_group, spec.stepped); !s.ok()) {
     return unposted(s);
   }
-  struct Kept {
-    void* data;
-    void* copy;
-    std::size_t bytes;
-  };
-  std::vector<Kept> kept;
-  for (std::size_t index : spec.stepped) {
+  // What each stepped slot's kernel keeps, and where (See Note [Undo in the host kernel] in
+  // kept_states.h). The tensors point into `kept`, whose elements keep their addresses when the
+  // vector moves into the job.
+  std::vector<KeptStates> kept(spec.stepped.size());
+  std::vector<std::size_t> in_group(groups_.size(), 0);
+  for (std::size_t i = 0; i < spec.stepped.size(); ++i) {
+    const std::size_t index = spec.stepped[i];
     absl::StatusOr<std::vector<Written>> written = host_written(index);
     if (!written.ok()) return unposted(written.status());
     std::size_t at = host_undo_at_[index];
     for (const Written& w : *written) {
-      kept.push_back({w.data, static_cast<char*>(host_undo_) + at, w.bytes});
+      kept[i].states[kept[i].count++] = {w.data, static_cast<char*>(host_undo_) + at, w.layout};
       at += w.bytes;
     }
+    // host_kernel_tensors lists a group's tensors in the order of `stepped`.
+    const std::size_t g = slots_[index].group;
+    per_group[g][in_group[g]++].keep = &kept[i];
   }
   // The groups' hyperparameters as they are now (set_hyper may change them before the job runs).
   std::vector<AdamHyper> hypers;
@@ -182,14 +197,14 @@ absl::Status Adam::speculate_host_layer(int layer) {
     *waited_ns += ns(t);
     if (!out->status.ok()) return;
     t = Clock::now();
-    for (const Kept& k : kept) parallel_copy(*threads, k.copy, k.data, k.bytes);
+    // The kernels keep every state before they overwrite it, and cannot fail part way.
     out->kept = true;
     const float inv = 1.0f / (scale != nullptr ? *scale : 1.0f);  // as the CUDA kernel takes it
     for (std::size_t g = 0; g < per_group.size(); ++g) {
       if (per_group[g].empty()) continue;
       rule->step_host(per_group[g].data(), per_group[g].size(), hypers[g], inv, threads);
     }
-    *kernel_ns += ns(t);  // the undo copy included
+    *kernel_ns += ns(t);  // the undo's writes included
   };
   if (dev.is_simulated()) {
     job();

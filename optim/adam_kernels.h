@@ -24,6 +24,7 @@
 
 #include "base/thread_pool.h"
 #include "optim/adam_math.h"
+#include "optim/kept_states.h"
 #include "optim/state_codec.h"
 
 #ifdef STRATA_HAS_CUDA
@@ -64,6 +65,9 @@ struct AdamTensor {
   // The host kernel only: {step_size, bias_correction2_sqrt} computed on the device for this
   // tensor's step, used instead of the host's own (See Note [Bias corrections from the device]).
   const float* bias = nullptr;
+  // The host kernel only: states it keeps before overwriting them (See Note [Undo in the host
+  // kernel] in kept_states.h); null keeps none.
+  const KeptStates* keep = nullptr;
 };
 
 // The step t whose bias corrections a tensor's update takes (See Note [Skipped steps]).

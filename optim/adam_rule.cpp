@@ -34,6 +34,7 @@ std::vector<AdamTensor> adam_tensors(const StepTensor* tensors, std::size_t coun
     t.step = x.step;
     t.skipped = x.skipped;
     t.bias = x.device_scalars;
+    t.keep = x.keep;
   }
   return out;
 }

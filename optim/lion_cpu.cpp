@@ -61,6 +61,23 @@ STRATA_LION_CLONES void run_tensor(const StepTensor& x, std::int64_t lo, std::in
   }
 }
 
+// Elements [begin, end) of the concatenation of all tensors.
+void run_range(const StepTensor* tensors, std::size_t count, const LionScalars& s, float inv,
+               std::int64_t begin, std::int64_t end) {
+  std::int64_t base = 0;
+  for (std::size_t t = 0; t < count && base < end; ++t) {
+    const StepTensor& x = tensors[t];
+    const std::int64_t lo = std::max<std::int64_t>(begin - base, 0);
+    const std::int64_t hi = std::min<std::int64_t>(end - base, x.numel);
+    if (lo < hi) {
+      // See Note [Undo in the host kernel] in kept_states.h.
+      keep_then_step(x.keep, x.numel, lo, hi,
+                     [&](std::int64_t from, std::int64_t to) { run_tensor(x, from, to, s, inv); });
+    }
+    base += x.numel;
+  }
+}
+
 }  // namespace
 
 void lion_step_cpu(const StepTensor* tensors, std::size_t count, const LionScalars& s,
@@ -69,14 +86,7 @@ void lion_step_cpu(const StepTensor* tensors, std::size_t count, const LionScala
   for (std::size_t t = 0; t < count; ++t) total += tensors[t].numel;
   parallel_ranges(pool, total, std::int64_t{1} << 16, 16,
                   [&](std::int64_t begin, std::int64_t end) {
-                    std::int64_t base = 0;
-                    for (std::size_t t = 0; t < count && base < end; ++t) {
-                      const StepTensor& x = tensors[t];
-                      const std::int64_t lo = std::max<std::int64_t>(begin - base, 0);
-                      const std::int64_t hi = std::min<std::int64_t>(end - base, x.numel);
-                      if (lo < hi) run_tensor(x, lo, hi, s, inv_grad_scale);
-                      base += x.numel;
-                    }
+                    run_range(tensors, count, s, inv_grad_scale, begin, end);
                   });
 }
 

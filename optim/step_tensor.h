@@ -11,11 +11,13 @@
 #include <cstdint>
 
 #include "optim/adam_math.h"
+#include "optim/kept_states.h"
 #include "optim/state_codec.h"
 
 namespace strata::optim {
 
 inline constexpr int kMaxStates = 4;
+static_assert(kMaxKeptStates == kMaxStates);
 
 // One parameter as a rule's kernel sees it for one step.
 struct StepTensor {
@@ -38,6 +40,9 @@ struct StepTensor {
   std::int64_t* skipped = nullptr;
   // The host kernel only: the host_scalars() the device computed for this tensor's step.
   const float* device_scalars = nullptr;
+  // The host kernel only: states it keeps before overwriting them (See Note [Undo in the host
+  // kernel] in kept_states.h); null keeps none.
+  const KeptStates* keep = nullptr;
 };
 
 }  // namespace strata::optim
