@@ -7,6 +7,9 @@
 # use strata run once a round. A run's log is kept only when it failed.
 #   tools/gpu/run_patch_ab.sh OUT PATCH BATCH ROUNDS APPROACH ...
 # e.g. tools/gpu/run_patch_ab.sh OUT .ab/new.patch 32 2 resident strata fsdp2 fsdp2_strata
+# WARMUP and STEPS (default 20 and 8) set each run's untimed and timed steps: the hybrid's search
+# and its choice of where to step take some 60 steps before it runs as it will for the rest of a
+# run.
 set -uo pipefail
 OUT=$(realpath -m "${1:?}"); PATCH=$(realpath "${2:?}"); BATCH=${3:?}; ROUNDS=${4:?}; shift 4
 cd "$(dirname "$0")/../.."
@@ -31,8 +34,8 @@ for ((r = 0; r < ROUNDS; r++)); do
     ((r % 2)) && [[ ${#sides[@]} == 2 ]] && sides=(new base)
     for side in "${sides[@]}"; do
       log="$OUT/r$r-$approach-$side.log"
-      PYTHONPATH=/tmp/pkg-$side timeout 200 python3 bench/users_script.py --one "$approach" \
-        --batch "$BATCH" --warmup 20 --steps 8 >"$log" 2>&1
+      PYTHONPATH=/tmp/pkg-$side timeout "${RUN_TIMEOUT:-200}" python3 bench/users_script.py --one "$approach" \
+        --batch "$BATCH" --warmup "${WARMUP:-20}" --steps "${STEPS:-8}" >"$log" 2>&1
       python3 tools/gpu/summarize_run.py "$log" "$approach $side" "$r" | tee -a "$OUT/summary.txt"
       grep -q "^RESULT " "$log" && rm -f "$log"  # a failed run's log comes back
     done
