@@ -135,9 +135,9 @@ absl::Status Adam::speculate_host_layer(int layer) {
     return unposted(s);
   }
   // What each stepped slot's kernel keeps, and where (See Note [Undo in the host kernel] in
-  // kept_states.h). The tensors point into `kept`, whose elements keep their addresses when the
-  // vector moves into the job.
-  std::vector<KeptStates> kept(spec.stepped.size());
+  // kept_states.h). The tensors point into `kept`, which the job shares: its elements stay where
+  // they are however the job is moved or copied.
+  auto kept = std::make_shared<std::vector<KeptStates>>(spec.stepped.size());
   std::vector<std::size_t> in_group(groups_.size(), 0);
   for (std::size_t i = 0; i < spec.stepped.size(); ++i) {
     const std::size_t index = spec.stepped[i];
@@ -145,12 +145,13 @@ absl::Status Adam::speculate_host_layer(int layer) {
     if (!written.ok()) return unposted(written.status());
     std::size_t at = host_undo_at_[index];
     for (const Written& w : *written) {
-      kept[i].states[kept[i].count++] = {w.data, static_cast<char*>(host_undo_) + at, w.layout};
+      KeptStates& k = (*kept)[i];
+      k.states[k.count++] = {w.data, static_cast<char*>(host_undo_) + at, w.layout};
       at += w.bytes;
     }
     // host_kernel_tensors lists a group's tensors in the order of `stepped`.
     const std::size_t g = slots_[index].group;
-    per_group[g][in_group[g]++].keep = &kept[i];
+    per_group[g][in_group[g]++].keep = &(*kept)[i];
   }
   // The groups' hyperparameters as they are now (set_hyper may change them before the job runs).
   std::vector<AdamHyper> hypers;
@@ -197,7 +198,9 @@ absl::Status Adam::speculate_host_layer(int layer) {
     *waited_ns += ns(t);
     if (!out->status.ok()) return;
     t = Clock::now();
-    // The kernels keep every state before they overwrite it, and cannot fail part way.
+    // The kernels keep every state before they overwrite it (where `kept` says), and cannot fail
+    // part way.
+    (void)kept;
     out->kept = true;
     const float inv = 1.0f / (scale != nullptr ? *scale : 1.0f);  // as the CUDA kernel takes it
     for (std::size_t g = 0; g < per_group.size(); ++g) {
