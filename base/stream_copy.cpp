@@ -23,24 +23,18 @@ void stream_copy(void* dst, const void* src, std::size_t bytes) {
   s += head;
   bytes -= head;
   const std::size_t body = bytes / kVector * kVector;
-  for (std::size_t i = 0; i < body; i += 4 * kVector) {
-    if (body - i >= 4 * kVector) {  // a cache line at a time
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + kVector));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 2 * kVector));
-      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 3 * kVector));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + kVector), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 2 * kVector), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 3 * kVector), e);
-    } else {
-      for (std::size_t j = i; j < body; j += kVector) {
-        _mm_stream_si128(reinterpret_cast<__m128i*>(d + j),
-                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + j)));
-      }
-      break;
-    }
+  auto stream = [&](std::size_t at) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + at),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at)));
+  };
+  std::size_t i = 0;
+  for (; i + 4 * kVector <= body; i += 4 * kVector) {  // a cache line at a time
+    stream(i);
+    stream(i + kVector);
+    stream(i + 2 * kVector);
+    stream(i + 3 * kVector);
   }
+  for (; i < body; i += kVector) stream(i);
   std::memcpy(d + body, s + body, bytes - body);
   _mm_sfence();
 #else

@@ -34,8 +34,8 @@ for ((r = 0; r < ROUNDS; r++)); do
     ((r % 2)) && [[ ${#sides[@]} == 2 ]] && sides=(new base)
     for side in "${sides[@]}"; do
       log="$OUT/r$r-$approach-$side.log"
-      PYTHONPATH=/tmp/pkg-$side timeout "${RUN_TIMEOUT:-200}" python3 bench/users_script.py --one "$approach" \
-        --batch "$BATCH" --warmup "${WARMUP:-20}" --steps "${STEPS:-8}" >"$log" 2>&1
+      PYTHONPATH=/tmp/pkg-$side timeout "${RUN_TIMEOUT:-200}" python3 bench/users_script.py \
+        --one "$approach" --batch "$BATCH" --warmup "${WARMUP:-20}" --steps "${STEPS:-8}" >"$log" 2>&1
       python3 tools/gpu/summarize_run.py "$log" "$approach $side" "$r" | tee -a "$OUT/summary.txt"
       # Every step's time and where it ran, a line a run; a failed run's log comes back.
       grep "^RESULT " "$log" | sed "s/^RESULT /r$r $approach $side /" >>"$OUT/results.txt"
