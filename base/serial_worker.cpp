@@ -16,17 +16,26 @@ SerialWorker::~SerialWorker() {
   thread_.join();
 }
 
-void SerialWorker::post(std::function<void()> job) {
+SerialWorker::Ticket SerialWorker::post(std::function<void()> job) {
+  Ticket ticket = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.push_back(std::move(job));
+    ticket = ++posted_;
   }
   posted_cv_.notify_one();
+  return ticket;
+}
+
+void SerialWorker::wait(Ticket ticket) {
+  std::unique_lock<std::mutex> lock(mu_);
+  ran_cv_.wait(lock, [&] { return ran_ >= ticket; });
 }
 
 void SerialWorker::drain() {
   std::unique_lock<std::mutex> lock(mu_);
-  idle_cv_.wait(lock, [&] { return jobs_.empty() && !running_; });
+  const Ticket last = posted_;
+  ran_cv_.wait(lock, [&] { return ran_ >= last; });
 }
 
 void SerialWorker::work() {
@@ -36,12 +45,11 @@ void SerialWorker::work() {
     if (jobs_.empty()) return;  // stop_, with nothing left
     std::function<void()> job = std::move(jobs_.front());
     jobs_.pop_front();
-    running_ = true;
     lock.unlock();
     job();
     lock.lock();
-    running_ = false;
-    if (jobs_.empty()) idle_cv_.notify_all();
+    ++ran_;
+    ran_cv_.notify_all();
   }
 }
 

@@ -447,17 +447,19 @@ class Adam {
     StateLayout layout;
   };
   absl::StatusOr<std::vector<Written>> host_written(std::size_t index) const;
-  // Returns once no host step posted in backward still runs (what reads or writes states waits
-  // for them).
-  void wait_for_host_steps() const {
-    if (host_worker_ != nullptr) host_worker_->drain();
-  }
-  // Waits for the host steps posted in this step; the first of their failures.
-  absl::Status drain_host_steps();
-  // After drain_host_steps: puts back the states the host steps in backward overwrote (the step
-  // is taken back), or queues their parameters to the GPU (it held); then forgets them.
+  // Returns once every host step posted in backward has run (what touches their states waits).
+  void wait_for_host_steps() const;
+  // After wait_for_host_steps: puts back the states the host steps in backward overwrote (the
+  // step is taken back); then forgets them.
   void restore_host_states();
-  absl::Status return_speculated_parameters();
+  struct Speculated;
+  void wait_for_host_step(const Speculated& spec) const;  // once its job ran
+  // See Note [Finishing a held step] in adam_overlap.cpp; then forgets the host steps.
+  absl::Status return_speculated_parameters(const float* grad_scale, const float* found_inf);
+  // `spec`'s layer, whose job stepped nothing, stepped on the host as step() would.
+  absl::Status step_failed_host_layer(Speculated& spec, const float* grad_scale,
+                                      const float* found_inf);
+  // Waits for the host steps posted in backward, then forgets them.
   void end_host_speculation();
   // Releases the events the host steps recorded (also after a failure).
   void end_host_steps();
@@ -519,9 +521,11 @@ class Adam {
     int layer = -1;
     rt::EventHandle arrived = nullptr;  // its gradients are in the pinned buffers
     std::vector<std::size_t> stepped;   // its slots that took the step
-    // Written by the host step, read after drain_host_steps.
+    SerialWorker::Ticket ticket = 0;    // its job on host_worker_ (0: ran in step_layer)
+    // Written by the host step, read once its job ran (wait_for_host_step).
     bool kept = false;  // its states are in host_undo_
     absl::Status status;
+    bool counted_back = false;  // its job failed: its step counts were given back
   };
   std::deque<Speculated> speculated_;  // stable addresses: the worker writes into them
   std::vector<ParamGroup>& groups_ = options_.groups;
@@ -561,6 +565,7 @@ class Adam {
   bool overlap_open_ = false;
   // finish_step validated the open step and committed its undo; finishing the rest failed.
   bool overlap_committed_ = false;
+  bool rest_stepped_ = false;  // See Note [Finishing a held step] in adam_overlap.cpp
   // See Note [A share of the step in backward] in adam_overlap.cpp: the share, and in the open
   // step the bytes of states it allows (kEveryLayer: no limit), those its layers took so far, and
   // whether one passed it.
@@ -580,8 +585,8 @@ class Adam {
   absl::Status finish_release();
   // The undo log rolled back, and the step step_layer began taken back.
   absl::Status roll_back();
-  // After the commit: the host-stepped layers' parameters back to the GPU, the layers backward
-  // left stepped, and the step closed.
+  // After the commit: the layers backward left stepped, the host-stepped layers' parameters back
+  // to the GPU, and the step closed (See Note [Finishing a held step] in adam_overlap.cpp).
   absl::StatusOr<StepOutcome> finish_committed(const float* grad_scale, const float* found_inf);
   void close_committed();
   // drop_committed_step's part that cannot fail (Adam::load calls it once the checkpoint is in).

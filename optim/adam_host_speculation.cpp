@@ -19,12 +19,13 @@
 // they are on the GPU: finish_step copies them over only once the speculation held, so nothing a
 // loop reads on the GPU changes before step(), and a step taken back has nothing to undo there.
 //
-// finish_step waits for the host thread first. Held (and every host step ran): the undo is dropped
-// and the parameters are queued to the GPU, which the compute stream waits for. Otherwise
-// (clipping fired, inf found, a host step failed), every layer whose states were copied gets them
-// back, and the step is taken again after backward, as for the GPU's layers; cancel_step puts them
-// back the same way. The result is bitwise the sequential step's: the host kernel reads the same
-// bias corrections from the device and the same scale as it would after backward.
+// Held: the undo is dropped, and each layer's parameters are queued to the GPU as its host step
+// ends, which the compute stream waits for (See Note [Finishing a held step] in adam_overlap.cpp,
+// also for a host step that failed). Otherwise (clipping fired, inf found), finish_step waits for
+// the host thread, every layer whose states were kept gets them back, and the step is taken again
+// after backward, as for the GPU's layers; cancel_step puts them back the same way. The result is
+// bitwise the sequential step's: the host kernel reads the same bias corrections from the device
+// and the same scale as it would after backward.
 //
 // The undo buffer holds a copy of every host slot's states (as many bytes as they take),
 // allocated at the first such step; where the pageable tier has no room for it, host layers are
@@ -212,20 +213,17 @@ absl::Status Adam::speculate_host_layer(int layer) {
   if (dev.is_simulated()) {
     job();
   } else {
-    host_worker_->post(std::move(job));
+    spec.ticket = host_worker_->post(std::move(job));
   }
   return absl::OkStatus();
 }
 
-absl::Status Adam::drain_host_steps() {
+void Adam::wait_for_host_steps() const {
   if (host_worker_ != nullptr) host_worker_->drain();
-  for (const Speculated& spec : speculated_) {
-    if (!spec.status.ok()) {
-      return absl::Status(spec.status.code(), str_cat("Adam: the host step of layer ", spec.layer,
-                                                      " in backward: ", spec.status.message()));
-    }
-  }
-  return absl::OkStatus();
+}
+
+void Adam::wait_for_host_step(const Speculated& spec) const {
+  if (host_worker_ != nullptr && spec.ticket != 0) host_worker_->wait(spec.ticket);
 }
 
 void Adam::restore_host_states() {
@@ -246,9 +244,17 @@ void Adam::restore_host_states() {
   end_host_speculation();
 }
 
-absl::Status Adam::return_speculated_parameters() {
+absl::Status Adam::return_speculated_parameters(const float* grad_scale, const float* found_inf) {
   if (speculated_.empty()) return absl::OkStatus();
-  for (const Speculated& spec : speculated_) {
+  // See Note [Finishing a held step] in adam_overlap.cpp. Queued again by a call again after a
+  // failure: the same bytes.
+  for (Speculated& spec : speculated_) {
+    wait_for_host_step(spec);
+    if (!spec.status.ok()) {
+      // Stepped now, parameters queued back with it.
+      STRATA_RETURN_IF_ERROR(step_failed_host_layer(spec, grad_scale, found_inf));
+      continue;
+    }
     STRATA_RETURN_IF_ERROR(queue_parameters_back(spec.stepped));
   }
   STRATA_RETURN_IF_ERROR(wait_for_parameters_back());
@@ -256,7 +262,33 @@ absl::Status Adam::return_speculated_parameters() {
   return absl::OkStatus();
 }
 
+absl::Status Adam::step_failed_host_layer(Speculated& spec, const float* grad_scale,
+                                          const float* found_inf) {
+  if (!spec.counted_back) {
+    for (std::size_t index : spec.stepped) {
+      --slots_[index].steps;
+      auto it = std::find(last_step_.begin(), last_step_.end(), slots_[index].param);
+      if (it != last_step_.end()) last_step_.erase(it);
+    }
+    spec.counted_back = true;
+  }
+  const std::size_t counted = last_step_.size();
+  absl::Status s = begin_host_steps({spec.layer}, grad_scale, found_inf);
+  if (s.ok()) s = finish_host_steps();
+  end_host_steps();
+  // Its kernel ran (a failure after it queues the parameters again, as for any host step).
+  if (last_step_.size() != counted || spec.stepped.empty()) spec.status = absl::OkStatus();
+  if (!s.ok()) {
+    return absl::Status(
+        s.code(), str_cat("Adam: finish_step: the host step of layer ", spec.layer,
+                          " in backward failed, and stepping it again failed: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
 void Adam::end_host_speculation() {
+  // Their jobs read the events released below, and write into speculated_.
+  wait_for_host_steps();
   for (const Speculated& spec : speculated_) runtime_.device().release(spec.arrived);
   speculated_.clear();
 }

@@ -285,10 +285,9 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   STRATA_ASSIGN_OR_RETURN(const auto read,
                           read_scalars({speculative_scale_, grad_scale, found_inf}, {1, 1, 0}));
   const auto [assumed, truth, inf] = read;
-  // The host steps taken in backward are done (or failed: then the step is taken again).
-  const absl::Status host = drain_host_steps();
-  const bool held = std::bit_cast<std::uint32_t>(assumed) == std::bit_cast<std::uint32_t>(truth) &&
-                    inf == 0.0f && host.ok();
+  // The host steps taken in backward may still run (See Note [Finishing a held step]).
+  const bool held =
+      std::bit_cast<std::uint32_t>(assumed) == std::bit_cast<std::uint32_t>(truth) && inf == 0.0f;
   if (held) {
     STRATA_RETURN_IF_ERROR(rt.commit_undo());
     overlap_committed_ = true;
@@ -309,22 +308,49 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   return StepOutcome::kRedone;
 }
 
+// Note [Finishing a held step]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Once the step held (and its undo is committed), two things are left: the layers backward did not
+// step (GPU layers whose states stream after backward, mostly), and the host steps posted in
+// backward (See Note [Host steps in backward] in adam_host_speculation.cpp), which may still run:
+// a host layer's kernel takes longer than its share of backward. They use different resources
+// (the GPU and its link for the first, the host's cores for the second), so finish_committed
+// queues the first while the second runs, and then queues each host layer's parameters to the
+// GPU as its job ends, in the order they were posted. Waiting for every host step first would
+// put the GPU layers' whole step after the host's.
+// A host job fails only before its kernel starts (its gradients' copy failed), so it stepped
+// nothing: its layer's step counts are given back and it is stepped on the host as step() would,
+// with the true scalars; the step is the same step either way (it held). The layers backward left
+// are stepped only once (rest_stepped_): a failure after them leaves the step open, and a call
+// again goes on from the host steps. The host steps' pinned scalars are shared with step()'s own
+// host steps, so where a host layer is left for after backward (no room for its undo), every host
+// job has run before those layers step.
 absl::StatusOr<Adam::StepOutcome> Adam::finish_committed(const float* grad_scale,
                                                          const float* found_inf) {
-  // The host-stepped layers' parameters go to the GPU now (See Note [Host steps in backward]); a
-  // failure leaves the step open, to be finished by calling again.
-  STRATA_RETURN_IF_ERROR(return_speculated_parameters());
   // Layers backward could not step are stepped now, as step() would. A failure part way says
   // which parameters it stepped and asks for a checkpoint, as step()'s does (See Note [A failed
   // step] in adam.cpp): the step stays open, and a call again would step those again.
-  absl::Status rest = run_step(grad_scale, found_inf, /*new_step=*/false);
-  if (!rest.ok() && !stepped_every_layer_) {
-    return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
-                                             "backward stand; stepping the others failed: ",
-                                             rest.message()));
+  absl::Status rest;
+  if (!rest_stepped_) {
+    const bool host_left = std::any_of(host_layers_.begin(), host_layers_.end(), [&](int l) {
+      return by_layer_.count(l) != 0 &&
+             std::find(overlapped_.begin(), overlapped_.end(), l) == overlapped_.end();
+    });
+    if (host_left) wait_for_host_steps();
+    rest = run_step(grad_scale, found_inf, /*new_step=*/false);
+    if (!rest.ok() && !stepped_every_layer_) {
+      return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
+                                               "backward stand; stepping the others failed: ",
+                                               rest.message()));
+    }
+    // Every layer left is stepped (only the policy's end of step may have failed: the next hook
+    // finishes it).
+    rest_stepped_ = true;
   }
-  // Every layer stepped (only the policy's end of step may have failed: the next hook finishes
-  // it): the step is taken, and closed.
+  // The host-stepped layers' parameters go to the GPU as their steps end; a failure leaves the
+  // step open, to be finished by calling again.
+  STRATA_RETURN_IF_ERROR(return_speculated_parameters(grad_scale, found_inf));
+  // The step is taken, and closed.
   close_committed();
   const absl::Status ended = end_step();  // See Note [Per-parameter steps]
   STRATA_RETURN_IF_ERROR(rest);
@@ -335,6 +361,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_committed(const float* grad_scale
 void Adam::close_committed() {
   overlap_open_ = false;
   overlap_committed_ = false;
+  rest_stepped_ = false;
 }
 
 absl::Status Adam::drop_committed_step() {
@@ -360,10 +387,10 @@ void Adam::forget_committed_step() {
 
 absl::Status Adam::roll_back() {
   STRATA_RETURN_IF_ERROR(runtime_.rollback_undo());
-  // Then the host steps taken in backward (See Note [Host steps in backward]): once drained, their
-  // states go back by host copies that cannot fail. After the runtime's undo, so that a failure
-  // there leaves them as they are, and a call again finds the step still to be redone.
-  (void)drain_host_steps();
+  // Then the host steps taken in backward (See Note [Host steps in backward]): once their jobs
+  // ran, their states go back by host copies that cannot fail. After the runtime's undo, so that a
+  // failure there leaves them as they are, and a call again finds the step still to be redone.
+  wait_for_host_steps();
   restore_host_states();
   overlap_open_ = false;
   overlapped_.clear();

@@ -1,6 +1,7 @@
 // SerialWorker (base/serial_worker.h): jobs run in the order posted, on one thread other than the
-// poster's, while the poster goes on; drain() returns once every job posted before it has run and
-// shows what they wrote; the destructor runs what is left.
+// poster's, while the poster goes on; wait(ticket) returns once that job has run, not waiting for
+// those posted after it; drain() returns once every job posted before it has run and shows what
+// they wrote; the destructor runs what is left.
 #include "base/serial_worker.h"
 
 #include <gtest/gtest.h>
@@ -49,6 +50,26 @@ TEST(SerialWorkerTest, PostReturnsWhileAJobRunsAndDrainWaitsForIt) {
   worker.post([&] { done++; });
   worker.drain();
   EXPECT_EQ(done.load(), 3);
+}
+
+TEST(SerialWorkerTest, WaitReturnsOnceItsJobRanNotTheOnesAfter) {
+  SerialWorker worker;
+  std::atomic<bool> release_second{false};
+  std::atomic<int> done{0};
+  const SerialWorker::Ticket first = worker.post([&] { done++; });
+  const SerialWorker::Ticket second = worker.post([&] {
+    while (!release_second.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    done++;
+  });
+  const SerialWorker::Ticket third = worker.post([&] { done++; });
+  EXPECT_LT(first, second);
+  EXPECT_LT(second, third);
+  worker.wait(first);  // the second job still blocks the worker: returns anyway
+  EXPECT_EQ(done.load(), 1);
+  release_second.store(true);
+  worker.wait(third);
+  EXPECT_EQ(done.load(), 3);
+  worker.wait(first);  // long since run: returns at once
 }
 
 TEST(SerialWorkerTest, TheDestructorRunsWhatIsLeft) {
