@@ -525,7 +525,8 @@ class Adam {
     // Written by the host step, read once its job ran (wait_for_host_step).
     bool kept = false;  // its states are in host_undo_
     absl::Status status;
-    bool counted_back = false;  // its job failed: its step counts were given back
+    std::atomic<bool> cancelled{false};  // taken back: a job not begun steps nothing
+    bool counted_back = false;           // its job failed: its step counts were given back
   };
   std::deque<Speculated> speculated_;  // stable addresses: the worker writes into them
   std::vector<ParamGroup>& groups_ = options_.groups;

@@ -198,6 +198,8 @@ absl::Status Adam::speculate_host_layer(int layer) {
     out->status = dev.synchronize(out->arrived);
     *waited_ns += ns(t);
     if (!out->status.ok()) return;
+    // A step being taken back steps nothing more (See Note [Taking back host steps]).
+    if (out->cancelled.load()) return;
     t = Clock::now();
     // The kernels keep every state before they overwrite it (where `kept` says), and cannot fail
     // part way.

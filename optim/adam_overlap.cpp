@@ -390,6 +390,14 @@ absl::Status Adam::roll_back() {
   // Then the host steps taken in backward (See Note [Host steps in backward]): once their jobs
   // ran, their states go back by host copies that cannot fail. After the runtime's undo, so that a
   // failure there leaves them as they are, and a call again finds the step still to be redone.
+  //
+  // Note [Taking back host steps]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // A host job that has not begun its kernel when the step is taken back would step a layer only
+  // for its states to be put back: each is told to step nothing (Speculated::cancelled), so the
+  // redo waits only for the kernels already running. A job that stepped nothing kept nothing, and
+  // restore_host_states puts back only what was kept; every slot's step count goes back alike.
+  for (Speculated& spec : speculated_) spec.cancelled.store(true);
   wait_for_host_steps();
   restore_host_states();
   overlap_open_ = false;
