@@ -274,6 +274,8 @@ absl::Status Adam::step_failed_host_layer(Speculated& spec, const float* grad_sc
     }
     spec.counted_back = true;
   }
+  // The pinned scalars it writes are those the jobs posted after it read.
+  wait_for_host_steps();
   const std::size_t counted = last_step_.size();
   absl::Status s = begin_host_steps({spec.layer}, grad_scale, found_inf);
   if (s.ok()) s = finish_host_steps();

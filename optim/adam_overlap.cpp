@@ -319,8 +319,9 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
 // GPU as its job ends, in the order they were posted. Waiting for every host step first would
 // put the GPU layers' whole step after the host's.
 // A host job fails only before its kernel starts (its gradients' copy failed), so it stepped
-// nothing: its layer's step counts are given back and it is stepped on the host as step() would,
-// with the true scalars; the step is the same step either way (it held). The layers backward left
+// nothing: its layer's step counts are given back and, once every job has run (they read the
+// pinned scalars a host step writes), it is stepped on the host as step() would, with the true
+// scalars; the step is the same step either way (it held). The layers backward left
 // are stepped only once (rest_stepped_): a failure after them leaves the step open, and a call
 // again goes on from the host steps. The host steps' pinned scalars are shared with step()'s own
 // host steps, so where a host layer is left for after backward (no room for its undo), every host
