@@ -43,24 +43,21 @@
 
 #include "base/status.h"
 #include "base/strings.h"
+#include "base/thread_pool.h"
 #include "optim/adam.h"
 #include "optim/adam_kernels.h"
 
 namespace strata::optim {
 namespace {
 
-// A copy of `bytes` split over the pool.
+// A copy of `bytes` split over the pool, in ranges of at least 4 MiB.
 void parallel_copy(ThreadPool& pool, void* dst, const void* src, std::size_t bytes) {
-  constexpr std::size_t kPart = std::size_t{4} << 20;
-  const int parts = static_cast<int>(std::min<std::size_t>(
-      static_cast<std::size_t>(pool.size()) * 4, std::max<std::size_t>(1, bytes / kPart)));
-  const std::size_t per = (bytes + static_cast<std::size_t>(parts) - 1) / parts;
-  pool.parallel_for(parts, [&](int part) {
-    const std::size_t begin = std::min(bytes, per * static_cast<std::size_t>(part));
-    const std::size_t end = std::min(bytes, begin + per);
-    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
-                end - begin);
-  });
+  parallel_ranges(&pool, static_cast<std::int64_t>(bytes), std::int64_t{4} << 20, 64,
+                  [&](std::int64_t begin, std::int64_t end) {
+                    std::memcpy(static_cast<char*>(dst) + begin,
+                                static_cast<const char*>(src) + begin,
+                                static_cast<std::size_t>(end - begin));
+                  });
 }
 
 }  // namespace

@@ -11,6 +11,16 @@ gpu_info() {
   nproc >>"$1/gpu.txt"
 }
 
+# The base of an A/B: a copy of the working tree (but .deps, linked) in /tmp/strata-base with
+# PATCH reversed. Run from the repository root.
+base_tree() {
+  local base=/tmp/strata-base
+  rm -rf "$base" && mkdir -p "$base"
+  tar cf - --exclude=./.deps . | tar xf - -C "$base"
+  ln -s "$PWD/.deps" "$base/.deps"
+  (cd "$base" && { git apply -R "$1" || patch -s -R -p1 <"$1"; })
+}
+
 gpu_build() {
   local logs=$1; shift
   if ! ls .deps/debs/*.deb >/dev/null 2>&1; then

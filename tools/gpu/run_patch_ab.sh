@@ -17,15 +17,9 @@ mkdir -p "$OUT"
 source tools/gpu/build.sh
 python_setup "$OUT" || exit 1
 rm -rf /tmp/pkg-new && mv /tmp/strata-pkg /tmp/pkg-new
-base=/tmp/strata-base
-rm -rf "$base" && mkdir -p "$base"
-tar cf - --exclude=./.deps . | tar xf - -C "$base"
-ln -s "$PWD/.deps" "$base/.deps"
-(
-  cd "$base" && { git apply -R "$PATCH" || patch -s -R -p1 <"$PATCH"; } &&
-    BUILD=/tmp/strata-build-base &&
-    gpu_build "$OUT/base" _strata && python_package
-) || { echo "the base did not build"; exit 1; }
+base_tree "$PATCH" &&
+  (cd /tmp/strata-base && BUILD=/tmp/strata-build-base && gpu_build "$OUT/base" _strata &&
+    python_package) || { echo "the base did not build"; exit 1; }
 rm -rf /tmp/pkg-base && mv /tmp/strata-pkg /tmp/pkg-base
 for ((r = 0; r < ROUNDS; r++)); do
   for approach in "$@"; do

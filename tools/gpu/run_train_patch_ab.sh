@@ -14,14 +14,9 @@ source tools/gpu/build.sh
 gpu_info "$OUT"
 gpu_build "$OUT/new" strata-train || exit 1
 new=$BUILD/bin/strata-train
-base=/tmp/strata-base
-rm -rf "$base" && mkdir -p "$base"
-tar cf - --exclude=./.deps . | tar xf - -C "$base"
-ln -s "$PWD/.deps" "$base/.deps"
-(
-  cd "$base" && { git apply -R "$PATCH" || patch -s -R -p1 <"$PATCH"; } &&
-    BUILD=/tmp/strata-build-base && gpu_build "$OUT/base" strata-train
-) || { echo "the base did not build"; exit 1; }
+base_tree "$PATCH" &&
+  (cd /tmp/strata-base && BUILD=/tmp/strata-build-base && gpu_build "$OUT/base" strata-train) ||
+  { echo "the base did not build"; exit 1; }
 old=/tmp/strata-build-base/bin/strata-train
 model="--layers=24 --d_model=2048 --heads=16 --vocab=32000 --seq=512 --batch=8 --steps=6 --lr=1e-4"
 model="$model --dtype=bfloat16 --clip_grad_norm=1.0 --strata_overlap=backward"
