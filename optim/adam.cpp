@@ -111,7 +111,8 @@ absl::Status Adam::step(const float* grad_scale, const float* found_inf) {
   // A step that stepped every layer is taken (only the policy's end of step failed): its lists
   // are forgotten as after any step; one that did not keeps them for its retry.
   if (!stepped.ok() && !stepped_every_layer_) return stepped;
-  const absl::Status ended = end_step();  // See Note [Per-parameter steps]
+  const absl::Status ended =
+      end_step(rt::StepKind::kAfterBackward);  // See Note [Per-parameter steps]
   STRATA_RETURN_IF_ERROR(stepped);
   return ended;
 }

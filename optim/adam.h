@@ -187,17 +187,14 @@ class Adam {
   int host_threads() const;
   // Bytes the host-stepped layers' copies queued so far: gradients out, parameters back.
   struct HostStepBytes {
-    std::int64_t d2h = 0;
-    std::int64_t h2d = 0;
+    std::int64_t d2h = 0, h2d = 0;
   };
   HostStepBytes host_step_bytes() const { return host_step_bytes_; }
   // Seconds the host-stepped layers' work took so far, on the host (a step in backward included):
   // queued is from the step's start to the host's first wait for gradients, while the GPU layers'
   // step is queued; waited is the host blocked on gradients; kernel is the host kernel itself.
   struct HostStepSeconds {
-    double queued = 0;
-    double waited = 0;
-    double kernel = 0;
+    double queued = 0, waited = 0, kernel = 0;
   };
   HostStepSeconds host_step_seconds() const;
   // Whether step_layer began a step that finish_step has not completed.
@@ -335,19 +332,21 @@ class Adam {
   // Every parameter of `slots` that takes part in the step has its gradient (registered or
   // given); the error names the first that has none.
   absl::Status check_gradients_given(const std::vector<std::size_t>& slots) const;
-  // A step completed: the lists kept for it (skipped parameters, given gradients) are forgotten,
-  // and its time goes to a policy that measures steps (measure_step).
-  absl::Status end_step() {
+  // A step completed, taken the way `kind` says (kRedone where a step taken in backward was taken
+  // back since the last): the lists kept for it (skipped parameters, given gradients) are
+  // forgotten, and its time goes to a policy that measures steps (measure_step).
+  absl::Status end_step(rt::StepKind kind) {
     clear_skipped();
-    return measure_step();
+    return measure_step(std::exchange(taken_back_, false) ? rt::StepKind::kRedone : kind);
   }
+  bool taken_back_ = false;  // roll_back ran since the last end_step
   // See Note [Measured split] in policies/split_search.h: while the policy wants step times,
   // time_step. The step was taken whatever happens here: a failure stops the search (the policy
   // puts back what it moved for this step), says why on stderr and in placement(), and returns OK.
-  absl::Status measure_step();
+  absl::Status measure_step(rt::StepKind kind);
   // The time from the last step's end to this one's, on the device's clock (one host wait a
   // step), handed to the policy, then follow_placement.
-  absl::Status time_step();
+  absl::Status time_step(rt::StepKind kind);
   // The host-stepped layers as the policy has them now (it moves steps between two steps): every
   // layer stepped on the GPU checked to fit there and the host buffers and float32 masters made
   // for the new ones, or an error and nothing changed; then the old ones freed, all of them tried

@@ -304,7 +304,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_step(const float* grad_scale,
   // Rolled back: as if step_layer had never run, and step() takes the step (a failure there
   // leaves it untaken, to be retried with step()).
   STRATA_RETURN_IF_ERROR(run_step(grad_scale, found_inf, /*new_step=*/true));
-  STRATA_RETURN_IF_ERROR(end_step());  // See Note [Per-parameter steps]
+  STRATA_RETURN_IF_ERROR(end_step(rt::StepKind::kRedone));  // See Note [Per-parameter steps]
   return StepOutcome::kRedone;
 }
 
@@ -353,7 +353,8 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_committed(const float* grad_scale
   STRATA_RETURN_IF_ERROR(return_speculated_parameters(grad_scale, found_inf));
   // The step is taken, and closed.
   close_committed();
-  const absl::Status ended = end_step();  // See Note [Per-parameter steps]
+  const absl::Status ended =
+      end_step(backward_share_ < 1.0 ? rt::StepKind::kPartlyInBackward : rt::StepKind::kInBackward);
   STRATA_RETURN_IF_ERROR(rest);
   STRATA_RETURN_IF_ERROR(ended);
   return StepOutcome::kSpeculation;
@@ -402,6 +403,7 @@ absl::Status Adam::roll_back() {
   wait_for_host_steps();
   restore_host_states();
   overlap_open_ = false;
+  taken_back_ = true;  // the step's time counts the work taken back (See Note [Measured split])
   overlapped_.clear();
   // The parameters stepped in backward take their step back (See Note [Per-parameter steps]).
   for (rt::TensorHandle p : last_step_) --slots_[slot_of_param_.at(p.id)].steps;

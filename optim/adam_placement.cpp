@@ -87,11 +87,11 @@ absl::Status Adam::place_steps() {
   return absl::OkStatus();
 }
 
-absl::Status Adam::measure_step() {
+absl::Status Adam::measure_step(rt::StepKind kind) {
   rt::Runtime& rt = runtime_;
   rt::Device& dev = rt.device();
   if (rt.wants_step_times()) {
-    absl::Status s = time_step();
+    absl::Status s = time_step(kind);
     if (s.ok()) return absl::OkStatus();
     // See Note [Measured split] in policies/split_search.h: the step was taken and stands. The
     // search is an optimization: it stops, and the policy puts back what it moved for this step.
@@ -106,7 +106,7 @@ absl::Status Adam::measure_step() {
   return absl::OkStatus();
 }
 
-absl::Status Adam::time_step() {
+absl::Status Adam::time_step(rt::StepKind kind) {
   rt::Runtime& rt = runtime_;
   rt::Device& dev = rt.device();
   // See Note [Measured split] in policies/split_search.h: from one step's end to the next on the
@@ -133,7 +133,8 @@ absl::Status Adam::time_step() {
       rt.step_measured(
           {.seconds = *ms / 1e3,
            .host_kernel_seconds =
-               speculated ? 0.0 : static_cast<double>(kernel_ns - kernel_ns_before) * 1e-9}));
+               speculated ? 0.0 : static_cast<double>(kernel_ns - kernel_ns_before) * 1e-9,
+           .kind = kind}));
   STRATA_RETURN_IF_ERROR(follow_placement());
   if (line.empty()) return absl::OkStatus();
   placement_ = std::move(line);

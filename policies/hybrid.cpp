@@ -2,6 +2,7 @@
 // on the host, chosen by the cost model (policies/layer_prefetch.h, policies/step_cost_model.h).
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <utility>
 
 #include "base/status.h"
@@ -11,6 +12,21 @@
 
 namespace strata::policy {
 namespace internal {
+namespace {
+
+// How the steps a search counted were taken, for its line (See Note [Measured split]).
+const char* kind_words(std::optional<rt::StepKind> kind) {
+  switch (kind.value_or(rt::StepKind::kAfterBackward)) {
+    case rt::StepKind::kInBackward:
+      return "in backward";
+    case rt::StepKind::kPartlyInBackward:
+      return "partly in backward";
+    default:
+      return "after backward";
+  }
+}
+
+}  // namespace
 
 // Note [Hybrid placement]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -125,7 +141,7 @@ absl::StatusOr<std::string> LayerPrefetch::on_step_measured(rt::PolicyContext& r
   if (refit.has_value() && *refit != before) {
     split_.search.emplace(static_cast<int>(split_.movable.size()), *refit, SplitSearchOptions{});
   } else {
-    split_.search->add(times.seconds);
+    split_.search->add(times.seconds, times.kind);
   }
   ++split_.steps;
   split_.moved_last = false;
@@ -163,8 +179,9 @@ std::string LayerPrefetch::describe_search() const {
   std::string line =
       str_cat("hybrid: measured steps chose ", host_layers_.size(), " of ", layers.size(),
               " layers (", share, " of parameters) on the host after ", split_.steps,
-              " steps; movable layers on the host: ms from one step's "
-              "end to the next (the cost model's optimizer step):");
+              " steps; movable layers on the host: ms from one step's end to the next, over "
+              "steps taken ",
+              kind_words(search.kind()), " (the cost model's optimizer step):");
   for (const auto& [k, seconds] : search.measured()) {
     char item[64];
     std::snprintf(item, sizeof(item), " %d: %.1f (%.1f)", k, seconds * 1e3,

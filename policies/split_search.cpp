@@ -35,12 +35,32 @@ void SplitSearch::go_to(int k) {
   samples_.clear();
 }
 
-void SplitSearch::add(double seconds) {
+void SplitSearch::restart() {
+  start_ = current_;
+  walk_start_ = current_;
+  step_ = stride_;
+  first_up_ = -1;
+  direction_ = +1;
+  measured_.clear();
+  samples_.clear();
+}
+
+void SplitSearch::add(double seconds, rt::StepKind kind) {
   if (done_) return;
   if (!discarded_) {  // the first step after a move pays for it
     discarded_ = true;
     return;
   }
+  // See Note [Measured split]: steps of one kind only.
+  if (kind == rt::StepKind::kRedone) return;
+  if (kind_.has_value() && kind != *kind_) {
+    other_kind_ = other_kind_ > 0 && other_ == kind ? other_kind_ + 1 : 1;
+    other_ = kind;
+    if (other_kind_ < 2 * options_.samples + 1) return;
+    restart();
+  }
+  kind_ = kind;
+  other_kind_ = 0;
   samples_.push_back(seconds);
   if (static_cast<int>(samples_.size()) < options_.samples) return;
   auto mid = samples_.begin() + static_cast<std::ptrdiff_t>(samples_.size() / 2);

@@ -5,8 +5,8 @@
 //
 //   SplitSearch search(/*movable=*/24, /*start=*/0, {});
 //   while (!search.done()) {
-//     const int k = search.current();   // step with the first k movable layers on the host
-//     search.add(measured_seconds);     // one step's time; current() may change
+//     const int k = search.current();      // step with the first k movable layers on the host
+//     search.add(measured_seconds, kind);  // one step's time and how it was taken
 //   }
 //   std::printf("%d\n", search.best());
 //
@@ -33,15 +33,30 @@
 // stride stepped over, where the fastest may lie. The best is the one with the fewest host layers
 // among those within `margin` of the fastest: more host layers cost host memory and host threads,
 // and must pay for themselves. A split's time is the median of its samples, so one slow step (an
-// evaluation, a checkpoint, a redone overlapped step) does not decide. Once done, the best split
-// stays for the rest of the run. The search only ever makes a step faster or slower, never wrong,
-// so a failure while it measures or moves (no pinned memory for the host buffers of the layers
-// moved, a device error) ends it where the policy can put the last move back; the step already
-// taken stands (See Adam::measure_step in optim/adam.h).
+// evaluation, a checkpoint) does not decide. Once done, the best split stays for the rest of the
+// run.
+//
+// Steps taken in different ways take different times at any split: a step taken in backward hides
+// part of its link time under backward's compute, and one taken in backward and redone runs twice
+// (the loop's optimizer decides where each step runs: See Note [When to step in backward] in
+// strata/_when.py). Splits measured by steps of different kinds would be compared by how their
+// steps were taken, not by the split. So each step comes with its kind, and the search compares
+// splits measured by steps of one kind: the first step it counts sets the kind, a step of another
+// kind is not counted, and a redone step never is. Where the steps keep coming another way (2
+// samples + 1 in a row of one other kind: the optimizer has settled there), the search starts
+// again from the split it has, measuring that kind, with what it measured before forgotten.
+//
+// The search only ever makes a step faster or slower, never wrong, so a failure while it measures
+// or moves (no pinned memory for the host buffers of the layers moved, a device error) ends it
+// where the policy can put the last move back; the step already taken stands (See
+// Adam::measure_step in optim/adam.h).
 #pragma once
 
 #include <map>
+#include <optional>
 #include <vector>
+
+#include "runtime/step_costs.h"
 
 namespace strata::policy {
 
@@ -60,9 +75,12 @@ class SplitSearch {
   // The split to step with now: the first current() movable layers on the host.
   int current() const { return current_; }
   bool done() const { return done_; }
-  // One step's seconds with current(). Once the split has its samples it is recorded and the next
-  // one chosen; when the search ends current() is the best.
-  void add(double seconds);
+  // One step's seconds with current(), taken the way `kind` names (kRedone: never counted). Once
+  // the split has its samples it is recorded and the next one chosen; when the search ends
+  // current() is the best.
+  void add(double seconds, rt::StepKind kind = rt::StepKind::kAfterBackward);
+  // The kind of the steps the search counts; nullopt before the first.
+  std::optional<rt::StepKind> kind() const { return kind_; }
   // Median seconds of each split measured so far, by its k.
   const std::map<int, double>& measured() const { return measured_; }
   // The fewest host layers within margin of the fastest measured; the start before any.
@@ -72,6 +90,8 @@ class SplitSearch {
  private:
   // Starts the samples of split k.
   void go_to(int k);
+  // The search from its start again, at current(): another kind of step has come to stay.
+  void restart();
   // The split step_ layers from k in `direction`, clamped to the ends; -1 where that is k itself or
   // a split already measured.
   int neighbor(int k, int direction) const;
@@ -90,6 +110,9 @@ class SplitSearch {
   bool discarded_ = false;  // the current split's first step is behind it
   std::vector<double> samples_;
   std::map<int, double> measured_;
+  std::optional<rt::StepKind> kind_;
+  int other_kind_ = 0;  // steps in a row of one other kind than kind_ (not redone)
+  rt::StepKind other_ = rt::StepKind::kAfterBackward;
 };
 
 }  // namespace strata::policy

@@ -57,13 +57,25 @@ struct StepCosts {
   std::vector<LayerCost> layers;
 };
 
+// How a measured step was taken: a step in backward hides part of its link time under backward's
+// compute, and a redone one runs twice, so their times compare only with steps taken the same way
+// (See Note [Measured split] in policies/split_search.h).
+enum class StepKind : std::uint8_t {
+  kAfterBackward,     // every layer stepped after backward (or by step())
+  kInBackward,        // stepped in backward, and the step held
+  kPartlyInBackward,  // held, with a share of the layers left for after backward by choice
+  kRedone,            // taken in backward, then taken back and stepped again
+};
+
 // One measured optimizer step, for a policy that wants step times (See Note [Measured split] in
 // policies/split_search.h): the seconds from the last step's end to this one's on the compute
-// stream, and the seconds the host kernel ran in it (0 with no layer stepped on the host, or where
-// the optimizer gives none: See Note [Host rate in the step] in policies/hybrid.cpp).
+// stream, the seconds the host kernel ran in it (0 with no layer stepped on the host, or where
+// the optimizer gives none: See Note [Host rate in the step] in policies/hybrid.cpp), and how the
+// step was taken.
 struct StepTimes {
   double seconds = 0;
   double host_kernel_seconds = 0;
+  StepKind kind = StepKind::kAfterBackward;
 };
 
 // One line: "link 53.1/54.0 GB/s host to GPU/GPU to host (40.2 each way both at once; 31.9/46.6

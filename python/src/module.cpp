@@ -179,6 +179,8 @@ PYBIND11_MODULE(_strata, m) {
              r.hooks().join_after_layer_stream();
            })
       .def("in_step", [](Runtime& r) { return r.hooks().in_step(); })
+      // See Note [Measured split] in policies/split_search.h: the policy's search runs.
+      .def("wants_step_times", [](Runtime& r) { return r.rt().wants_step_times(); })
       .def("end_step",
            [](Runtime& r) {
              py::gil_scoped_release release;

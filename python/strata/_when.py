@@ -53,7 +53,10 @@ _KEPT = 5
 # it, the steps run after backward (16 steps, then 32, ... up to 1024 while that stays so), then
 # backward is tried again. Medians of several, so that an iteration or two slowed by something else
 # (the host, another process) do not decide alone. Without a GPU nothing is timed and only redone
-# steps decide.
+# steps decide. While the hybrid policy searches for its split (See Note [Measured split] in
+# policies/split_search.h), only redone steps decide too: the search compares splits by steps
+# taken one way, and a change of way in the middle of it would compare the ways, not the splits.
+# The iterations it timed were of other splits, so timing starts afresh with the split it chose.
 #
 # Between the two lies a share of the step in backward (See Note [A share of the step in backward]
 # in optim/adam_overlap.cpp): backward hides the link time of the layers stepped while it runs, and
@@ -95,6 +98,9 @@ class StepChoice:
         self._parts: list = []
         self.share = 1.0
         self._share_tried = False
+        # The hybrid policy's split search runs (See Note [Measured split] in
+        # policies/split_search.h): the iterations it times are its own.
+        self._searching = False
 
     def close(self) -> None:
         """Lets go of the optimizer's kernels (its states go with their last reference)."""
@@ -157,11 +163,18 @@ class StepChoice:
         mode = "backward" if self.share >= 1.0 else "share"
         where = {"speculation": mode, "sequential": "after"}.get(outcome)
         self.clock.mark(where)  # a redone step's iteration is neither's
+        searching = self._runtime._rt.wants_step_times()
+        if self._searching and not searching:  # the split is chosen: time it afresh
+            self._times = {label: [] for label in self._times}
+            self._parts = []
+        self._searching = searching
         for it in self.clock.done():
+            if searching:
+                continue
             self._times[it.label] = (self._times[it.label] + [it.ms])[-_KEPT:]
             if it.label == "after" and it.backward_ms is not None:
                 self._parts = (self._parts + [(it.backward_ms, it.step_ms)])[-_KEPT:]
-        if not speculating or self.wait > 0:
+        if not speculating or self.wait > 0 or searching:
             return speculating
         in_backward, after = self._times[mode], self._times["after"]
         if len(in_backward) < _TIMED:

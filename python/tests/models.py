@@ -1,6 +1,7 @@
 """Small models and a training loop shared by the tests."""
 
 import torch
+from strata._readback import Iteration
 
 POLICIES = ["keep_on_gpu", "bulk", "layer_prefetch"]
 
@@ -69,3 +70,34 @@ def example(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class FakeClock:
+    """Iteration times by where the step ran, as strata._readback.StepClock gives them, but fixed
+    (or taken in turn from a list, the last one repeated) and done at once; `parts`: the backward
+    and the step of each iteration stepped after backward, in ms (None: not split)."""
+
+    def __init__(self, ms: dict, parts: tuple | None = None) -> None:
+        self.ms, self.parts, self.started, self.out = ms, parts, False, []
+
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def forget_backward(self) -> None:
+        pass
+
+    def mark(self, label) -> None:
+        if self.started and label is not None:
+            ms = self.ms[label]
+            if isinstance(ms, list):
+                ms = ms.pop(0) if len(ms) > 1 else ms[0]
+            split = self.parts if label == "after" and self.parts else (None, None)
+            self.out.append(Iteration(label, ms, *split))
+        self.started = True
+
+    def done(self) -> list:
+        out, self.out = self.out, []
+        return out

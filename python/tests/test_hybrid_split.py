@@ -85,3 +85,42 @@ def test_a_forced_fraction_keeps_its_split():
     _, _, host_sets, placement, _ = run("hybrid", 12, hybrid_fraction=0.5)
     assert len(set(host_sets)) == 1 and host_sets[0]
     assert "forced" in placement["line"] and "measured" not in placement["line"]
+
+
+def test_the_search_compares_steps_taken_one_way_and_timing_starts_after_it(caplog):
+    # See Note [Measured split] in policies/split_search.h and Note [When to step in backward] in
+    # strata/_when.py. Iterations after backward are timed faster here, which would send the steps
+    # there after the first few; while the search runs, the steps stay in backward (only a redone
+    # step would move them), so its splits are compared by steps taken one way. Once it has chosen,
+    # the iterations are timed afresh with its split, and the steps go after backward.
+    from models import FakeClock
+
+    model = Blocks().to(torch.bfloat16)
+    opt = strata.optim.AdamW(
+        model.parameters(), lr=1e-2, policy="hybrid", model=model, overlap="backward"
+    )
+    opt._overlap._choice.clock = FakeClock({"backward": 100.0, "after": 60.0})
+    searching, outcomes = [], []
+    with caplog.at_level(logging.INFO, logger="strata"):
+        step = 0
+        # Until 20 steps after the search ended (it walks at most every split a layer at a time).
+        while step < 200 and (all(searching) or len(searching) - searching.index(False) < 20):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(8, 32, generator=g).to(torch.bfloat16)
+            y = torch.randn(8, 4, generator=g).to(torch.bfloat16)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
+            opt.step()
+            outcomes.append(opt.last_step_outcome)
+            searching.append(opt.runtime._rt.wants_step_times())
+            step += 1
+    assert False in searching, "the search did not end"
+    ended = searching.index(False)  # the step the search ended at
+    assert outcomes[: ended + 1] == ["speculation"] * (ended + 1), outcomes
+    assert "over steps taken in backward" in opt.placement["line"], opt.placement["line"]
+    after = outcomes[ended + 1 :]
+    # Timed afresh: iterations in backward first (the one the search ended at among them), then
+    # after it, and then after it for a while.
+    assert after[:2] == ["speculation"] * 2 and after[-8:] == ["sequential"] * 8, outcomes
+    assert "after backward 60.0 ms" in caplog.text
+    assert opt.close() == []

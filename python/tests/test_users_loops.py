@@ -12,8 +12,7 @@ import pytest
 import strata
 import torch
 import torch.nn.functional as F
-from models import POLICIES, Mlp, assert_bitwise, assert_close, batch, example, params_of
-from strata._readback import Iteration
+from models import POLICIES, FakeClock, Mlp, assert_bitwise, assert_close, batch, example, params_of
 from users import CausalLm, LoraMlp, Moe, TwoHeads, lm_batch
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
@@ -413,37 +412,6 @@ def test_a_host_ahead_of_the_gpu_still_learns_that_clipping_stopped():
     outcomes = loop(model, opt, 10)
     assert outcomes == ["redone"] + ["sequential"] * 5 + ["speculation"] * 4, outcomes
     assert opt.close() == []
-
-
-class FakeClock:
-    """Iteration times by where the step ran, as strata._readback.StepClock gives them, but fixed
-    (or taken in turn from a list, the last one repeated) and done at once; `parts`: the backward
-    and the step of each iteration stepped after backward, in ms (None: not split)."""
-
-    def __init__(self, ms: dict, parts: tuple | None = None) -> None:
-        self.ms, self.parts, self.started, self.out = ms, parts, False, []
-
-    def begin_backward(self) -> None:
-        pass
-
-    def end_backward(self) -> None:
-        pass
-
-    def forget_backward(self) -> None:
-        pass
-
-    def mark(self, label) -> None:
-        if self.started and label is not None:
-            ms = self.ms[label]
-            if isinstance(ms, list):
-                ms = ms.pop(0) if len(ms) > 1 else ms[0]
-            split = self.parts if label == "after" and self.parts else (None, None)
-            self.out.append(Iteration(label, ms, *split))
-        self.started = True
-
-    def done(self) -> list:
-        out, self.out = self.out, []
-        return out
 
 
 @pytest.mark.parametrize("faster", ["backward", "after"])

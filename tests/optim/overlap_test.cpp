@@ -372,10 +372,11 @@ TEST(OverlapTest, HybridStepIsBitwiseTheLayerPrefetchStep) {
 // layers between the host and the GPU over the run's steps, as their times say, and every step
 // stays bitwise layer_prefetch's: sequential and overlapped (the host steps' buffers and undo made
 // again after each move), with resident layers under a budget (a layer going to the host leaves
-// the main pool), with Adam and Lion. A float32 layer keeps a master on the host only: it gets one
-// from its parameter when it moves there and gives it up when it leaves (See Note [Float32 masters
-// follow the split] in optim/adam_placement.cpp), so at the end the masters are those of the
-// layers on the host, each its parameter's value.
+// the main pool), with Adam and Lion; its line says how the steps it compared were taken. A
+// float32 layer keeps a master on the host only: it gets one from its parameter when it moves
+// there and gives it up when it leaves (See Note [Float32 masters follow the split] in
+// optim/adam_placement.cpp), so at the end the masters are those of the layers on the host, each
+// its parameter's value.
 TEST(OverlapTest, HybridMeasuredSplitMovesStepsAndStaysBitwise) {
   constexpr int kSteps = 24;  // 4 layers, one at a time: every split measured and the search done
   std::vector<Case> setups;
@@ -401,6 +402,11 @@ TEST(OverlapTest, HybridMeasuredSplitMovesStepsAndStaysBitwise) {
           want, train(setup, overlapped, kSteps, overlapped ? 3 : 2, &o, true, count_host));
       EXPECT_GE(o.moves, 1);
       EXPECT_NE(o.placement.find("measured steps chose"), std::string::npos) << o.placement;
+      // Its splits compared by steps taken one way, the redone ones left out.
+      EXPECT_NE(o.placement.find(overlapped ? "over steps taken in backward"
+                                            : "over steps taken after backward"),
+                std::string::npos)
+          << o.placement;
       const std::size_t want_masters = setup.dtype == DType::kFloat32 ? host_layers : 0;
       EXPECT_EQ(masters, static_cast<int>(want_masters * kTensorsPerLayer)) << o.placement;
     }

@@ -1,7 +1,7 @@
 // The hybrid policy's search over measured steps (See Note [Measured split] in
 // policies/split_search.h): where it walks on step times shaped as a host would give them, the step
 // it discards after each move, the median against one slow step, the margin more host layers must
-// win by, its bounds, and that it always ends.
+// win by, its bounds, that it always ends, and that it compares steps taken one way only.
 #include "policies/split_search.h"
 
 #include <cmath>
@@ -17,11 +17,11 @@ namespace {
 // Feeds `seconds_of(k)` for the split the search is at until it is done; the splits it stepped
 // with, one entry a step.
 std::vector<int> run(SplitSearch& search, const std::function<double(int)>& seconds_of,
-                     int max_steps = 1000) {
+                     int max_steps = 1000, rt::StepKind kind = rt::StepKind::kAfterBackward) {
   std::vector<int> stepped;
   while (!search.done() && static_cast<int>(stepped.size()) < max_steps) {
     stepped.push_back(search.current());
-    search.add(seconds_of(search.current()));
+    search.add(seconds_of(search.current()), kind);
   }
   return stepped;
 }
@@ -153,6 +153,61 @@ TEST(SplitSearchTest, EndsOnAnyTimes) {
     // Each split is measured once at most.
     EXPECT_LE(stepped.size(), static_cast<std::size_t>((movable + 1) * (2 + trial % 3)));
   }
+}
+
+// A step taken in backward is slower at every split here, and one redone slower still: were they
+// counted beside the steps after backward, the split that happened to get them would look slow.
+TEST(SplitSearchTest, ComparesStepsOfOneKindOnly) {
+  SplitSearch search(20, 0, {.samples = 3, .stride = 2});
+  const std::function<double(int)> after = valley(7);
+  int steps = 0;
+  while (!search.done() && steps < 1000) {
+    const int k = search.current();
+    // Every third step in backward, every fifth redone: never enough in a row to switch.
+    const rt::StepKind kind = steps % 5 == 4   ? rt::StepKind::kRedone
+                              : steps % 3 == 2 ? rt::StepKind::kInBackward
+                                               : rt::StepKind::kAfterBackward;
+    const double penalty = kind == rt::StepKind::kRedone       ? 0.5
+                           : kind == rt::StepKind::kInBackward ? 0.05 * (k % 4)
+                                                               : 0.0;
+    search.add(after(k) + penalty, kind);
+    ++steps;
+  }
+  ASSERT_TRUE(search.done());
+  EXPECT_EQ(search.best(), 7);
+  EXPECT_EQ(search.kind(), rt::StepKind::kAfterBackward);
+  for (const auto& [k, seconds] : search.measured()) EXPECT_DOUBLE_EQ(seconds, after(k)) << k;
+}
+
+TEST(SplitSearchTest, RedoneStepsAreNeverCounted) {
+  SplitSearch search(10, 0, {.samples = 2, .stride = 1});
+  for (int i = 0; i < 50; ++i) search.add(0.1, rt::StepKind::kRedone);
+  EXPECT_TRUE(search.measured().empty());
+  EXPECT_FALSE(search.kind().has_value());
+  EXPECT_EQ(search.current(), 0);
+}
+
+// The optimizer starts after backward, then settles in backward, where the fastest split is
+// another: the search starts again from where it is, with only steps in backward.
+TEST(SplitSearchTest, StartsAgainWhenStepsComeAnotherWayToStay) {
+  SplitSearch search(20, 10, {.samples = 3, .stride = 1});
+  const std::function<double(int)> after = valley(14), in_backward = valley(3);
+  search.add(after(10), rt::StepKind::kAfterBackward);  // discarded: the first step
+  for (int i = 0; i < 3; ++i) search.add(after(10), rt::StepKind::kAfterBackward);
+  ASSERT_EQ(search.measured().count(10), 1u);
+  const int at = search.current();
+  EXPECT_EQ(at, 11);                                    // walking up
+  search.add(after(at), rt::StepKind::kAfterBackward);  // discarded after the move
+  // 2 samples + 1 in a row of steps in backward: not counted until the last, which starts again.
+  for (int i = 0; i < 6; ++i) search.add(in_backward(at), rt::StepKind::kInBackward);
+  EXPECT_EQ(search.kind(), rt::StepKind::kAfterBackward);
+  EXPECT_EQ(search.measured().size(), 1u);
+  search.add(in_backward(at), rt::StepKind::kInBackward);
+  EXPECT_EQ(search.kind(), rt::StepKind::kInBackward);
+  EXPECT_TRUE(search.measured().empty());
+  run(search, in_backward, 1000, rt::StepKind::kInBackward);
+  ASSERT_TRUE(search.done());
+  EXPECT_EQ(search.best(), 3);
 }
 
 }  // namespace
