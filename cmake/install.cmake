@@ -33,7 +33,7 @@ set(strata_public_headers
     runtime/undo_memory.h
     policies/builtin.h policies/step_cost_model.h
     optim/adam.h optim/adam_kernels.h optim/adam_math.h optim/adam_slot.h optim/state_codec.h
-    optim/kept_states.h optim/state_decl.h
+    optim/host_speculation.h optim/kept_states.h optim/state_decl.h
     optim/lion_kernels.h optim/lion_math.h optim/step_rates.h optim/step_rule.h optim/step_tensor.h)
 if(STRATA_WITH_TORCH)
   list(APPEND strata_public_headers bridge/grad_stats.h bridge/model_hooks.h bridge/scalar_reader.h

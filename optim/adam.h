@@ -53,7 +53,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <istream>
 #include <map>
 #include <memory>
@@ -66,10 +65,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "base/serial_worker.h"
 #include "base/thread_pool.h"
 #include "optim/adam_math.h"
 #include "optim/adam_slot.h"
+#include "optim/host_speculation.h"
 #include "optim/state_decl.h"
 #include "optim/step_rule.h"
 #include "runtime/runtime.h"
@@ -446,20 +445,14 @@ class Adam {
     StateLayout layout;
   };
   absl::StatusOr<std::vector<Written>> host_written(std::size_t index) const;
-  // Returns once every host step posted in backward has run (what touches their states waits).
-  void wait_for_host_steps() const;
-  // After wait_for_host_steps: puts back the states the host steps in backward overwrote (the
-  // step is taken back); then forgets them.
-  void restore_host_states();
-  struct Speculated;
-  void wait_for_host_step(const Speculated& spec) const;  // once its job ran
+  // Puts back the states of slot `index` a host step in backward kept at `undo` (the step is taken
+  // back: HostSpeculation::take_back).
+  void put_back_host_states(std::size_t index, const char* undo);
   // See Note [Finishing a held step] in adam_overlap.cpp; then forgets the host steps.
   absl::Status return_speculated_parameters(const float* grad_scale, const float* found_inf);
   // `spec`'s layer, whose job stepped nothing, stepped on the host as step() would.
-  absl::Status step_failed_host_layer(Speculated& spec, const float* grad_scale,
+  absl::Status step_failed_host_layer(HostSpeculation::Speculated& spec, const float* grad_scale,
                                       const float* found_inf);
-  // Waits for the host steps posted in backward, then forgets them.
-  void end_host_speculation();
   // Releases the events the host steps recorded (also after a failure).
   void end_host_steps();
   // A tensor's address where it rests on `tier`, for a host step (See Note [Host steps hold
@@ -471,11 +464,10 @@ class Adam {
   std::string placement_;
   std::vector<int> host_layers_;
   // measure_step's: the event the last step ended at, on the compute stream, and host_kernel_ns_
-  // and host_speculated_ then; host layers posted in backward so far.
+  // and the host layers posted in backward so far (HostSpeculation::posted) then.
   rt::EventHandle step_end_ = nullptr;
   std::int64_t step_end_kernel_ns_ = 0;
   std::int64_t step_end_speculated_ = 0;
-  std::int64_t host_speculated_ = 0;
   std::optional<rt::StepRates> step_rates_;
   struct HostSlot {
     void* grad = nullptr;   // pinned: the gradient, copied from the GPU
@@ -507,27 +499,9 @@ class Adam {
   float* host_scalars_ = nullptr;
   // The host kernel's threads (simulated device), made at its first step.
   std::shared_ptr<ThreadPool> cpu_pool_;
-  // See Note [Host steps in backward] in adam_host_speculation.cpp: the thread host steps in
-  // backward run on (a CUDA device only), the pageable copy of every host slot's states a redo
-  // puts back (at host_undo_at_[slot]; refused once: no host memory for it), and this step's
-  // host layers stepped in backward.
-  std::unique_ptr<SerialWorker> host_worker_;
-  int host_gpu_ = -1;  // the device host_worker_ makes current (-1: simulated)
-  void* host_undo_ = nullptr;
-  std::vector<std::size_t> host_undo_at_;
-  bool host_undo_refused_ = false;
-  struct Speculated {
-    int layer = -1;
-    rt::EventHandle arrived = nullptr;  // its gradients are in the pinned buffers
-    std::vector<std::size_t> stepped;   // its slots that took the step
-    SerialWorker::Ticket ticket = 0;    // its job on host_worker_ (0: ran in step_layer)
-    // Written by the host step, read once its job ran (wait_for_host_step).
-    bool kept = false;  // its states are in host_undo_
-    absl::Status status;
-    std::atomic<bool> cancelled{false};  // taken back: a job not begun steps nothing
-    bool counted_back = false;           // its job failed: its step counts were given back
-  };
-  std::deque<Speculated> speculated_;  // stable addresses: the worker writes into them
+  // See Note [Host steps in backward] in adam_host_speculation.cpp: the host steps taken in
+  // backward, their thread and their undo.
+  HostSpeculation host_speculation_{runtime_, host_waited_ns_, host_kernel_ns_};
   std::vector<ParamGroup>& groups_ = options_.groups;
   std::vector<Slot> slots_;
   // Per slot: the parameter sits out the step (See Note [Per-parameter steps]).

@@ -137,7 +137,7 @@ bool read_hyper(Reader& r, int version, AdamHyper& h, bool& bools_ok) {
 }  // namespace
 
 absl::Status Adam::save(std::ostream& out) {
-  wait_for_host_steps();
+  host_speculation_.wait_for_host_steps();
   Writer w(out);
   w.bytes(kMagic5.data(), kMagic5.size());
   w.pod(static_cast<std::uint8_t>(options_.state_dtype));
@@ -200,7 +200,7 @@ absl::Status Adam::save(std::ostream& out) {
 // Longer than a screen on purpose: it reads the format in the order it is written, every check
 // before the one write-back.
 absl::Status Adam::load(std::istream& in) {
-  wait_for_host_steps();
+  host_speculation_.wait_for_host_steps();
   // The float32 masters are read from the parameters below: the last host step's copies back are
   // done first.
   STRATA_RETURN_IF_ERROR(sync_host_streams());
@@ -385,7 +385,7 @@ absl::Status Adam::load(std::istream& in) {
 
 absl::StatusOr<std::vector<std::pair<std::string, std::vector<float>>>> Adam::read_state_values(
     rt::TensorHandle param) const {
-  wait_for_host_steps();
+  host_speculation_.wait_for_host_steps();
   STRATA_ASSIGN_OR_RETURN(std::size_t index, slot_of(param));
   const Slot& s = slots_[index];
   std::vector<std::pair<std::string, std::vector<float>>> out;
@@ -409,7 +409,7 @@ absl::StatusOr<std::vector<std::pair<std::string, std::vector<float>>>> Adam::re
 
 absl::Status Adam::write_state_values(
     rt::TensorHandle param, const std::vector<std::pair<std::string, std::vector<float>>>& values) {
-  wait_for_host_steps();
+  host_speculation_.wait_for_host_steps();
   STRATA_ASSIGN_OR_RETURN(std::size_t index, slot_of(param));
   const Slot& s = slots_[index];
   // Every name and size first, then the bytes each state will hold.

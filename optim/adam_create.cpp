@@ -55,11 +55,7 @@ Adam::Adam(rt::Runtime& runtime, AdamOptions options)
 Adam::~Adam() {
   // Host steps in backward still running (See Note [Host steps in backward] in
   // adam_host_speculation.cpp) write into what is freed below.
-  if (host_worker_ != nullptr) host_worker_->drain();
-  end_host_speculation();
-  if (host_undo_ != nullptr) {
-    (void)runtime_.allocator().deallocate(rt::Tier::kPageableHost, host_undo_);
-  }
+  host_speculation_.close();
   if (host_d2h_ != nullptr) {
     // Host steps' copies may still be running.
     (void)runtime_.device().stream_synchronize(host_d2h_);

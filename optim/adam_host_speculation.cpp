@@ -1,6 +1,7 @@
 // optim/adam_host_speculation.cpp: host-stepped layers stepped during backward, speculatively
-// (See Note [Host steps in backward]): posting their steps, waiting for them, and putting their
-// states back or their parameters forward once finish_step knows whether the speculation held.
+// (See Note [Host steps in backward]): posting their steps, and putting their states back or their
+// parameters forward once finish_step knows whether the speculation held. What is in flight (the
+// thread, the jobs, the undo buffer, waiting for them) is HostSpeculation's (host_speculation.h).
 //
 // Note [Host steps in backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -33,13 +34,8 @@
 // step_layer itself: its device runs queued work on whichever thread waits, under its own lock,
 // and the simulated device is for logic, not overlap.
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstring>
-
-#ifdef STRATA_HAS_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include <memory>
 
 #include "base/status.h"
 #include "base/strings.h"
@@ -85,31 +81,22 @@ absl::StatusOr<std::vector<Adam::Written>> Adam::host_written(std::size_t index)
 }
 
 absl::Status Adam::speculate_host_layer(int layer) {
-  if (host_undo_refused_) return absl::OkStatus();  // left for finish_step
+  if (host_speculation_.undo_refused()) return absl::OkStatus();  // left for finish_step
   rt::Runtime& rt = runtime_;
   rt::Device& dev = rt.device();
   const std::vector<std::size_t>& slots = by_layer_.at(layer);
   STRATA_RETURN_IF_ERROR(check_gradients_given(slots));
-  if (host_undo_ == nullptr) {
-    std::size_t bytes = 0;
-    host_undo_at_.assign(slots_.size(), 0);
+  if (!host_speculation_.has_undo()) {
+    std::vector<std::size_t> slot_bytes(slots_.size(), 0);
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       if (!steps_on_host(slots_[i].layer)) continue;
-      host_undo_at_[i] = bytes;
       STRATA_ASSIGN_OR_RETURN(const std::vector<Written> written, host_written(i));
-      for (const Written& w : written) bytes += w.bytes;
+      for (const Written& w : written) slot_bytes[i] += w.bytes;
     }
-    absl::StatusOr<void*> undo = rt.allocator().allocate(
-        rt::Tier::kPageableHost, std::max<std::size_t>(bytes, 1),
-        {.owner = "Adam: the states of host steps taken in backward, for a redo"});
-    if (undo.status().code() == absl::StatusCode::kResourceExhausted) {
-      host_undo_refused_ = true;
-      return absl::OkStatus();
-    }
-    STRATA_RETURN_IF_ERROR(undo.status());
-    host_undo_ = *undo;
+    STRATA_RETURN_IF_ERROR(host_speculation_.make_undo(slot_bytes));
+    if (host_speculation_.undo_refused()) return absl::OkStatus();
   }
-  if (speculated_.empty()) {
+  if (host_speculation_.speculated().empty()) {
     // Every host slot's bias corrections at once, and the scale the speculation divides by.
     std::vector<int> host;
     for (int l : host_layers_) {
@@ -117,12 +104,10 @@ absl::Status Adam::speculate_host_layer(int layer) {
     }
     STRATA_RETURN_IF_ERROR(queue_host_scalars(host, speculative_scale_, nullptr));
   }
-  Speculated& spec = speculated_.emplace_back();
-  spec.layer = layer;
+  HostSpeculation::Speculated& spec = host_speculation_.add(layer);
   // Until it is posted, a failure leaves the layer for finish_step: nothing was stepped.
   auto unposted = [&](absl::Status s) {
-    if (spec.arrived != nullptr) dev.release(spec.arrived);
-    speculated_.pop_back();
+    host_speculation_.drop_unposted();
     return s;
   };
   absl::StatusOr<rt::EventHandle> arrived = queue_gradients_out(layer);
@@ -141,10 +126,10 @@ absl::Status Adam::speculate_host_layer(int layer) {
     const std::size_t index = spec.stepped[i];
     absl::StatusOr<std::vector<Written>> written = host_written(index);
     if (!written.ok()) return unposted(written.status());
-    std::size_t at = host_undo_at_[index];
+    char* at = host_speculation_.undo_at(index);
     for (const Written& w : *written) {
       KeptStates& k = (*kept)[i];
-      k.states[k.count++] = {w.data, static_cast<char*>(host_undo_) + at, w.layout};
+      k.states[k.count++] = {w.data, at, w.layout};
       at += w.bytes;
     }
     // host_kernel_tensors lists a group's tensors in the order of `stepped`.
@@ -160,95 +145,41 @@ absl::Status Adam::speculate_host_layer(int layer) {
     last_step_.push_back(slots_[index].param);
   }
   overlapped_.push_back(layer);
-  ++host_speculated_;
   // The loss scale as the speculation takes it: the simulated device's is a host pointer, read
   // once the gradients are in (the compute stream is past it); a GPU's was read into the pinned
   // scalars in stream order (queue_host_scalars).
   const float* scale = dev.is_simulated() ? speculative_scale_ : host_scalars_;
   ThreadPool* threads = &pool();
-  Speculated* out = &spec;
-  if (host_worker_ == nullptr && !dev.is_simulated()) {
-    host_worker_ = std::make_unique<SerialWorker>();
-    // The worker's CUDA calls go to the runtime's device: a new thread's current device is device
-    // 0, where its first call would make a context (on every rank of a multi-GPU run; See Note
-    // [One CUDA device a runtime] in runtime/runtime.h).
-    host_gpu_ = dev.cuda_device();
-  }
-  const int gpu = host_gpu_;
-  std::atomic<std::int64_t>* waited_ns = &host_waited_ns_;
-  std::atomic<std::int64_t>* kernel_ns = &host_kernel_ns_;
-  auto job = [&dev, threads, out, per_group = std::move(per_group), kept = std::move(kept),
-              hypers = std::move(hypers), rule = options_.rule, scale, gpu, waited_ns, kernel_ns] {
-    using Clock = std::chrono::steady_clock;
-    auto ns = [](Clock::time_point from) {
-      return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count();
-    };
-#ifdef STRATA_HAS_CUDA
-    if (gpu >= 0 && cudaSetDevice(gpu) != cudaSuccess) {
-      out->status = absl::InternalError(str_cat("cudaSetDevice(", gpu, ") failed"));
-      return;
-    }
-#else
-    (void)gpu;
-#endif
-    Clock::time_point t = Clock::now();
-    out->status = dev.synchronize(out->arrived);
-    *waited_ns += ns(t);
-    if (!out->status.ok()) return;
-    // A step being taken back steps nothing more (See Note [Taking back host steps]).
-    if (out->cancelled.load()) return;
-    t = Clock::now();
-    // The kernels keep every state before they overwrite it (where `kept` says), and cannot fail
-    // part way.
+  // The kernels keep every state before they overwrite it (where `kept` says).
+  host_speculation_.post(spec, [threads, per_group = std::move(per_group), kept = std::move(kept),
+                                hypers = std::move(hypers), rule = options_.rule, scale] {
     (void)kept;
-    out->kept = true;
     const float inv = 1.0f / (scale != nullptr ? *scale : 1.0f);  // as the CUDA kernel takes it
     for (std::size_t g = 0; g < per_group.size(); ++g) {
       if (per_group[g].empty()) continue;
       rule->step_host(per_group[g].data(), per_group[g].size(), hypers[g], inv, threads);
     }
-    *kernel_ns += ns(t);  // the undo's writes included
-  };
-  if (dev.is_simulated()) {
-    job();
-  } else {
-    spec.ticket = host_worker_->post(std::move(job));
-  }
+  });
   return absl::OkStatus();
 }
 
-void Adam::wait_for_host_steps() const {
-  if (host_worker_ != nullptr) host_worker_->drain();
-}
-
-void Adam::wait_for_host_step(const Speculated& spec) const {
-  if (host_worker_ != nullptr && spec.ticket != 0) host_worker_->wait(spec.ticket);
-}
-
-void Adam::restore_host_states() {
-  for (const Speculated& spec : speculated_) {
-    if (!spec.kept) continue;
-    for (std::size_t index : spec.stepped) {
-      // Where the host step found them: nothing moves a host layer's states during a step.
-      absl::StatusOr<std::vector<Written>> written = host_written(index);
-      STRATA_CHECK(written.ok(),
-                   "a host-stepped state moved during its step: ", written.status().message());
-      std::size_t at = host_undo_at_[index];
-      for (const Written& w : *written) {
-        parallel_copy(pool(), w.data, static_cast<char*>(host_undo_) + at, w.bytes);
-        at += w.bytes;
-      }
-    }
+void Adam::put_back_host_states(std::size_t index, const char* undo) {
+  // Where the host step found them: nothing moves a host layer's states during a step.
+  absl::StatusOr<std::vector<Written>> written = host_written(index);
+  STRATA_CHECK(written.ok(),
+               "a host-stepped state moved during its step: ", written.status().message());
+  for (const Written& w : *written) {
+    parallel_copy(pool(), w.data, undo, w.bytes);
+    undo += w.bytes;
   }
-  end_host_speculation();
 }
 
 absl::Status Adam::return_speculated_parameters(const float* grad_scale, const float* found_inf) {
-  if (speculated_.empty()) return absl::OkStatus();
+  if (host_speculation_.speculated().empty()) return absl::OkStatus();
   // See Note [Finishing a held step] in adam_overlap.cpp. Queued again by a call again after a
   // failure: the same bytes.
-  for (Speculated& spec : speculated_) {
-    wait_for_host_step(spec);
+  for (HostSpeculation::Speculated& spec : host_speculation_.speculated()) {
+    host_speculation_.wait_for_host_step(spec);
     if (!spec.status.ok()) {
       // Stepped now, parameters queued back with it.
       STRATA_RETURN_IF_ERROR(step_failed_host_layer(spec, grad_scale, found_inf));
@@ -257,12 +188,12 @@ absl::Status Adam::return_speculated_parameters(const float* grad_scale, const f
     STRATA_RETURN_IF_ERROR(queue_parameters_back(spec.stepped));
   }
   STRATA_RETURN_IF_ERROR(wait_for_parameters_back());
-  end_host_speculation();
+  host_speculation_.forget();
   return absl::OkStatus();
 }
 
-absl::Status Adam::step_failed_host_layer(Speculated& spec, const float* grad_scale,
-                                          const float* found_inf) {
+absl::Status Adam::step_failed_host_layer(HostSpeculation::Speculated& spec,
+                                          const float* grad_scale, const float* found_inf) {
   if (!spec.counted_back) {
     for (std::size_t index : spec.stepped) {
       --slots_[index].steps;
@@ -272,7 +203,7 @@ absl::Status Adam::step_failed_host_layer(Speculated& spec, const float* grad_sc
     spec.counted_back = true;
   }
   // The pinned scalars it writes are those the jobs posted after it read.
-  wait_for_host_steps();
+  host_speculation_.wait_for_host_steps();
   const std::size_t counted = last_step_.size();
   absl::Status s = begin_host_steps({spec.layer}, grad_scale, found_inf);
   if (s.ok()) s = finish_host_steps();
@@ -285,13 +216,6 @@ absl::Status Adam::step_failed_host_layer(Speculated& spec, const float* grad_sc
                           " in backward failed, and stepping it again failed: ", s.message()));
   }
   return absl::OkStatus();
-}
-
-void Adam::end_host_speculation() {
-  // Their jobs read the events released below, and write into speculated_.
-  wait_for_host_steps();
-  for (const Speculated& spec : speculated_) runtime_.device().release(spec.arrived);
-  speculated_.clear();
 }
 
 }  // namespace strata::optim

@@ -337,7 +337,7 @@ absl::StatusOr<Adam::StepOutcome> Adam::finish_committed(const float* grad_scale
       return by_layer_.count(l) != 0 &&
              std::find(overlapped_.begin(), overlapped_.end(), l) == overlapped_.end();
     });
-    if (host_left) wait_for_host_steps();
+    if (host_left) host_speculation_.wait_for_host_steps();
     rest = run_step(grad_scale, found_inf, /*new_step=*/false);
     if (!rest.ok() && !stepped_every_layer_) {
       return absl::Status(rest.code(), str_cat("Adam: finish_step: the layers stepped during "
@@ -380,7 +380,7 @@ void Adam::forget_committed_step() {
   // What finish_step did not finish is the checkpoint's to say now: the host layers' parameters
   // stay where they are (the model's own state dict restores them), the layers left are not
   // stepped.
-  end_host_speculation();
+  host_speculation_.forget();
   close_committed();
   overlapped_.clear();
   last_step_.clear();
@@ -390,18 +390,11 @@ void Adam::forget_committed_step() {
 absl::Status Adam::roll_back() {
   STRATA_RETURN_IF_ERROR(runtime_.rollback_undo());
   // Then the host steps taken in backward (See Note [Host steps in backward]): once their jobs
-  // ran, their states go back by host copies that cannot fail. After the runtime's undo, so that a
-  // failure there leaves them as they are, and a call again finds the step still to be redone.
-  //
-  // Note [Taking back host steps]
-  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-  // A host job that has not begun its kernel when the step is taken back would step a layer only
-  // for its states to be put back: each is told to step nothing (Speculated::cancelled), so the
-  // redo waits only for the kernels already running. A job that stepped nothing kept nothing, and
-  // restore_host_states puts back only what was kept; every slot's step count goes back alike.
-  for (Speculated& spec : speculated_) spec.cancelled.store(true);
-  wait_for_host_steps();
-  restore_host_states();
+  // ran, their states go back by host copies that cannot fail (See Note [Taking back host steps]
+  // in host_speculation.cpp). After the runtime's undo, so that a failure there leaves them as
+  // they are, and a call again finds the step still to be redone.
+  host_speculation_.take_back(
+      [this](std::size_t index, const char* undo) { put_back_host_states(index, undo); });
   overlap_open_ = false;
   taken_back_ = true;  // the step's time counts the work taken back (See Note [Measured split])
   overlapped_.clear();

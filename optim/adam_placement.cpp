@@ -122,7 +122,8 @@ absl::Status Adam::time_step(rt::StepKind kind) {
   // the step] in policies/hybrid.cpp).
   const std::int64_t kernel_ns = host_kernel_ns_.load();
   const std::int64_t kernel_ns_before = std::exchange(step_end_kernel_ns_, kernel_ns);
-  const bool speculated = std::exchange(step_end_speculated_, host_speculated_) != host_speculated_;
+  const bool speculated =
+      std::exchange(step_end_speculated_, host_speculation_.posted()) != host_speculation_.posted();
   const rt::EventHandle start = std::exchange(step_end_, end);
   if (start == nullptr) return absl::OkStatus();
   absl::StatusOr<double> ms = dev.elapsed_ms(start, end);
@@ -143,7 +144,7 @@ absl::Status Adam::time_step(rt::StepKind kind) {
   // run that has stepped in backward: its next step there writes states back to fresh pinned
   // blocks and keeps the old ones for a redo (See Note [Undo log] in runtime/undo_log.cpp), which
   // the cache serves, where taking gigabytes from the system again stalls that step for seconds.
-  if (host_speculated_ > 0 || rt.stats().undo_peak_bytes > 0) return absl::OkStatus();
+  if (host_speculation_.posted() > 0 || rt.stats().undo_peak_bytes > 0) return absl::OkStatus();
   if (absl::StatusOr<std::size_t> trimmed = rt.allocator().trim(rt::Tier::kPinnedHost);
       !trimmed.ok()) {
     std::fprintf(stderr, "strata: hybrid: keeping the pinned pool's cached segments: %s\n",
@@ -260,14 +261,12 @@ absl::Status Adam::follow_placement() {
   host_layers_ = std::move(host);
   step_bytes_ = std::move(step_bytes);
   // The undo of host steps in backward is sized for the host slots: made again at the next one.
-  void* const old_undo = std::exchange(host_undo_, nullptr);
-  host_undo_at_.clear();
-  host_undo_refused_ = false;
+  void* const old_undo = host_speculation_.forget_undo();
   // The optimizer now follows the policy. What is left frees the buffers and masters of the
   // layers that left the host once no copy of the last step reads or writes them: all of it tried,
   // the first error returned. What cannot go is memory kept, no wrong step: a layer stepped on the
   // GPU with its master still there steps it as a low-precision parameter's.
-  wait_for_host_steps();
+  host_speculation_.wait_for_host_steps();
   absl::Status first = sync_host_streams();
   if (first.ok()) {  // else a copy may still use them: they are kept
     for (int layer : leaving) {
@@ -277,9 +276,7 @@ absl::Status Adam::follow_placement() {
       }
     }
   }
-  if (old_undo != nullptr) {  // host threads only, done with it
-    first.Update(runtime_.allocator().deallocate(rt::Tier::kPageableHost, old_undo));
-  }
+  first.Update(host_speculation_.free_undo(old_undo));  // host threads only, done with it
   return first;
 }
 
