@@ -104,7 +104,7 @@ int run(const Args& a) {
   const std::shared_ptr<const StepRule> rule = adam_rule();
 
   auto copy_then_step = [&] {
-    // As restore_host_states copies: over the pool, in ranges of at least 4 MiB.
+    // As Adam::put_back_host_states copies: over the pool, in ranges of at least 4 MiB.
     for (int k = 0; k < 3; ++k) {
       auto* dst = reinterpret_cast<char*>(undo.data() + k * n);
       const auto* src = static_cast<const char*>(t.states[k]);
