@@ -124,7 +124,8 @@ void HostSpeculation::take_back(
   // A host job that has not begun its kernel when the step is taken back would step a layer only
   // for its states to be put back: each is told to step nothing (Speculated::cancelled), so the
   // redo waits only for the kernels already running. A job that stepped nothing kept nothing, and
-  // restore_host_states puts back only what was kept; every slot's step count goes back alike.
+  // restore_host_states puts back only what was kept; Adam::roll_back gives every slot's step
+  // count back alike.
   for (Speculated& spec : speculated_) spec.cancelled.store(true);
   wait_for_host_steps();
   restore_host_states(put_back);
