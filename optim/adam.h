@@ -338,7 +338,6 @@ class Adam {
     clear_skipped();
     return measure_step(std::exchange(taken_back_, false) ? rt::StepKind::kRedone : kind);
   }
-  bool taken_back_ = false;  // roll_back ran since the last end_step
   // See Note [Measured split] in policies/split_search.h: while the policy wants step times,
   // time_step. The step was taken whatever happens here: a failure stops the search (the policy
   // puts back what it moved for this step), says why on stderr and in placement(), and returns OK.
@@ -502,6 +501,9 @@ class Adam {
   // See Note [Host steps in backward] in adam_host_speculation.cpp: the host steps taken in
   // backward, their thread and their undo.
   HostSpeculation host_speculation_{runtime_, host_waited_ns_, host_kernel_ns_};
+  // roll_back ran since the last end_step: the next step is counted as redone (See Note [Measured
+  // split] in policies/split_search.h).
+  bool taken_back_ = false;
   std::vector<ParamGroup>& groups_ = options_.groups;
   std::vector<Slot> slots_;
   // Per slot: the parameter sits out the step (See Note [Per-parameter steps]).

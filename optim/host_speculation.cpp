@@ -148,9 +148,7 @@ void HostSpeculation::forget() {
 }
 
 void HostSpeculation::close() {
-  // Jobs still running write into what is freed below.
-  wait_for_host_steps();
-  forget();
+  forget();  // waits for the jobs: those still running write into what is freed below
   (void)free_undo(std::exchange(undo_, nullptr));
 }
 

@@ -54,9 +54,13 @@ void SplitSearch::add(double seconds, rt::StepKind kind) {
   // See Note [Measured split]: steps of one kind only.
   if (kind == rt::StepKind::kRedone) return;
   if (kind_.has_value() && kind != *kind_) {
-    other_kind_ = other_kind_ > 0 && other_ == kind ? other_kind_ + 1 : 1;
-    other_ = kind;
-    if (other_kind_ < 2 * options_.samples + 1) return;
+    // Before any split is measured, a step that held in backward takes over at once.
+    const bool early = measured_.empty() && *kind_ == rt::StepKind::kAfterBackward;
+    if (!early) {
+      other_kind_ = other_kind_ > 0 && other_ == kind ? other_kind_ + 1 : 1;
+      other_ = kind;
+      if (other_kind_ < 2 * options_.samples + 1) return;
+    }
     restart();
   }
   kind_ = kind;

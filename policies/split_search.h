@@ -44,7 +44,12 @@
 // splits measured by steps of one kind: the first step it counts sets the kind, a step of another
 // kind is not counted, and a redone step never is. Where the steps keep coming another way (2
 // samples + 1 in a row of one other kind: the optimizer has settled there), the search starts
-// again from the split it has, measuring that kind, with what it measured before forgotten.
+// again from the split it has, measuring that kind, with what it measured before forgotten. One
+// exception: while no split is measured yet, a step taken (wholly or partly) in backward that held
+// takes over from steps after backward at once. Steps after backward at a run's start are most
+// often the optimizer's wait after an early redo (the first steps' clipping), and the loop's steps
+// go back to backward as soon as they hold; waiting for 2 samples + 1 of them would spend as many
+// steps again. The other way round there is no exception.
 //
 // The search only ever makes a step faster or slower, never wrong, so a failure while it measures
 // or moves (no pinned memory for the host buffers of the layers moved, a device error) ends it

@@ -79,7 +79,7 @@ class StepClock:
     two marks, split an iteration at its backward's first gradients and at step(), on the stream
     of the last mark (a gradient hook may run on another: FSDP2's reduce-scatter stream; a loop
     whose step() runs on another stream than its backward gets a wrong split); forget_backward()
-    drops them."""
+    drops them. pending(label) counts the iterations marked and not yet done."""
 
     def __init__(self) -> None:
         self._last = None
@@ -118,6 +118,10 @@ class StepClock:
         else:
             self._free.extend(e for e in (begun, ended) if e is not None)
         self._last = event
+
+    def pending(self, label: str) -> int:
+        """Iterations marked `label` whose events are not read yet (on their way to done())."""
+        return sum(1 for it in self._pending if it[0] == label)
 
     def done(self) -> list:
         out = []

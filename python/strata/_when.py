@@ -51,7 +51,9 @@ _KEPT = 5
 # steps after backward have not, the next three run after backward to time them; and while the
 # median of the last five (or as many as there are) in backward exceeds that of the last five after
 # it, the steps run after backward (16 steps, then 32, ... up to 1024 while that stays so), then
-# backward is tried again. Medians of several, so that an iteration or two slowed by something else
+# backward is tried again. The times come back a step or two late; steps after backward whose times
+# are on their way count toward the three, and the steps wait in backward for them, rather than
+# more being taken after it. Medians of several, so that an iteration or two slowed by something else
 # (the host, another process) do not decide alone. Without a GPU nothing is timed and only redone
 # steps decide. While the hybrid policy searches for its split (See Note [Measured split] in
 # policies/split_search.h), only redone steps decide too: the search compares splits by steps
@@ -180,7 +182,11 @@ class StepChoice:
         if len(in_backward) < _TIMED:
             return True
         if len(after) < _TIMED:  # never timed after backward: time steps there
-            self.wait = _TIMED
+            # Those already taken there may not be read back yet: they are not asked for again.
+            missing = _TIMED - len(after) - self.clock.pending("after")
+            if missing <= 0:
+                return True
+            self.wait = missing
             return False
         here, there = statistics.median(in_backward), statistics.median(after)
         if mode == "backward" and not self._share_tried:

@@ -74,11 +74,12 @@ def example(name):
 
 class FakeClock:
     """Iteration times by where the step ran, as strata._readback.StepClock gives them, but fixed
-    (or taken in turn from a list, the last one repeated) and done at once; `parts`: the backward
-    and the step of each iteration stepped after backward, in ms (None: not split)."""
+    (or taken in turn from a list, the last one repeated); `parts`: the backward and the step of
+    each iteration stepped after backward, in ms (None: not split). Each iteration is done `lag`
+    marks after its own (0: at once), as a GPU's events are read back a step or two late."""
 
-    def __init__(self, ms: dict, parts: tuple | None = None) -> None:
-        self.ms, self.parts, self.started, self.out = ms, parts, False, []
+    def __init__(self, ms: dict, parts: tuple | None = None, lag: int = 0) -> None:
+        self.ms, self.parts, self.lag, self.started, self.out = ms, parts, lag, False, []
 
     def begin_backward(self) -> None:
         pass
@@ -98,6 +99,10 @@ class FakeClock:
             self.out.append(Iteration(label, ms, *split))
         self.started = True
 
+    def pending(self, label) -> int:
+        return sum(1 for it in self.out[max(0, len(self.out) - self.lag) :] if it.label == label)
+
     def done(self) -> list:
-        out, self.out = self.out, []
+        ready = max(0, len(self.out) - self.lag)
+        out, self.out = self.out[:ready], self.out[ready:]
         return out

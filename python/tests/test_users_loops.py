@@ -414,23 +414,29 @@ def test_a_host_ahead_of_the_gpu_still_learns_that_clipping_stopped():
     assert opt.close() == []
 
 
+@pytest.mark.parametrize("lag", [0, 2], ids=["read-at-once", "read-two-late"])
 @pytest.mark.parametrize("faster", ["backward", "after"])
-def test_steps_run_where_iterations_were_measured_faster(faster):
+def test_steps_run_where_iterations_were_measured_faster(faster, lag):
     # Four steps in backward (the first ends no timed iteration), three after it to time them,
     # then in backward again if that was faster, else after backward for the next 16 (See Note
-    # [When to step in backward] in strata/_when.py). Either way the parameters are the
-    # sequential step's, bit for bit.
-    seq = run(Mlp, strata_opt("layer_prefetch", layer_bytes="1KiB"), plain_loop, steps=10)
+    # [When to step in backward] in strata/_when.py). Where the times come back two steps late,
+    # two more steps in backward come first, and the two after the three taken after backward
+    # wait in backward for their times rather than three more after it. Either way the parameters
+    # are the sequential step's, bit for bit.
+    seq = run(Mlp, strata_opt("layer_prefetch", layer_bytes="1KiB"), plain_loop, steps=10 + 2 * lag)
     model = Mlp()
     opt = strata_opt("layer_prefetch", overlap="backward", layer_bytes="1KiB")(model)
     opt._overlap._choice.clock = FakeClock(
         {"backward": 50.0, "after": 60.0}
         if faster == "backward"
-        else {"backward": 100.0, "after": 60.0}
+        else {"backward": 100.0, "after": 60.0},
+        lag=lag,
     )
-    outcomes = step_outcomes(model, opt, 10)
+    outcomes = step_outcomes(model, opt, 10 + 2 * lag)
     then = "speculation" if faster == "backward" else "sequential"
-    assert outcomes == ["speculation"] * 4 + ["sequential"] * 3 + [then] * 3, outcomes
+    waited = ["speculation"] * lag
+    expected = ["speculation"] * (4 + lag) + ["sequential"] * 3 + waited + [then] * 3
+    assert outcomes == expected, outcomes
     assert_bitwise(params_of(model), seq[1])
     assert opt.close() == []
 

@@ -155,28 +155,58 @@ TEST(SplitSearchTest, EndsOnAnyTimes) {
   }
 }
 
-// A step taken in backward is slower at every split here, and one redone slower still: were they
-// counted beside the steps after backward, the split that happened to get them would look slow.
+// A step taken after backward is slower at some splits here, and one redone slower still: were they
+// counted beside the steps in backward, the split that happened to get them would look slow.
 TEST(SplitSearchTest, ComparesStepsOfOneKindOnly) {
   SplitSearch search(20, 0, {.samples = 3, .stride = 2});
-  const std::function<double(int)> after = valley(7);
+  const std::function<double(int)> in_backward = valley(7);
   int steps = 0;
   while (!search.done() && steps < 1000) {
     const int k = search.current();
-    // Every third step in backward, every fifth redone: never enough in a row to switch.
+    // Every third step after backward, every fifth redone: never enough in a row to switch.
     const rt::StepKind kind = steps % 5 == 4   ? rt::StepKind::kRedone
-                              : steps % 3 == 2 ? rt::StepKind::kInBackward
-                                               : rt::StepKind::kAfterBackward;
-    const double penalty = kind == rt::StepKind::kRedone       ? 0.5
-                           : kind == rt::StepKind::kInBackward ? 0.05 * (k % 4)
-                                                               : 0.0;
-    search.add(after(k) + penalty, kind);
+                              : steps % 3 == 2 ? rt::StepKind::kAfterBackward
+                                               : rt::StepKind::kInBackward;
+    const double penalty = kind == rt::StepKind::kRedone          ? 0.5
+                           : kind == rt::StepKind::kAfterBackward ? 0.05 * (k % 4)
+                                                                  : 0.0;
+    search.add(in_backward(k) + penalty, kind);
     ++steps;
   }
   ASSERT_TRUE(search.done());
   EXPECT_EQ(search.best(), 7);
+  EXPECT_EQ(search.kind(), rt::StepKind::kInBackward);
+  for (const auto& [k, seconds] : search.measured()) {
+    EXPECT_DOUBLE_EQ(seconds, in_backward(k)) << k;
+  }
+}
+
+// A run's first steps after backward (the optimizer's wait after an early redo) set the kind, but
+// the first step in backward that holds, before any split is measured, takes over at once; steps
+// after backward then wait their turn like any other kind.
+TEST(SplitSearchTest, StepsInBackwardTakeOverBeforeAnySplitIsMeasured) {
+  SplitSearch search(20, 10, {.samples = 3, .stride = 1});
+  const std::function<double(int)> after = valley(14), in_backward = valley(3);
+  search.add(after(10), rt::StepKind::kAfterBackward);  // discarded: the first step
+  search.add(after(10), rt::StepKind::kAfterBackward);
+  search.add(after(10), rt::StepKind::kAfterBackward);
   EXPECT_EQ(search.kind(), rt::StepKind::kAfterBackward);
-  for (const auto& [k, seconds] : search.measured()) EXPECT_DOUBLE_EQ(seconds, after(k)) << k;
+  search.add(in_backward(10), rt::StepKind::kRedone);  // a redo is no step that held
+  EXPECT_EQ(search.kind(), rt::StepKind::kAfterBackward);
+  search.add(in_backward(10), rt::StepKind::kInBackward);
+  EXPECT_EQ(search.kind(), rt::StepKind::kInBackward);
+  EXPECT_TRUE(search.measured().empty());
+  EXPECT_EQ(search.current(), 10);
+  // Fewer than 2 samples + 1 in a row after backward: not counted, and no switch back.
+  for (int i = 0; i < 6; ++i) search.add(after(10), rt::StepKind::kAfterBackward);
+  EXPECT_EQ(search.kind(), rt::StepKind::kInBackward);
+  EXPECT_TRUE(search.measured().empty());
+  run(search, in_backward, 1000, rt::StepKind::kInBackward);
+  ASSERT_TRUE(search.done());
+  EXPECT_EQ(search.best(), 3);
+  for (const auto& [k, seconds] : search.measured()) {
+    EXPECT_DOUBLE_EQ(seconds, in_backward(k)) << k;
+  }
 }
 
 TEST(SplitSearchTest, RedoneStepsAreNeverCounted) {
