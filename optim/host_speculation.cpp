@@ -124,15 +124,9 @@ void HostSpeculation::take_back(
   // A host job that has not begun its kernel when the step is taken back would step a layer only
   // for its states to be put back: each is told to step nothing (Speculated::cancelled), so the
   // redo waits only for the kernels already running. A job that stepped nothing kept nothing, and
-  // restore_host_states puts back only what was kept; Adam::roll_back gives every slot's step
-  // count back alike.
+  // only what was kept is put back; Adam::roll_back gives every slot's step count back alike.
   for (Speculated& spec : speculated_) spec.cancelled.store(true);
   wait_for_host_steps();
-  restore_host_states(put_back);
-}
-
-void HostSpeculation::restore_host_states(
-    absl::FunctionRef<void(std::size_t slot, const char* undo)> put_back) {
   for (const Speculated& spec : speculated_) {
     if (!spec.kept) continue;
     for (std::size_t index : spec.stepped) put_back(index, undo_at(index));

@@ -102,10 +102,6 @@ class HostSpeculation {
   void close();
 
  private:
-  // After wait_for_host_steps: puts back the states the host steps in backward overwrote (the
-  // step is taken back); then forgets them.
-  void restore_host_states(absl::FunctionRef<void(std::size_t slot, const char* undo)> put_back);
-
   rt::Runtime& runtime_;
   std::atomic<std::int64_t>& waited_ns_;
   std::atomic<std::int64_t>& kernel_ns_;

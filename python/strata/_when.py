@@ -53,8 +53,8 @@ _KEPT = 5
 # it, the steps run after backward (16 steps, then 32, ... up to 1024 while that stays so), then
 # backward is tried again. The times come back a step or two late; steps after backward whose times
 # are on their way count toward the three, and the steps wait in backward for them, rather than
-# more being taken after it. Medians of several, so that an iteration or two slowed by something else
-# (the host, another process) do not decide alone. Without a GPU nothing is timed and only redone
+# more being taken after it. Medians of several, so that an iteration or two slowed by something
+# else (the host, another process) do not decide alone. Without a GPU nothing is timed and only redone
 # steps decide. While the hybrid policy searches for its split (See Note [Measured split] in
 # policies/split_search.h), only redone steps decide too: the search compares splits by steps
 # taken one way, and a change of way in the middle of it would compare the ways, not the splits.
@@ -75,9 +75,9 @@ _KEPT = 5
 # share below the whole is tried once, timed the same way, and the three medians decide: the
 # share stays while it is at most that of the steps after backward, the whole comes back where it
 # was faster than both, and otherwise the back-off above applies, its tries stepping in backward
-# the faster of the share and the whole. Each choice is one INFO line. No share is tried where backward uses the link itself
-# (parameters or gradients streamed), nor under strata.attach's hooks, where the optimizer does not
-# see the gradients arrive and cannot split the step.
+# the faster of the share and the whole. Each choice is one INFO line. No share is tried where
+# backward uses the link itself (parameters or gradients streamed), nor under strata.attach's hooks,
+# where the optimizer does not see the gradients arrive and cannot split the step.
 class StepChoice:
     """The choice of Note [When to step in backward] for one optimizer: `name` is its ("AdamW"),
     `runtime` its strata.Runtime, `adam` its _strata.Adam, `max_grad_norm` its clipping threshold
