@@ -84,6 +84,12 @@ void SplitSearch::add(double seconds, rt::StepKind kind) {
     direction_ = -1;
     next = neighbor(walk_start_, -1);
   }
+  // Every layer on the GPU (the streamed step, which the split must beat) is measured before the
+  // walk by ones, wherever the walk stopped (See Note [Measured split]).
+  if (next < 0 && measured_.count(0) == 0) {
+    direction_ = -1;
+    next = 0;
+  }
   if (next < 0 && step_ > 1) {
     step_ = 1;
     walk_start_ = best();

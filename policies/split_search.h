@@ -28,9 +28,12 @@
 // measures each split over `samples` steps after one it discards (the step after a move pays for
 // the move). It walks up, `stride` layers at a time (the last step stopping at all of them), while
 // each new split is the best so far; if the first split up is not, or there is none, it walks down
-// from the start the same way, down to none on the host. Then, where the stride was more than one
-// layer, it walks again from the best so far the same way, one layer at a time, over the splits the
-// stride stepped over, where the fastest may lie. The best is the one with the fewest host layers
+// from the start the same way, down to none on the host. Where that walk stopped short of none on
+// the host, none on the host is measured next: it is the streamed step, the one a split must beat,
+// and a walk between neighbours on noisy step times can stop at a split that only looked faster
+// than the two beside it. Then, where the stride was more than one layer, it walks again from the
+// best so far the same way, one layer at a time, over the splits the stride stepped over, where the
+// fastest may lie. The best is the one with the fewest host layers
 // among those within `margin` of the fastest: more host layers cost host memory and host threads,
 // and must pay for themselves. A split's time is the median of its samples, so one slow step (an
 // evaluation, a checkpoint) does not decide. Once done, the best split stays for the rest of the

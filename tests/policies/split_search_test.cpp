@@ -1,7 +1,8 @@
 // The hybrid policy's search over measured steps (See Note [Measured split] in
 // policies/split_search.h): where it walks on step times shaped as a host would give them, the step
 // it discards after each move, the median against one slow step, the margin more host layers must
-// win by, its bounds, that it always ends, and that it compares steps taken one way only.
+// win by, its bounds, that it measures every layer on the GPU before it ends, that it always ends,
+// and that it compares steps taken one way only.
 #include "policies/split_search.h"
 
 #include <cmath>
@@ -131,12 +132,30 @@ TEST(SplitSearchTest, WalksByOnesOverWhatTheStrideSteppedOver) {
   ASSERT_EQ(search.stride(), 3);
   run(search, valley(14));
   ASSERT_TRUE(search.done());
-  // 16, 19 (slower), then down: 13 (better), 10 (slower); by ones from 13: 14 (better), 15.
+  // 16, 19 (slower), then down: 13 (better), 10 (slower); 0, every layer on the GPU (slower); by
+  // ones from 13: 14 (better), 15.
   EXPECT_EQ(search.best(), 14);
   EXPECT_EQ(search.current(), 14);
-  EXPECT_EQ(search.measured().size(), 6u);
+  EXPECT_EQ(search.measured().size(), 7u);
   EXPECT_EQ(search.measured().count(12), 0u);
   EXPECT_EQ(search.stride(), 3);
+}
+
+// Noisy steps: the model's split happened to measure faster than the splits beside it, though
+// every one of them is slower than none on the host. The search measures none on the host before it
+// settles, and ends there.
+TEST(SplitSearchTest, MeasuresEveryLayerOnTheGpuBeforeItEnds) {
+  SplitSearch search(56, 24, {.samples = 3});
+  ASSERT_EQ(search.stride(), 6);
+  run(search, [](int k) { return k == 24 ? 0.180 : 0.100 + 0.005 * k; });
+  ASSERT_TRUE(search.done());
+  // 24, 30 (slower), then down: 18 (slower than 24's lucky 180 ms); 0 (the fastest); by ones from
+  // 0: 1 (slower).
+  EXPECT_EQ(search.best(), 0);
+  EXPECT_EQ(search.current(), 0);
+  EXPECT_EQ(search.measured().size(), 5u);
+  EXPECT_EQ(search.measured().count(1), 1u);
+  EXPECT_EQ(search.measured().count(23), 0u);
 }
 
 TEST(SplitSearchTest, EndsOnAnyTimes) {
