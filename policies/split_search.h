@@ -33,11 +33,10 @@
 // and a walk between neighbours on noisy step times can stop at a split that only looked faster
 // than the two beside it. Then, where the stride was more than one layer, it walks again from the
 // best so far the same way, one layer at a time, over the splits the stride stepped over, where the
-// fastest may lie. The best is the one with the fewest host layers
-// among those within `margin` of the fastest: more host layers cost host memory and host threads,
-// and must pay for themselves. A split's time is the median of its samples, so one slow step (an
-// evaluation, a checkpoint) does not decide. Once done, the best split stays for the rest of the
-// run.
+// fastest may lie. The best is the one with the fewest host layers among those within `margin` of
+// the fastest: more host layers cost host memory and host threads, and must pay for themselves. A
+// split's time is the median of its samples, so one slow step (an evaluation, a checkpoint) does
+// not decide. Once done, the best split stays for the rest of the run.
 //
 // Steps taken in different ways take different times at any split: a step taken in backward hides
 // part of its link time under backward's compute, and one taken in backward and redone runs twice

@@ -54,8 +54,8 @@ _KEPT = 5
 # backward is tried again. The times come back a step or two late; steps after backward whose times
 # are on their way count toward the three, and the steps wait in backward for them, rather than
 # more being taken after it. Medians of several, so that an iteration or two slowed by something
-# else (the host, another process) do not decide alone. Without a GPU nothing is timed and only redone
-# steps decide. While the hybrid policy searches for its split (See Note [Measured split] in
+# else (the host, another process) do not decide alone. Without a GPU nothing is timed and only
+# redone steps decide. While the hybrid policy searches for its split (See Note [Measured split] in
 # policies/split_search.h), only redone steps decide too: the search compares splits by steps
 # taken one way, and a change of way in the middle of it would compare the ways, not the splits.
 # The iterations it timed were of other splits, so timing starts afresh with the split it chose.
